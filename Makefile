@@ -1,0 +1,72 @@
+# The README's commands. Everything runs inside .venv/ at the repository root.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.setup-complete
+DEMO_MODEL := .cache/demo-model
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+# What the engine needs on a machine without a GPU (see DESIGN.md).
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export HF_HUB_OFFLINE ?= 1
+export VLLM_NO_USAGE_STATS ?= 1
+export DO_NOT_TRACK ?= 1
+
+.PHONY: help setup serve test test-unit test-runtime test-operator test-chart bench lint demo-model clean
+
+help:
+	@echo "make serve   set up, write the demo model, serve it on http://$(HOST):$(PORT)"
+	@echo "make test    set up and run the whole test suite"
+	@echo "make bench   run the benchmarks under bench/ (results in bench/RESULTS.md)"
+	@echo "make lint    ruff and the import-layering contracts"
+	@echo "make setup   create $(VENV)/ with the project, the CPU engine and the test tools"
+
+setup: $(STAMP)
+
+# Re-runs only when the project's dependency list changes.
+$(STAMP): pyproject.toml scripts/setup.sh
+	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup.sh
+	touch $@
+
+$(DEMO_MODEL)/config.json: | $(STAMP)
+	$(BIN)/llmendpoints-runtime demo-model $(DEMO_MODEL)
+
+demo-model: $(DEMO_MODEL)/config.json
+
+serve: $(STAMP) $(DEMO_MODEL)/config.json
+	@echo "llmendpoints: serving the DEMO model ($(DEMO_MODEL)): its weights are random, so its text is gibberish." \
+	      "To serve a real model: MODEL_NAME=<hf-repo-or-path> $(BIN)/llmendpoints-runtime serve"
+	MODEL_NAME=$(abspath $(DEMO_MODEL)) OPENAI_SERVED_MODEL_NAME_OVERRIDE=$${OPENAI_SERVED_MODEL_NAME_OVERRIDE:-demo} \
+	  MAX_MODEL_LEN=$${MAX_MODEL_LEN:-512} HOST=$(HOST) PORT=$(PORT) \
+	  $(BIN)/llmendpoints-runtime serve
+
+test: $(STAMP)
+	$(BIN)/lint-imports
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+test-runtime: $(STAMP)
+	$(BIN)/python -m pytest tests/runtime $(PYTEST_ARGS)
+
+test-operator: $(STAMP)
+	$(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
+
+test-chart: $(STAMP)
+	$(BIN)/python -m pytest tests/chart $(PYTEST_ARGS)
+
+bench: $(STAMP) $(DEMO_MODEL)/config.json
+	$(BIN)/python bench/run_all.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache
