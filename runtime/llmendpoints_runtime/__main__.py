@@ -1,0 +1,111 @@
+"""`llmendpoints-runtime`: serve | demo-model PATH | download."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+logger = logging.getLogger("llmendpoints.main")
+
+HF_TOKEN_SECRET_FILE = "/run/secrets/HF_TOKEN"  # BuildKit secret mount, see Dockerfile.runtime
+
+
+def _early_environment() -> str:
+    """What must be in the environment before vLLM (and huggingface_hub) are first imported."""
+    from llmendpoints_runtime import logs
+
+    if os.environ.get("BASE_PATH"):
+        # huggingface_hub reads HF_HOME once, at import time.
+        os.environ.setdefault("HF_HOME", os.environ["BASE_PATH"])
+    log_format = os.environ.get("LOG_FORMAT", "text").strip().lower()
+    log_format = log_format if log_format in ("text", "json") else "text"
+    logs.prepare_vllm_logging(log_format)
+    logs.configure(log_format, os.environ.get("LLMEP_LOG_LEVEL", "info").strip().lower() or "info")
+    return log_format
+
+
+def _serve() -> int:
+    _early_environment()
+    from llmendpoints_runtime.config import ConfigError, load_config
+
+    try:
+        config = load_config(os.environ)
+    except ConfigError as exc:
+        print(f"llmendpoints-runtime: configuration error: {exc}", file=sys.stderr)
+        return 2
+    os.environ.update(config.process_env)
+    for warning in config.warnings:
+        logger.warning(warning)
+
+    from llmendpoints_runtime.app import build_runtime
+    from llmendpoints_runtime.server import serve
+
+    logger.info(
+        "serving %s as %s on %s:%d",
+        config.engine_args.model,
+        ", ".join(config.served_model_names),
+        config.settings.host,
+        config.settings.port,
+    )
+    serve(build_runtime(config))
+    return 0
+
+
+def _demo_model(path: str) -> int:
+    from llmendpoints_runtime.demo import write_demo_model
+
+    out = write_demo_model(path)
+    print(f"demo model written to {out} (random weights: its output is gibberish)")
+    return 0
+
+
+def _download() -> int:
+    _early_environment()
+    model = os.environ.get("MODEL_NAME", "").strip()
+    if not model:
+        print("llmendpoints-runtime: configuration error: MODEL_NAME: is not set", file=sys.stderr)
+        return 2
+    if not os.environ.get("HF_TOKEN") and Path(HF_TOKEN_SECRET_FILE).is_file():
+        os.environ["HF_TOKEN"] = Path(HF_TOKEN_SECRET_FILE).read_text().strip()
+    from llmendpoints_runtime.download import download_model
+
+    def _bool(name: str) -> bool:
+        return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+    download_model(
+        model,
+        revision=os.environ.get("MODEL_REVISION") or None,
+        tokenizer=os.environ.get("TOKENIZER_NAME") or None,
+        tokenizer_revision=os.environ.get("TOKENIZER_REVISION") or None,
+        trust_remote_code=_bool("TRUST_REMOTE_CODE"),
+        log_interval=float(os.environ.get("STARTUP_LOG_INTERVAL_SECONDS", "10")),
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="llmendpoints-runtime",
+        description="Serve a model with vLLM behind the OpenAI, RunPod job and SageMaker APIs. "
+        "Configuration comes from the environment (see the README).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("serve", help="serve MODEL_NAME over HTTP on HOST:PORT")
+    demo = commands.add_parser("demo-model", help="write the tiny random-weight demo model to PATH")
+    demo.add_argument("path")
+    commands.add_parser(
+        "download", help="fetch MODEL_NAME (and TOKENIZER_NAME) into the cache under BASE_PATH"
+    )
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve()
+    if args.command == "demo-model":
+        return _demo_model(args.path)
+    return _download()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""create_app(): our routes and middleware in front of vLLM's own OpenAI application.
+
+Request path, outermost first: RequestContext (request id, HTTP metrics, in-flight count) ->
+BodyGuard (413, non-UTF-8 / non-object JSON -> 400) -> API keys -> FastAPI router:
+our probes and /metrics (and the job and SageMaker routers), then everything else falls through
+to `EngineDelegate`, which waits for an admission slot and hands the request to vLLM's app,
+in-process. Until the engine is ready that fallback answers 503 with the start-up phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import JSONResponse, Response
+from starlette.routing import Mount
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from llmendpoints_runtime.admission import AdmissionQueue, QueueFull, default_max_concurrency
+from llmendpoints_runtime.auth import APIKeyMiddleware, KeyStore
+from llmendpoints_runtime.config import RuntimeConfig
+from llmendpoints_runtime.engine import Engine
+from llmendpoints_runtime.errors import APIError, install_exception_handlers, send_error
+from llmendpoints_runtime.health import EngineState, Health
+from llmendpoints_runtime.metrics import CONTENT_TYPE, RuntimeMetrics
+from llmendpoints_runtime.middleware import BodyGuard, RequestContext
+
+logger = logging.getLogger("llmendpoints.app")
+
+# POSTs that reach vLLM without taking an admission slot: they never run the model.
+_CHEAP_POSTS = frozenset(
+    {"/tokenize", "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+)
+
+
+@dataclass
+class Runtime:
+    """Everything a request handler may need, kept on `app.state.runtime`."""
+
+    config: RuntimeConfig
+    health: Health
+    metrics: RuntimeMetrics
+    engine: Engine
+    admission: AdmissionQueue
+    keys: KeyStore
+    context: RequestContext | None = None
+    # Callables returning how much work is still running (jobs register theirs); drain waits
+    # for all of them to reach zero.
+    busy_sources: list = field(default_factory=list)
+
+    def busy(self) -> int:
+        active = self.context.active if self.context is not None else 0
+        return active + sum(source() for source in self.busy_sources)
+
+
+class EngineDelegate:
+    """The fallback ASGI app: vLLM's application once the engine is ready, 503 before."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        runtime = self.runtime
+        inner = runtime.engine.asgi_app
+        if inner is None or runtime.health.state is not EngineState.READY:
+            await send_error(send, _not_ready_error(runtime.health))
+            return
+        if scope["method"] != "POST" or scope["path"] in _CHEAP_POSTS:
+            await inner(scope, receive, send)
+            return
+        try:
+            await runtime.admission.acquire()
+        except QueueFull:
+            runtime.metrics.rejected.labels(reason="queue_full").inc()
+            await send_error(
+                send,
+                APIError(
+                    429,
+                    f"server busy: {runtime.admission.running} requests running and "
+                    f"{runtime.admission.waiting} queued (MAX_QUEUE_LENGTH); retry shortly",
+                    headers={"retry-after": "1"},
+                ),
+            )
+            return
+        try:
+            await inner(scope, receive, send)
+        finally:
+            runtime.admission.release()
+
+
+def _not_ready_error(health: Health) -> APIError:
+    if health.state is EngineState.INITIALIZING:
+        return APIError(
+            503,
+            f"the model is still loading (phase: {health.phase or 'starting'}); retry shortly",
+            headers={"retry-after": "5"},
+        )
+    return APIError(503, f"the engine is not available: {health.reason or health.state}")
+
+
+def _probe_response(probe) -> Response:
+    if probe.status == 204:
+        return Response(status_code=204)
+    return JSONResponse(probe.body, status_code=probe.status)
+
+
+def probe_router(runtime: Runtime) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health", include_in_schema=False)
+    async def health() -> Response:
+        if runtime.engine.dead():
+            runtime.health.engine_failed(
+                "the engine process died; restarting the container is the only remedy"
+            )
+        return _probe_response(runtime.health.liveness())
+
+    @router.get("/ready", include_in_schema=False)
+    async def ready(strict: bool = False) -> Response:
+        return _probe_response(runtime.health.readiness(strict=strict))
+
+    @router.api_route("/ping", methods=["GET", "POST"], include_in_schema=False)
+    async def ping() -> Response:
+        return _probe_response(runtime.health.readiness(strict=False))
+
+    @router.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        runtime.metrics.engine_ready.set(1 if runtime.health.ready else 0)
+        vllm_registry = (
+            runtime.engine.prometheus_registry() if runtime.engine.client is not None else None
+        )
+        return Response(runtime.metrics.render(vllm_registry), media_type=CONTENT_TYPE)
+
+    return router
+
+
+def build_runtime(config: RuntimeConfig) -> Runtime:
+    settings = config.settings
+    health = Health()
+    metrics = RuntimeMetrics()
+    engine = Engine(
+        config.engine_args, health, metrics, progress_interval=settings.startup_log_interval_seconds
+    )
+    admission = AdmissionQueue(
+        settings.max_concurrency or default_max_concurrency(None), settings.max_queue_length
+    )
+    keys = KeyStore(settings.static_api_keys(), settings.api_keys_file)
+    runtime = Runtime(
+        config=config, health=health, metrics=metrics, engine=engine, admission=admission, keys=keys
+    )
+    metrics.add_queue_source(lambda: admission.waiting)
+    metrics.add_queue_source(engine.requests_waiting)
+    metrics.add_in_flight_source(lambda: admission.running)
+    return runtime
+
+
+def create_app(runtime: Runtime, *, start_engine: bool = True) -> ASGIApp:
+    settings = runtime.config.settings
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        task = asyncio.create_task(_start_engine(runtime)) if start_engine else None
+        try:
+            yield
+        finally:
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await runtime.engine.shutdown()
+
+    app = FastAPI(title="LLM Endpoints runtime", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.runtime = runtime
+    install_exception_handlers(app)
+    app.include_router(probe_router(runtime))
+    for router in extra_routers(runtime):
+        app.include_router(router)
+    # Last: everything no router above claims goes to vLLM's own app.
+    app.router.routes.append(Mount("/", app=EngineDelegate(runtime)))
+
+    if not runtime.keys.enabled:
+        logger.warning(
+            "no API keys configured (API_KEYS / API_KEYS_FILE): the server is open to anyone who can reach it"
+        )
+    guarded = APIKeyMiddleware(app, runtime.keys, settings.unauthenticated_path_set)
+    guarded = BodyGuard(guarded, settings.max_request_body_bytes, runtime.metrics)
+    context = RequestContext(guarded, runtime.metrics)
+    runtime.context = context
+    return context
+
+
+def extra_routers(runtime: Runtime) -> list[APIRouter]:
+    """Routers mounted in front of vLLM's app (the job API and SageMaker add theirs here)."""
+    return []
+
+
+async def _start_engine(runtime: Runtime) -> None:
+    await runtime.engine.start()
+    if (
+        runtime.health.state is EngineState.READY
+        and runtime.config.settings.max_concurrency is None
+    ):
+        limit = default_max_concurrency(runtime.engine.max_num_seqs)
+        runtime.admission.set_limit(limit)
+        logger.info(
+            "MAX_CONCURRENCY defaults to %d (the engine batches up to %s)",
+            limit,
+            runtime.engine.max_num_seqs,
+        )
+    runtime.metrics.engine_ready.set(1 if runtime.health.ready else 0)

@@ -1,0 +1,528 @@
+"""Environment -> runtime settings + vLLM engine arguments.
+
+Three kinds of variables are read:
+
+* our own settings (`RuntimeSettings`: port, API keys, limits, drain, logging, job defaults);
+* the worker-vllm names whose spelling differs from vLLM's flags (`WORKER_VLLM_ALIASES`, e.g.
+  MODEL_NAME -> --model) and the ones vLLM has since dropped (`RETIRED_VARIABLES`);
+* any vLLM engine or server flag by its UPPER_SNAKE name (`MAX_NUM_SEQS` -> `--max-num-seqs`),
+  or as `SM_VLLM_<FLAG>` (the SageMaker convention).
+
+Everything that ends up as a vLLM flag is checked by vLLM's own argument parser, so a typo or a bad
+value stops the process at start-up with a message that names the variable (`ConfigError`).
+This module is pure: it reads the mapping it is given, never `os.environ` directly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from argparse import Namespace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from llmendpoints_runtime import engine as engine_module
+
+SAGEMAKER_PREFIX = "SM_VLLM_"
+
+
+class ConfigError(Exception):
+    """A configuration problem a user can fix; `variable` names the environment variable."""
+
+    def __init__(self, variable: str, message: str):
+        super().__init__(f"{variable}: {message}")
+        self.variable = variable
+        self.message = message
+
+
+class RuntimeSettings(BaseSettings):
+    """Our own settings (not vLLM flags). Field aliases are the environment variable names."""
+
+    model_config = SettingsConfigDict(populate_by_name=False, extra="ignore", frozen=True)
+
+    host: str = Field("0.0.0.0", validation_alias="HOST", description="Interface to listen on.")
+    port: int = Field(8000, ge=1, le=65535, validation_alias="PORT", description="HTTP port.")
+    base_path: str | None = Field(
+        None,
+        validation_alias="BASE_PATH",
+        description="Root of the Hugging Face cache (HF_HOME): the model-cache volume in Kubernetes.",
+    )
+    hf_token: SecretStr | None = Field(
+        None,
+        validation_alias="HF_TOKEN",
+        description="Hugging Face token for gated or private models.",
+    )
+    api_keys: str | None = Field(
+        None,
+        validation_alias=AliasChoices("API_KEYS"),
+        description="Comma-separated API keys. Clients send `Authorization: Bearer <key>` or `x-api-key`.",
+    )
+    api_key: SecretStr | None = Field(
+        None,
+        validation_alias="API_KEY",
+        description="One API key (vLLM's --api-key spelling); merged with API_KEYS.",
+    )
+    api_keys_file: str | None = Field(
+        None,
+        validation_alias="API_KEYS_FILE",
+        description="File with one API key per line (a mounted Secret); re-read when it changes.",
+    )
+    unauthenticated_paths: str = Field(
+        "/health,/ready,/ping,/metrics",
+        validation_alias="UNAUTHENTICATED_PATHS",
+        description="Comma-separated paths that never need a key.",
+    )
+    max_concurrency: int | None = Field(
+        None,
+        ge=1,
+        validation_alias="MAX_CONCURRENCY",
+        description="Requests running in the engine at once; default: max(300, the engine's max_num_seqs).",
+    )
+    max_queue_length: int = Field(
+        1000,
+        ge=0,
+        validation_alias="MAX_QUEUE_LENGTH",
+        description="Requests waiting for a slot beyond MAX_CONCURRENCY; more get 429 with Retry-After.",
+    )
+    max_request_body_bytes: int = Field(
+        10 * 1024 * 1024,
+        ge=1024,
+        validation_alias="MAX_REQUEST_BODY_BYTES",
+        description="Larger request bodies get 413.",
+    )
+    drain_timeout_seconds: float = Field(
+        30.0,
+        ge=0,
+        validation_alias="DRAIN_TIMEOUT_SECONDS",
+        description="After SIGTERM, how long in-flight requests and streams may take to finish.",
+    )
+    log_format: Literal["text", "json"] = Field(
+        "text", validation_alias="LOG_FORMAT", description="`text` or `json` (one object per line)."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info",
+        validation_alias="LLMEP_LOG_LEVEL",
+        description="Log level of the runtime's own logs.",
+    )
+    startup_log_interval_seconds: float = Field(
+        10.0,
+        gt=0,
+        validation_alias="STARTUP_LOG_INTERVAL_SECONDS",
+        description="How often download and load progress is logged.",
+    )
+
+    @field_validator("log_format", "log_level", mode="before")
+    @classmethod
+    def _lower(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
+
+    @property
+    def unauthenticated_path_set(self) -> frozenset[str]:
+        return frozenset(p.strip() for p in self.unauthenticated_paths.split(",") if p.strip())
+
+    def static_api_keys(self) -> tuple[str, ...]:
+        keys = [k.strip() for k in (self.api_keys or "").split(",") if k.strip()]
+        if self.api_key is not None and self.api_key.get_secret_value().strip():
+            keys.append(self.api_key.get_secret_value().strip())
+        return tuple(dict.fromkeys(keys))
+
+
+def settings_variables() -> dict[str, str]:
+    """Environment variable name -> description, for every RuntimeSettings field."""
+    out = {}
+    for info in RuntimeSettings.model_fields.values():
+        alias = info.validation_alias
+        names = alias.choices if isinstance(alias, AliasChoices) else [alias]
+        for name in names:
+            out[str(name)] = info.description or ""
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# worker-vllm names that are not spelled like a vLLM 0.32 flag
+# ---------------------------------------------------------------------------------------------
+
+Translator = Callable[[str, str], list[str]]
+
+
+def _flag(flag: str) -> Translator:
+    return lambda _name, value: _flag_argv(flag, value)
+
+
+def _inverse_bool(flag: str) -> Translator:
+    """DISABLE_X=1 means 'do not pass --flag'; DISABLE_X=0 means pass it."""
+
+    def translate(name: str, value: str) -> list[str]:
+        return [] if parse_bool(name, value) else [flag]
+
+    return translate
+
+
+def _lora_modules(name: str, value: str) -> list[str]:
+    # worker-vllm: a JSON list of {"name", "path", "base_model_name"}; vLLM accepts one JSON
+    # object (or name=path) per --lora-modules argument.
+    try:
+        modules = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(name, f"must be a JSON list of objects: {exc}") from None
+    if isinstance(modules, dict):
+        modules = [modules]
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise ConfigError(name, 'must be a JSON list like [{"name": "...", "path": "..."}]')
+    for module in modules:
+        missing = {"name", "path"} - module.keys()
+        if missing:
+            raise ConfigError(name, f"each module needs {sorted(missing)}: got {module}")
+    if not modules:
+        return []
+    return ["--lora-modules", *(json.dumps(m) for m in modules)]
+
+
+def _worker_use_ray(name: str, value: str) -> list[str]:
+    return ["--distributed-executor-backend", "ray"] if parse_bool(name, value) else []
+
+
+def _guided_decoding_backend(_name: str, value: str) -> list[str]:
+    return ["--structured-outputs-config", json.dumps({"backend": value})]
+
+
+WORKER_VLLM_ALIASES: dict[str, tuple[Translator, str]] = {
+    "MODEL_NAME": (_flag("--model"), "Model: a Hugging Face repo id or a local path. Required."),
+    "MODEL_REVISION": (_flag("--revision"), "Model revision (branch, tag or commit)."),
+    "TOKENIZER_NAME": (_flag("--tokenizer"), "Tokenizer repo or path, if not the model's own."),
+    "MAX_MODEL_LENGTH": (_flag("--max-model-len"), "worker-vllm 0.3 spelling of MAX_MODEL_LEN."),
+    "CUSTOM_CHAT_TEMPLATE": (
+        _flag("--chat-template"),
+        "Jinja chat template: the template text or a path to a file.",
+    ),
+    "OPENAI_SERVED_MODEL_NAME_OVERRIDE": (
+        _flag("--served-model-name"),
+        "The name clients pass as `model` (default: MODEL_NAME).",
+    ),
+    "OPENAI_RESPONSE_ROLE": (
+        _flag("--response-role"),
+        "Role of chat responses (default assistant).",
+    ),
+    "DISABLE_LOG_REQUESTS": (
+        _inverse_bool("--enable-log-requests"),
+        "0 logs every request (vLLM --enable-log-requests); default 1.",
+    ),
+    "DISABLE_LOGGING_REQUEST": (
+        _inverse_bool("--enable-log-requests"),
+        "Older spelling of DISABLE_LOG_REQUESTS.",
+    ),
+    "LORA_MODULES": (
+        _lora_modules,
+        'LoRA adapters, JSON: [{"name": "x", "path": "repo/x", "base_model_name": "..."}].',
+    ),
+    "WORKER_USE_RAY": (_worker_use_ray, "1 = --distributed-executor-backend ray."),
+    "GUIDED_DECODING_BACKEND": (
+        _guided_decoding_backend,
+        "Structured-output backend (vLLM --structured-outputs-config backend).",
+    ),
+}
+
+# Variables the worker-vllm READMEs list whose vLLM feature no longer exists in vLLM 0.32.
+# "ignore": only tuned something vLLM now manages itself; logged as a warning at start-up.
+# "refuse": asked for a behaviour we cannot give; start-up stops and says what to use instead.
+RETIRED_VARIABLES: dict[str, tuple[Literal["ignore", "refuse"], str]] = {
+    "USE_V2_BLOCK_MANAGER": ("ignore", "vLLM 0.32 has a single block manager."),
+    "NUM_LOOKAHEAD_SLOTS": ("ignore", "speculative decoding schedules its own slots."),
+    "SCHEDULER_DELAY_FACTOR": ("ignore", "the v1 scheduler has no delay factor."),
+    "PREEMPTION_MODE": ("ignore", "the v1 scheduler always preempts by recomputation."),
+    "PREEMPTION_CHECK_PERIOD": ("ignore", "the v1 scheduler has no preemption check period."),
+    "PREEMPTION_CPU_CAPACITY": ("ignore", "the v1 scheduler has no preemption CPU capacity."),
+    "TOKENIZER_POOL_SIZE": ("ignore", "tokenization is asynchronous in vLLM 0.32."),
+    "TOKENIZER_POOL_TYPE": ("ignore", "tokenization is asynchronous in vLLM 0.32."),
+    "TOKENIZER_POOL_EXTRA_CONFIG": ("ignore", "tokenization is asynchronous in vLLM 0.32."),
+    "SWAP_SPACE": ("ignore", "vLLM 0.32 no longer swaps KV blocks to CPU memory."),
+    "MAX_SEQ_LEN_TO_CAPTURE": ("ignore", "CUDA graph capture sizes are chosen by vLLM 0.32."),
+    "LORA_EXTRA_VOCAB_SIZE": ("ignore", "LoRA extra vocabulary was removed from vLLM."),
+    "QUANTIZATION_PARAM_PATH": (
+        "refuse",
+        "KV-cache scales now come from the checkpoint; remove it (see KV_CACHE_DTYPE).",
+    ),
+    "LONG_LORA_SCALING_FACTORS": ("refuse", "long-context LoRA was removed from vLLM."),
+    "ROPE_SCALING": (
+        "refuse",
+        "use HF_OVERRIDES='{\"rope_parameters\": {...}}' (vLLM --hf-overrides).",
+    ),
+    "ROPE_THETA": ("refuse", 'use HF_OVERRIDES=\'{"rope_parameters": {"rope_theta": ...}}\'.'),
+    "SPECULATIVE_MODEL": (
+        "refuse",
+        'use SPECULATIVE_CONFIG=\'{"model": "...", "num_speculative_tokens": N}\'.',
+    ),
+    "NUM_SPECULATIVE_TOKENS": ("refuse", "use SPECULATIVE_CONFIG (num_speculative_tokens)."),
+    "SPECULATIVE_DRAFT_TENSOR_PARALLEL_SIZE": (
+        "refuse",
+        "use SPECULATIVE_CONFIG (draft_tensor_parallel_size).",
+    ),
+    "SPECULATIVE_MAX_MODEL_LEN": ("refuse", "use SPECULATIVE_CONFIG (max_model_len)."),
+    "SPECULATIVE_DISABLE_BY_BATCH_SIZE": (
+        "refuse",
+        "use SPECULATIVE_CONFIG (disable_by_batch_size).",
+    ),
+    "NGRAM_PROMPT_LOOKUP_MAX": (
+        "refuse",
+        'use SPECULATIVE_CONFIG=\'{"method": "ngram", "prompt_lookup_max": N}\'.',
+    ),
+    "NGRAM_PROMPT_LOOKUP_MIN": ("refuse", "use SPECULATIVE_CONFIG (prompt_lookup_min)."),
+    "SPEC_DECODING_ACCEPTANCE_METHOD": ("refuse", "vLLM 0.32 always uses rejection sampling."),
+    "TYPICAL_ACCEPTANCE_SAMPLER_POSTERIOR_THRESHOLD": (
+        "refuse",
+        "the typical acceptance sampler was removed.",
+    ),
+    "TYPICAL_ACCEPTANCE_SAMPLER_POSTERIOR_ALPHA": (
+        "refuse",
+        "the typical acceptance sampler was removed.",
+    ),
+}
+
+# vLLM flags that are NOT settable through their UPPER_SNAKE name, and why. Either we own the
+# variable (it means something to the runtime itself), or the name is too generic to be read
+# from a container's environment without surprises.
+NOT_FROM_ENVIRONMENT: dict[str, str] = {
+    "--model": "set MODEL_NAME",
+    "--help": "not a setting",
+    "--host": "HOST is the runtime's own setting",
+    "--port": "PORT is the runtime's own setting",
+    "--api-key": "API_KEY/API_KEYS are enforced by the runtime for every route",
+    "--hf-token": "HF_TOKEN is exported to the Hugging Face client by the runtime",
+    "--headless": "the runtime always serves HTTP",
+    "--api-server-count": "the runtime is one API server process",
+    "--uds": "the runtime listens on HOST:PORT",
+    "--grpc": "the runtime serves HTTP",
+    "--grpc-port": "the runtime serves HTTP",
+    "--root-path": "use the Ingress for path prefixes",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# value parsing
+# ---------------------------------------------------------------------------------------------
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def parse_bool(name: str, value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ConfigError(name, f"expected a boolean (1/0, true/false), got {value!r}")
+
+
+def _flag_argv(flag: str, value: str) -> list[str]:
+    return [flag, value]
+
+
+def _list_values(name: str, value: str) -> list[str]:
+    """A multi-valued flag: a JSON array, or values separated by whitespace or commas."""
+    stripped = value.strip()
+    if stripped.startswith("["):
+        try:
+            items = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(name, f"is not a valid JSON list: {exc}") from None
+        if not isinstance(items, list):
+            raise ConfigError(name, "must be a JSON list")
+        return [item if isinstance(item, str) else json.dumps(item) for item in items]
+    return [v for v in re.split(r"[\s,]+", stripped) if v]
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    flag: str  # --max-num-seqs
+    kind: Literal["value", "list", "store_true", "bool_optional", "append"]
+
+
+def env_name_for(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_").upper()
+
+
+def flag_table(parser) -> dict[str, FlagSpec]:
+    """UPPER_SNAKE env name -> flag, for every long option of vLLM's parser."""
+    table: dict[str, FlagSpec] = {}
+    for action in parser._actions:
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if not longs:
+            continue
+        kind_name = type(action).__name__
+        if kind_name == "_StoreTrueAction":
+            kind = "store_true"
+        elif kind_name == "BooleanOptionalAction":
+            kind = "bool_optional"
+        elif kind_name == "_AppendAction":
+            kind = "append"
+        elif action.nargs in ("+", "*"):
+            kind = "list"
+        else:
+            kind = "value"
+        # Only the positive spelling is read (ENABLE_X=0, never NO_ENABLE_X=1).
+        for flag in longs:
+            if flag.startswith("--no-") and kind == "bool_optional":
+                continue
+            if flag in NOT_FROM_ENVIRONMENT:
+                continue
+            table.setdefault(env_name_for(flag), FlagSpec(longs[0], kind))
+    return table
+
+
+def _argv_for(spec: FlagSpec, name: str, value: str) -> list[str]:
+    if spec.kind == "store_true":
+        return [spec.flag] if parse_bool(name, value) else []
+    if spec.kind == "bool_optional":
+        positive = parse_bool(name, value)
+        return [spec.flag if positive else "--no-" + spec.flag[2:]]
+    if spec.kind == "list":
+        return [spec.flag, *_list_values(name, value)]
+    if spec.kind == "append":
+        return [arg for item in _list_values(name, value) for arg in (spec.flag, item)]
+    return [spec.flag, value]
+
+
+# ---------------------------------------------------------------------------------------------
+# the entry point
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    settings: RuntimeSettings
+    vllm_argv: list[str]
+    engine_args: Namespace
+    # vLLM flag -> the environment variable it came from (to name it in later errors)
+    flag_sources: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    # Variables the runtime exports to its own process (and so to vLLM's workers).
+    process_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def served_model_names(self) -> list[str]:
+        names = self.engine_args.served_model_name
+        return list(names) if names else [self.engine_args.model]
+
+
+def _load_settings(env: Mapping[str, str]) -> RuntimeSettings:
+    try:
+        return RuntimeSettings.model_validate(dict(env))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        variable = str(first["loc"][0]) if first["loc"] else "environment"
+        raise ConfigError(variable, f"{first['msg']} (got {first.get('input')!r})") from None
+
+
+def _collect_flag_args(
+    env: Mapping[str, str], table: Mapping[str, FlagSpec]
+) -> tuple[list[str], dict[str, str], list[str]]:
+    """Environment -> vLLM argv, which variable set which flag, and warnings."""
+    own = set(settings_variables())
+    argv: list[str] = []
+    sources: dict[str, str] = {}
+    warnings: list[str] = []
+    seen_values: dict[str, tuple[str, list[str]]] = {}
+
+    def add(flag_key: str, name: str, args: list[str]) -> None:
+        previous = seen_values.get(flag_key)
+        if previous is not None and previous[1] != args:
+            raise ConfigError(
+                name, f"conflicts with {previous[0]}: both set {flag_key} to different values"
+            )
+        if previous is None:
+            seen_values[flag_key] = (name, args)
+            argv.extend(args)
+        sources.setdefault(flag_key, name)
+
+    for name in sorted(env):
+        value = env[name]
+        if name in WORKER_VLLM_ALIASES:
+            translate, _ = WORKER_VLLM_ALIASES[name]
+            args = translate(name, value)
+            if args:
+                add(args[0], name, args)
+            continue
+        if name in RETIRED_VARIABLES:
+            disposition, why = RETIRED_VARIABLES[name]
+            if disposition == "refuse":
+                raise ConfigError(name, f"is not supported by vLLM 0.32: {why}")
+            warnings.append(f"{name} is ignored: {why}")
+            continue
+        if name.startswith(SAGEMAKER_PREFIX):
+            flag_name = name[len(SAGEMAKER_PREFIX) :]
+            spec = table.get(flag_name)
+            if spec is None:
+                raise ConfigError(
+                    name, f"--{flag_name.lower().replace('_', '-')} is not a vLLM flag"
+                )
+            add(spec.flag, name, _argv_for(spec, name, value))
+            continue
+        if name in own:
+            continue
+        spec = table.get(name)
+        if spec is not None:
+            add(spec.flag, name, _argv_for(spec, name, value))
+    return argv, sources, warnings
+
+
+_ARG_ERROR = re.compile(r"argument (?P<flags>[-\w/]+)")
+
+
+def _variable_for_parse_error(message: str, sources: Mapping[str, str]) -> str:
+    match = _ARG_ERROR.search(message)
+    if match:
+        for flag in match.group("flags").split("/"):
+            if flag in sources:
+                return sources[flag]
+        flag = match.group("flags").split("/")[0]
+        return env_name_for(flag)
+    for flag, variable in sources.items():
+        if flag in message:
+            return variable
+    return "environment"
+
+
+def load_config(env: Mapping[str, str]) -> RuntimeConfig:
+    """Validate the environment and turn it into settings and vLLM's parsed arguments.
+
+    Raises ConfigError naming the first variable that is missing, unknown or invalid.
+    """
+    settings = _load_settings(env)
+    model = env.get("MODEL_NAME", "").strip()
+    if not model:
+        raise ConfigError(
+            "MODEL_NAME",
+            "is not set: set it to a Hugging Face repo id (e.g. Qwen/Qwen2.5-0.5B-Instruct) "
+            "or a local model directory. There is no default model.",
+        )
+
+    parser = engine_module.build_arg_parser()
+    table = flag_table(parser)
+    argv, sources, warnings = _collect_flag_args(env, table)
+    try:
+        engine_args = engine_module.parse_engine_args(parser, argv)
+    except engine_module.EngineArgsError as exc:
+        raise ConfigError(_variable_for_parse_error(str(exc), sources), str(exc)) from None
+
+    if engine_args.api_key:
+        # vLLM would enforce its own key on its routes only; keys are ours to enforce everywhere.
+        raise ConfigError("API_KEY", "set API_KEY or API_KEYS, not vLLM's --api-key")
+
+    process_env: dict[str, str] = {}
+    if settings.base_path:
+        process_env["HF_HOME"] = settings.base_path
+    if settings.hf_token is not None:
+        process_env["HF_TOKEN"] = settings.hf_token.get_secret_value()
+    return RuntimeConfig(
+        settings=settings,
+        vllm_argv=argv,
+        engine_args=engine_args,
+        flag_sources=sources,
+        warnings=warnings,
+        process_env=process_env,
+    )

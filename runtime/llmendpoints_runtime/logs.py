@@ -1,0 +1,82 @@
+"""Logging: text or JSON lines (LOG_FORMAT), with the request id on every line of a request."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+
+from llmendpoints_runtime.middleware import request_id_var
+
+
+class RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id_var.get() or "-"
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        request_id = getattr(record, "request_id", None) or request_id_var.get()
+        if request_id and request_id != "-":
+            entry["request_id"] = request_id
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
+
+
+def configure(log_format: str, level: str) -> None:
+    handler = logging.StreamHandler(sys.stdout)
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(
+        JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+    for name in ("llmendpoints", "uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).setLevel(level.upper())
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).handlers[:] = []
+        logging.getLogger(name).propagate = True
+
+
+def prepare_vllm_logging(log_format: str) -> None:
+    """In JSON mode, make vLLM (in this process and its engine processes) log JSON lines too.
+
+    vLLM reads VLLM_LOGGING_CONFIG_PATH when it is first imported, in every process, so this
+    must run before anything imports vllm. A user's own VLLM_LOGGING_CONFIG_PATH wins.
+    """
+    if log_format != "json" or os.environ.get("VLLM_LOGGING_CONFIG_PATH"):
+        return
+    config = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"json": {"()": "llmendpoints_runtime.logs.JsonFormatter"}},
+        "handlers": {
+            "stdout": {
+                "class": "logging.StreamHandler",
+                "formatter": "json",
+                "stream": "ext://sys.stdout",
+            }
+        },
+        "loggers": {"vllm": {"handlers": ["stdout"], "level": "INFO", "propagate": False}},
+    }
+    with tempfile.NamedTemporaryFile(
+        "w", prefix="llmep-vllm-logging-", suffix=".json", delete=False
+    ) as handle:
+        json.dump(config, handle)
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = handle.name
