@@ -1,0 +1,362 @@
+"""The autoscaler's decision: a pure function of what was measured, what was decided before,
+the policy and the clock. No I/O, no wall clock: every caller passes `now` (seconds).
+
+How a decision is made (docs/autoscaling.md tells the same story for users):
+
+1. Each tick adds one sample (queue depth and in-flight totals over the ready pods that answered)
+   to the history. Demand in replicas for a signal is total / target per replica; the largest
+   signal wins.
+2. Stable window (default 60 s): the average demand over it is the normal recommendation, with a
+   dead band (`tolerance`) around the current size so that noise never moves it.
+3. Panic window (default 10 s): when its average demand reaches `panicThreshold` x the *ready*
+   replicas (pending ones are not capacity), the endpoint is bursting: it scales to that demand
+   at once and does not scale down until no burst has been seen for a whole stable window.
+4. Every tick leaves two recommendations. Up: the stable-window demand (bursts: the short
+   window), applied once it has held for `scaleUpStabilizationSeconds` (0: at once), by at most
+   x`maxScaleUpRate` (at least +1) per decision. Down: the short-window demand with `tolerance`
+   headroom; the endpoint shrinks to the largest of these over `scaleDownStabilizationSeconds`,
+   i.e. to a size the busiest short window of that period would have fit. (The long average
+   lags a drop in load; replaying that lag through the window would shed one replica per
+   tick.) A size just scaled up to is kept for a whole scale-down window. The result is
+   clamped to [minReplicas, maxReplicas] (a bound the user changes applies at once).
+5. Scale-down is held while any sample in the stable window is incomplete (a ready pod did not
+   answer: its load is unknown, so it is neither load nor idle capacity), and until the history
+   covers a whole scale-down window of uninterrupted observation (after a restart that lost the
+   state, or a gap longer than the stable window). Outside bursts, scale-up waits for a full
+   stable window of samples too.
+
+Demand is an absolute count (total / target), never "current replicas x utilisation": pending
+replicas that never become ready cannot make it grow past what the measured load needs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .policy import ScalingPolicy
+
+# Demand that is a hair above an integer (2.0000000001) is that integer, not the next one.
+_EPS = 1e-9
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One scrape of the endpoint's ready pods."""
+
+    queue_depth: float  # llmendpoints_queue_depth summed over the pods that answered
+    in_flight: float  # llmendpoints_requests_in_flight summed over the pods that answered
+    answered: int  # ready pods whose /metrics was read
+    failed: int = 0  # ready pods that did not answer in time, or answered without the gauges
+
+    @property
+    def ready(self) -> int:
+        return self.answered + self.failed
+
+
+@dataclass(frozen=True, slots=True)
+class Current:
+    """The endpoint as it is now: the replica count last set, and this tick's measurement."""
+
+    replicas: int
+    observation: Observation
+
+    @property
+    def pending(self) -> int:
+        """Replicas asked for but not ready (starting, or waiting for a GPU)."""
+        return max(0, self.replicas - self.observation.ready)
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    t: float
+    queue_depth: float
+    in_flight: float
+    partial: bool  # some ready pod did not answer: the totals are a lower bound
+
+
+@dataclass(frozen=True, slots=True)
+class History:
+    """Everything the decision remembers; survives restarts through `to_json` / `from_json`."""
+
+    samples: tuple[Sample, ...] = ()
+    # (time, scale-up recommendation, scale-down recommendation) of each tick.
+    recommendations: tuple[tuple[float, int, int], ...] = ()
+    # Start of the uninterrupted run of measurements the windows cover (None: nothing yet).
+    observing_since: float | None = None
+    last_sample_at: float | None = None
+    # While now < panic_until the endpoint is in burst mode (no scale-down).
+    panic_until: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "v": STATE_VERSION,
+            "since": self.observing_since,
+            "last": self.last_sample_at,
+            "panicUntil": self.panic_until,
+            "samples": [
+                [_r(s.t), _r(s.queue_depth), _r(s.in_flight), int(s.partial)] for s in self.samples
+            ],
+            "recs": [[_r(t), up, down] for t, up, down in self.recommendations],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> History:
+        """Rebuild a history; raises ValueError for anything that is not a state we wrote."""
+        if not isinstance(data, dict) or data.get("v") != STATE_VERSION:
+            raise ValueError("not an autoscaler state of version 1")
+        try:
+            return cls(
+                samples=tuple(
+                    Sample(float(t), float(q), float(f), bool(p)) for t, q, f, p in data["samples"]
+                ),
+                recommendations=tuple(
+                    (float(t), int(up), int(down)) for t, up, down in data["recs"]
+                ),
+                observing_since=_opt_float(data.get("since")),
+                last_sample_at=_opt_float(data.get("last")),
+                panic_until=_opt_float(data.get("panicUntil")),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"malformed autoscaler state: {error}") from error
+
+
+def load_history(data: Any) -> History:
+    """The stored history, or an empty one (which holds scale-down for a whole window)."""
+    if data is None:
+        return History()
+    try:
+        return History.from_json(data)
+    except ValueError:
+        return History()
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The outcome of one tick: the replica count to set, why, and the history to keep."""
+
+    replicas: int
+    reason: str
+    action: str  # "ScaleUp" | "ScaleDown" | "Hold"
+    history: History
+    burst: bool = False
+    # Replicas the measured load asks for (before growth cap and clamping); None without data.
+    demand: int | None = None
+    signals: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def changed(self) -> bool:
+        return self.action != "Hold"
+
+
+def decide(history: History, current: Current, policy: ScalingPolicy, now: float) -> Decision:
+    """Replicas for the next interval, and the reason, from the history and this tick."""
+    obs = current.observation
+    replicas = current.replicas
+    targets = policy.signal_targets
+    signals: dict[str, float] = {
+        "queueDepth": obs.queue_depth,
+        "inFlight": obs.in_flight,
+        "readyReplicas": obs.ready,
+        "pendingReplicas": current.pending,
+        "failedScrapes": obs.failed,
+    }
+    keep_recs_for = max(
+        policy.scale_up_stabilization_seconds, policy.scale_down_stabilization_seconds
+    )
+    recs = tuple(rec for rec in history.recommendations if rec[0] >= now - keep_recs_for)
+    panic_until = history.panic_until if history.panic_until and now < history.panic_until else None
+
+    if obs.answered == 0:
+        # Nothing measured: keep the size (only the user's bounds can move it).
+        why = (
+            f"no ready replica answered /metrics ({obs.failed} failed)"
+            if obs.failed
+            else "no ready replica to measure yet"
+        )
+        kept = History(
+            samples=tuple(s for s in history.samples if s.t > now - policy.stable_window_seconds),
+            recommendations=recs,
+            observing_since=history.observing_since,
+            last_sample_at=history.last_sample_at,
+            panic_until=panic_until,
+        )
+        return _finish(replicas, replicas, policy, why, kept, signals, demand=None, burst=False)
+
+    # 1. Remember this tick's sample; restart the evidence after a gap.
+    since = history.observing_since
+    if (
+        since is None
+        or history.last_sample_at is None
+        or now - history.last_sample_at > policy.stable_window_seconds
+    ):
+        since = now
+    sample = Sample(now, obs.queue_depth, obs.in_flight, obs.failed > 0)
+    stable = (
+        *(s for s in history.samples if s.t > now - policy.stable_window_seconds and s.t < now),
+        sample,
+    )
+    burst_samples = [s for s in stable if s.t > now - policy.panic_window_seconds]
+
+    # 2./3. Demand over both windows, burst detection against ready capacity only.
+    stable_demand, stable_parts = _demand(stable, targets)
+    burst_demand, _ = _demand(burst_samples, targets)
+    signals.update({f"{name}Avg": value for name, value in stable_parts.items()})
+    bursting = burst_demand >= policy.panic_threshold * max(obs.ready, 1)
+    if bursting:
+        panic_until = now + policy.stable_window_seconds
+    if panic_until is not None:
+        # Burst mode: follow the short window up, never down.
+        up_rec = down_rec = max(_ceil(burst_demand), _ceil(stable_demand), replicas)
+    elif now - since < policy.stable_window_seconds - policy.interval_seconds / 2:
+        # Too few samples to average (first ticks, or after a gap): only a burst moves it up.
+        up_rec = replicas
+        down_rec = _banded_down(burst_demand, policy.tolerance)
+    else:
+        up_rec = _banded_up(stable_demand, replicas, policy.tolerance)
+        # Down on the short window: the smoothed average lags a drop in load, and replaying
+        # that lag through the scale-down window would step down one replica per tick.
+        down_rec = _banded_down(burst_demand, policy.tolerance)
+    recs = (*recs, (now, up_rec, down_rec))
+    demand = max(_ceil(stable_demand), _ceil(burst_demand) if panic_until else 0)
+    signals["demandReplicas"] = round(stable_demand, 3)
+
+    # 4. Stabilise, cap growth, hold scale-down when the evidence is incomplete.
+    up_to = min(u for t, u, _ in recs if t >= now - policy.scale_up_stabilization_seconds)
+    down_to = max(d for t, _, d in recs if t >= now - policy.scale_down_stabilization_seconds)
+    new_history = History(
+        samples=stable,
+        recommendations=recs,
+        observing_since=since,
+        last_sample_at=now,
+        panic_until=panic_until,
+    )
+    why = _explain_demand(stable_parts, targets, policy, obs.ready)
+    if panic_until is not None:
+        why += (
+            f"; burst: {_fmt(burst_demand)} replicas over {policy.panic_window_seconds:g} s"
+            if bursting
+            else "; burst mode (no scale-down until a stable window without burst)"
+        )
+    if up_to > replicas:
+        cap = max(math.ceil(replicas * policy.max_scale_up_rate - _EPS), replicas + 1)
+        if up_to > cap:
+            why += f"; growth capped at {cap} (x{policy.max_scale_up_rate:g} per decision)"
+        if current.pending:
+            why += f"; {current.pending} pending replica(s) not counted as capacity"
+        up = _finish(replicas, min(up_to, cap), policy, why, new_history, signals, demand, bursting)
+        # The size just scaled up to is the floor of the scale-down window from now on.
+        kept = (*recs[:-1], (now, up_rec, max(down_rec, up.replicas)))
+        return replace(up, history=replace(new_history, recommendations=kept))
+    if down_to < replicas:
+        partial = sum(1 for s in stable if s.partial)
+        if partial:
+            why += (
+                f"; scale-down held: a ready pod did not answer /metrics in {partial} of the "
+                f"last {len(stable)} samples"
+            )
+            return _finish(replicas, replicas, policy, why, new_history, signals, demand, False)
+        observed_for = now - since
+        if observed_for < policy.scale_down_stabilization_seconds:
+            why += (
+                f"; scale-down held: {observed_for:.0f} s of uninterrupted measurements, "
+                f"{policy.scale_down_stabilization_seconds:g} s needed"
+            )
+            return _finish(replicas, replicas, policy, why, new_history, signals, demand, False)
+        why += (
+            f"; the busiest {policy.panic_window_seconds:g} s of the last "
+            f"{policy.scale_down_stabilization_seconds:g} s fit in {down_to}"
+        )
+        return _finish(replicas, down_to, policy, why, new_history, signals, demand, False)
+    if up_rec == replicas < _banded_up(stable_demand, replicas, policy.tolerance):
+        why += f"; scale-up waits for a full {policy.stable_window_seconds:g} s window (bursts excepted)"
+    elif up_rec > replicas:
+        why += f"; waiting {policy.scale_up_stabilization_seconds:g} s scale-up stabilization"
+    elif down_rec < replicas:
+        why += (
+            f"; waiting for {policy.scale_down_stabilization_seconds:g} s of lower load "
+            "before scaling down"
+        )
+    return _finish(replicas, replicas, policy, why, new_history, signals, demand, bursting)
+
+
+def _finish(
+    replicas: int,
+    proposed: int,
+    policy: ScalingPolicy,
+    why: str,
+    history: History,
+    signals: dict[str, float],
+    demand: int | None,
+    burst: bool,
+) -> Decision:
+    """Clamp to the user's bounds and phrase the outcome."""
+    target = min(max(proposed, policy.min_replicas), policy.max_replicas)
+    if target != proposed:
+        bound = "minReplicas" if proposed < policy.min_replicas else "maxReplicas"
+        why += f"; clamped to {bound} {target}"
+    if target > replicas:
+        action, head = "ScaleUp", f"scale up {replicas}->{target}"
+    elif target < replicas:
+        action, head = "ScaleDown", f"scale down {replicas}->{target}"
+    else:
+        action, head = "Hold", f"hold at {replicas}"
+    return Decision(
+        replicas=target,
+        reason=f"{head}: {why}",
+        action=action,
+        history=history,
+        burst=burst,
+        demand=demand,
+        signals=signals,
+    )
+
+
+def _demand(samples: list[Sample] | tuple[Sample, ...], targets: dict[str, float]):
+    """Average demand in replicas over the samples: the largest over the signals."""
+    n = len(samples)
+    parts = {"queueDepth": sum(s.queue_depth for s in samples) / n}
+    if "inFlight" in targets:
+        parts["inFlight"] = sum(s.in_flight for s in samples) / n
+    return max(parts[name] / targets[name] for name in parts), parts
+
+
+def _banded_up(demand: float, replicas: int, tolerance: float) -> int:
+    """ceil(demand), but a demand at most `tolerance` above the current size keeps it."""
+    wanted = _ceil(demand)
+    if wanted > replicas and demand <= replicas * (1 + tolerance) + _EPS:
+        return replicas
+    return wanted
+
+
+def _banded_down(demand: float, tolerance: float) -> int:
+    """The smallest size that carries the demand with `tolerance` headroom."""
+    return _ceil(demand * (1 + tolerance))
+
+
+def _explain_demand(
+    averages: dict[str, float], targets: dict[str, float], policy: ScalingPolicy, ready: int
+) -> str:
+    parts = [
+        f"{name} {_fmt(avg)} / {targets[name]:g} per replica = {_fmt(avg / targets[name])}"
+        for name, avg in averages.items()
+    ]
+    return f"{', '.join(parts)} over {policy.stable_window_seconds:g} s ({ready} ready)"
+
+
+def _ceil(value: float) -> int:
+    return max(0, math.ceil(value - _EPS))
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.2f}".rstrip("0").rstrip(".")
+
+
+def _r(value: float) -> float:
+    return round(value, 3)
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)

@@ -1,0 +1,158 @@
+"""Signals: which pods to read (from EndpointSlices) and reading their /metrics.
+
+`targets_from_endpointslices` and `parse_pod_metrics` are pure. `MetricsScraper` is the only
+network code here: one aiohttp session, every ready pod read concurrently with a short timeout.
+The EndpointSlices themselves are listed through kube.py (the only module that talks to the
+Kubernetes API).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from .decision import Observation
+
+QUEUE_DEPTH = "llmendpoints_queue_depth"
+IN_FLIGHT = "llmendpoints_requests_in_flight"
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+PORT_NAME = "http"
+# vLLM's own series make a pod's /metrics a few hundred kB at most; refuse anything absurd.
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+class MetricsError(ValueError):
+    """A pod answered, but not with the two gauges the autoscaler needs."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeTarget:
+    pod: str  # pod name (or the address when the slice names no pod)
+    url: str
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointsView:
+    """An endpoint's pods as its Service's EndpointSlices list them."""
+
+    ready: tuple[ScrapeTarget, ...]
+    not_ready: int  # listed but not ready (starting, or terminating)
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeResult:
+    observation: Observation
+    errors: dict[str, str] = field(default_factory=dict)  # pod -> why it was not read
+
+
+def endpointslice_selector(service: str) -> str:
+    """The label selector that lists a Service's EndpointSlices."""
+    return f"{SERVICE_NAME_LABEL}={service}"
+
+
+def targets_from_endpointslices(
+    slices: Iterable[Mapping[str, Any]], port_name: str = PORT_NAME
+) -> EndpointsView:
+    """Ready pods and their metrics URL. A pod listed in several slices (dual stack) counts
+    once; an endpoint whose `ready` condition is absent counts as ready, as the EndpointSlice
+    API asks consumers to do."""
+    ready: dict[str, ScrapeTarget] = {}
+    not_ready: set[str] = set()
+    for eps in slices:
+        port = next(
+            (p.get("port") for p in eps.get("ports") or () if p.get("name") == port_name), None
+        )
+        for endpoint in eps.get("endpoints") or ():
+            addresses = endpoint.get("addresses") or ()
+            if not addresses:
+                continue
+            pod = (endpoint.get("targetRef") or {}).get("name") or addresses[0]
+            if (endpoint.get("conditions") or {}).get("ready") is False or port is None:
+                not_ready.add(pod)
+                continue
+            if pod not in ready:
+                host = f"[{addresses[0]}]" if ":" in addresses[0] else addresses[0]
+                ready[pod] = ScrapeTarget(pod, f"http://{host}:{port}/metrics")
+    return EndpointsView(tuple(ready.values()), len(not_ready - ready.keys()))
+
+
+def parse_pod_metrics(text: str) -> tuple[float, float]:
+    """(queue depth, requests in flight) from one pod's Prometheus text exposition."""
+    # Only the two gauges' lines go through the parser: vLLM's histograms are most of the body.
+    wanted = "\n".join(
+        line
+        for line in text.splitlines()
+        if line.startswith((QUEUE_DEPTH, IN_FLIGHT, "# TYPE llmendpoints_", "# HELP llmendpoints_"))
+    )
+    values: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(wanted + "\n"):
+            for sample in family.samples:
+                if sample.name in (QUEUE_DEPTH, IN_FLIGHT):
+                    values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    except ValueError as error:
+        raise MetricsError(f"unparsable metrics: {error}") from error
+    missing = [name for name in (QUEUE_DEPTH, IN_FLIGHT) if name not in values]
+    if missing:
+        raise MetricsError(f"missing {', '.join(missing)}")
+    for name, value in values.items():
+        if not math.isfinite(value) or value < 0:
+            raise MetricsError(f"{name} is {value}")
+    return values[QUEUE_DEPTH], values[IN_FLIGHT]
+
+
+class MetricsScraper:
+    """Reads the runtime pods' /metrics. One per operator; close it on shutdown."""
+
+    def __init__(self, timeout: float = 1.0) -> None:
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def scrape(self, targets: Iterable[ScrapeTarget]) -> ScrapeResult:
+        """Read every target concurrently. A pod that does not answer in time, answers with an
+        error, or lacks the gauges is counted as failed, with the reason in `errors`."""
+        targets = list(targets)
+        results = await asyncio.gather(*(self._read(t) for t in targets))
+        queue = in_flight = 0.0
+        errors: dict[str, str] = {}
+        for target, result in zip(targets, results, strict=True):
+            if isinstance(result, str):
+                errors[target.pod] = result
+            else:
+                queue += result[0]
+                in_flight += result[1]
+        answered = len(targets) - len(errors)
+        return ScrapeResult(Observation(queue, in_flight, answered, len(errors)), errors)
+
+    async def _read(self, target: ScrapeTarget) -> tuple[float, float] | str:
+        if self._session is None or self._session.closed:
+            # A fresh connection per read: pod IPs are recycled, and a kept-alive connection to
+            # a pod that is gone would turn into a failed scrape.
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True)
+            )
+        try:
+            async with self._session.get(target.url) as response:
+                if response.status != 200:
+                    return f"HTTP {response.status}"
+                body = await response.content.read(MAX_BODY_BYTES + 1)
+                if len(body) > MAX_BODY_BYTES:
+                    return f"body larger than {MAX_BODY_BYTES} bytes"
+            return parse_pod_metrics(body.decode("utf-8", errors="replace"))
+        except TimeoutError:
+            return f"no answer within {self._timeout.total:g} s"
+        except aiohttp.ClientError as error:
+            return f"{type(error).__name__}: {error}"
+        except MetricsError as error:
+            return str(error)
