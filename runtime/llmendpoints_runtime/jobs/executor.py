@@ -1,0 +1,377 @@
+"""The job lifecycle: queue, run at most MAX_CONCURRENCY at once, time out, cancel, retry.
+
+``IN_QUEUE -> IN_PROGRESS -> COMPLETED | FAILED | CANCELLED | TIMED_OUT``. Jobs wait in the
+queue while the engine is still starting (that is the request holding a scale-from-zero needs);
+their ``delayTime`` includes that wait, ``executionTime`` does not. Every way a job can end
+goes through ``_finish``, which records the final state, keeps the result for ``ttl`` and fires
+the webhook.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from llmendpoints_runtime.jobs import work
+from llmendpoints_runtime.jobs.batching import resolve_schedule
+from llmendpoints_runtime.jobs.errors import (
+    JobAPIError,
+    JobNotFound,
+    QueueFull,
+    WrongJobState,
+    error_from_exception,
+)
+from llmendpoints_runtime.jobs.models import RETRYABLE_STATUSES, JobRequest, JobStatus
+from llmendpoints_runtime.jobs.port import JobEngine
+from llmendpoints_runtime.jobs.settings import JobSettings
+from llmendpoints_runtime.jobs.store import InMemoryJobStore, Job, JobStore
+from llmendpoints_runtime.jobs.webhook import WebhookSender
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Running:
+    task: asyncio.Task[Any]
+    request_id: str
+
+
+class JobExecutor:
+    def __init__(
+        self,
+        engine: JobEngine,
+        settings: JobSettings,
+        *,
+        store: JobStore | None = None,
+        webhooks: WebhookSender | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._engine = engine
+        self._settings = settings
+        self._clock = clock
+        self.store: JobStore = store or InMemoryJobStore(settings.max_stored_jobs, clock)
+        self._webhooks = webhooks or WebhookSender(
+            retries=settings.webhook_retries,
+            delay_seconds=settings.webhook_retry_delay_seconds,
+            timeout_seconds=settings.webhook_timeout_seconds,
+        )
+        self._queue: asyncio.Queue[str] = asyncio.Queue()
+        self._workers: list[asyncio.Task[None]] = []
+        self._running: dict[str, _Running] = {}
+        self._done: dict[str, asyncio.Event] = {}
+        self._queued = 0
+        self._retried = 0
+        self._draining = False
+
+    # ---- observability -------------------------------------------------------------------
+
+    @property
+    def queued(self) -> int:
+        """Jobs accepted but not started (part of llmendpoints_queue_depth)."""
+        return self._queued
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def retried(self) -> int:
+        return self._retried
+
+    async def health(self) -> dict[str, Any]:
+        """RunPod's ``/health`` shape, plus the engine's own view."""
+        counts: Counter[JobStatus] = await self.store.counts()
+        load = self._engine.load()
+        ready = self._engine.is_ready()
+        busy = self.running > 0 or load.running > 0 or load.waiting > 0
+        return {
+            "jobs": {
+                "completed": counts[JobStatus.COMPLETED],
+                "failed": counts[JobStatus.FAILED],
+                "inProgress": counts[JobStatus.IN_PROGRESS],
+                "inQueue": counts[JobStatus.IN_QUEUE],
+                "retried": self._retried,
+                "cancelled": counts[JobStatus.CANCELLED],
+                "timedOut": counts[JobStatus.TIMED_OUT],
+            },
+            "workers": {
+                "idle": int(ready and not busy),
+                "running": int(ready and busy),
+                "initializing": int(not ready),
+                "ready": int(ready),
+                "throttled": 0,
+                "unhealthy": 0,
+            },
+            "engine": {
+                "state": "initializing" if not ready else ("busy" if busy else "idle"),
+                "running": load.running,
+                "waiting": load.waiting,
+            },
+        }
+
+    # ---- lifecycle of the executor -------------------------------------------------------
+
+    def start(self) -> None:
+        if not self._workers:
+            self._workers = [
+                asyncio.create_task(self._worker(), name=f"job-worker-{i}")
+                for i in range(self._settings.max_concurrency)
+            ]
+
+    async def drain(self, timeout: float) -> None:
+        """Start no new job; let running ones finish for up to ``timeout`` s; fail the rest."""
+        self._draining = True
+        running = [r.task for r in self._running.values()]
+        if running:
+            await asyncio.wait(running, timeout=timeout)
+        for worker in self._workers:
+            worker.cancel()  # a worker still running a job aborts it and fails it
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        self._workers = []
+        await self._webhooks.aclose()
+
+    # ---- the API's verbs -----------------------------------------------------------------
+
+    async def submit(self, request: JobRequest, *, sync: bool) -> Job:
+        if self._queued >= self._settings.max_queue_length:
+            raise QueueFull(
+                f"the job queue is full ({self._settings.max_queue_length} jobs waiting); "
+                "retry later"
+            )
+        ttl_ms = request.policy.ttl or (
+            self._settings.default_runsync_ttl_ms if sync else self._settings.default_run_ttl_ms
+        )
+        job = Job(
+            id=_new_job_id(),
+            request=request,
+            sync=sync,
+            ttl_seconds=ttl_ms / 1000,
+            submitted_at=self._clock(),
+        )
+        await self.store.add(job)
+        self._enqueue(job)
+        return job
+
+    async def wait(self, job: Job, timeout_seconds: float) -> Job:
+        """Wait until the job ends or the timeout passes; return its latest state."""
+        event = self._done.get(job.id)
+        if event is not None and timeout_seconds > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), timeout_seconds)
+        return await self.get(job.id)
+
+    async def get(self, job_id: str) -> Job:
+        job = await self.store.get(job_id)
+        if job is None:
+            raise JobNotFound(job_id)
+        return job
+
+    async def take_stream(self, job_id: str) -> tuple[Job, list[Any]]:
+        """The chunks produced since the last call, and the job."""
+        job = await self.get(job_id)
+        chunks = job.chunks[job.stream_cursor :]
+        job.stream_cursor = len(job.chunks)
+        await self.store.save(job)
+        return job, chunks
+
+    async def cancel(self, job_id: str) -> Job:
+        job = await self.get(job_id)
+        if job.status is JobStatus.IN_QUEUE:
+            self._queued -= 1  # its queue entry is skipped when a worker reaches it
+            await self._finish(job, JobStatus.CANCELLED)
+        elif job.status is JobStatus.IN_PROGRESS:
+            await self._finish(job, JobStatus.CANCELLED)
+            await self._stop(job.id)
+        else:
+            raise WrongJobState(
+                f"job {job.id} is {job.status.value}; only IN_QUEUE or IN_PROGRESS jobs can "
+                "be cancelled",
+                param="id",
+            )
+        return job
+
+    async def retry(self, job_id: str) -> Job:
+        job = await self.get(job_id)
+        if job.status not in RETRYABLE_STATUSES:
+            raise WrongJobState(
+                f"job {job.id} is {job.status.value}; only FAILED or TIMED_OUT jobs can be retried",
+                param="id",
+            )
+        if self._queued >= self._settings.max_queue_length:
+            raise QueueFull("the job queue is full; retry later")
+        job.reset_for_retry()
+        await self.store.save(job)
+        self._retried += 1
+        self._enqueue(job)
+        return job
+
+    async def purge_queue(self) -> int:
+        """Cancel every job still waiting in the queue; return how many."""
+        queued = await self.store.in_state(JobStatus.IN_QUEUE)
+        for job in queued:
+            self._queued -= 1
+            await self._finish(job, JobStatus.CANCELLED)
+        return len(queued)
+
+    # ---- running jobs --------------------------------------------------------------------
+
+    def _enqueue(self, job: Job) -> None:
+        self._done[job.id] = asyncio.Event()
+        self._queued += 1
+        self._queue.put_nowait(job.id)
+
+    async def _worker(self) -> None:
+        while True:
+            job_id = await self._queue.get()
+            if self._draining:
+                continue  # shutting down: the job stays IN_QUEUE and is not started
+            job = await self.store.get(job_id)
+            if job is None or job.status is not JobStatus.IN_QUEUE:
+                continue  # cancelled or purged while queued (already uncounted)
+            try:
+                await self._engine.wait_ready()
+            except JobAPIError as exc:
+                if job.status is JobStatus.IN_QUEUE:
+                    self._queued -= 1
+                    await self._finish(job, JobStatus.FAILED, error=exc.to_error())
+                continue
+            if job.status is not JobStatus.IN_QUEUE:
+                continue  # cancelled while waiting for the engine
+            self._queued -= 1
+            await self._execute(job)
+
+    async def _execute(self, job: Job) -> None:
+        job.status = JobStatus.IN_PROGRESS
+        job.started_at = self._clock()
+        job.attempts += 1
+        await self.store.save(job)
+        request_id = job.engine_request_id
+        task = asyncio.create_task(self._produce(job, request_id))
+        self._running[job.id] = _Running(task, request_id)
+        timeout_ms = (
+            job.request.policy.executionTimeout or self._settings.default_execution_timeout_ms
+        )
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout_ms / 1000)
+        except asyncio.CancelledError:  # the runtime is shutting down mid-job
+            await self._stop(job.id)
+            await self._finish(job, JobStatus.FAILED, error=_shutdown_error())
+            raise
+        if job.status.is_final:  # cancelled meanwhile; _finish already ran
+            self._running.pop(job.id, None)
+            return
+        if not done:
+            await self._stop(job.id)
+            await self._finish(
+                job,
+                JobStatus.TIMED_OUT,
+                error={
+                    "message": f"the job ran longer than policy.executionTimeout ({timeout_ms} ms)"
+                    " and was aborted",
+                    "type": "TimeoutError",
+                },
+            )
+            return
+        self._running.pop(job.id, None)
+        if task.cancelled():
+            await self._finish(job, JobStatus.CANCELLED)
+        elif (exc := task.exception()) is not None:
+            if not isinstance(exc, JobAPIError):
+                log.exception("job %s failed", job.id, exc_info=exc)
+            await self._finish(job, JobStatus.FAILED, error=error_from_exception(exc))
+        else:
+            await self._finish(job, JobStatus.COMPLETED, output=task.result())
+
+    async def _produce(self, job: Job, request_id: str) -> Any:
+        job_input = job.request.input
+        schedule = resolve_schedule(
+            max_batch_size=job_input.max_batch_size,
+            min_batch_size=job_input.min_batch_size,
+            growth=job_input.batch_size_growth_factor,
+            default_max=self._settings.default_batch_size,
+            default_min=self._settings.default_min_batch_size,
+            default_growth=self._settings.default_batch_size_growth_factor,
+        )
+        publish = job.chunks.append
+        if job_input.is_openai:
+            return await work.run_openai_route(
+                self._engine,
+                job_input,
+                schedule=schedule,
+                raw_output=self._settings.raw_openai_output,
+                publish=publish,
+            )
+        return await work.run_generation(
+            self._engine,
+            job_input,
+            request_id=request_id,
+            schedule=schedule,
+            default_max_tokens=self._settings.default_max_tokens,
+            publish=publish,
+        )
+
+    async def _stop(self, job_id: str) -> None:
+        """Abort the engine request now (its running count drops at once), then the task."""
+        running = self._running.pop(job_id, None)
+        if running is None:
+            return
+        try:
+            await self._engine.abort(running.request_id)
+        except Exception:
+            log.exception("aborting engine request %s failed", running.request_id)
+        running.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await running.task
+
+    async def _finish(
+        self,
+        job: Job,
+        status: JobStatus,
+        *,
+        output: Any = None,
+        error: dict[str, Any] | None = None,
+    ) -> None:
+        job.status = status
+        job.finished_at = self._clock()
+        if job.started_at is None and status is not JobStatus.CANCELLED:
+            job.started_at = job.finished_at
+        job.output = output
+        job.error = error
+        await self.store.save(job)
+        if (event := self._done.pop(job.id, None)) is not None:
+            event.set()
+        if job.request.webhook is not None:
+            self._webhooks.send(str(job.request.webhook), status_body(job))
+
+
+def status_body(job: Job) -> dict[str, Any]:
+    """What ``/status``, ``/runsync`` and the webhook report about a job."""
+    body: dict[str, Any] = {"id": job.id, "status": job.status.value}
+    if job.status is JobStatus.COMPLETED:
+        body["output"] = job.output
+    if job.error is not None:
+        body["error"] = job.error
+    if job.started_at is not None:
+        body["delayTime"] = _ms(job.submitted_at, job.started_at)
+    if job.finished_at is not None and job.started_at is not None:
+        body["executionTime"] = _ms(job.started_at, job.finished_at)
+    return body
+
+
+def _ms(start: float, end: float) -> int:
+    return max(0, round((end - start) * 1000))
+
+
+def _shutdown_error() -> dict[str, Any]:
+    return {"message": "the runtime shut down while the job ran", "type": "ServiceUnavailable"}
+
+
+def _new_job_id() -> str:
+    return f"{uuid.uuid4()}"

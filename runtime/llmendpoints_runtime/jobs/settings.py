@@ -1,0 +1,51 @@
+"""The job API's own knobs, as one immutable value.
+
+The runtime's settings class reads them from the environment (worker-vllm names where
+worker-vllm has them, ``LLMEP_`` otherwise) and builds this object; the job package itself
+never reads the environment, so tests construct it directly.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class JobSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # At most this many jobs run at once (MAX_CONCURRENCY); the rest wait in the queue.
+    max_concurrency: int = Field(default=300, ge=1)
+    # Queued jobs beyond this are refused with 429 (MAX_QUEUE_LENGTH).
+    max_queue_length: int = Field(default=1000, ge=0)
+    # max_tokens for prompt/messages jobs that do not set it (DEFAULT_MAX_TOKENS);
+    # vLLM's own default is 16, which silently truncates answers.
+    default_max_tokens: int = Field(default=512, ge=1)
+    # Streaming batch schedule: min * growth^k tokens, capped at max (worker-vllm names).
+    default_batch_size: int = Field(default=50, ge=1)
+    default_min_batch_size: int = Field(default=1, ge=1)
+    default_batch_size_growth_factor: float = Field(default=3.0, ge=1.0)
+    # Streamed openai_route jobs yield raw SSE text (RAW_OPENAI_OUTPUT=1) or parsed events.
+    raw_openai_output: bool = True
+    # Results kept in this pod at most (oldest finished results are dropped first).
+    max_stored_jobs: int = Field(default=10_000, ge=1)
+    # policy defaults (milliseconds)
+    default_execution_timeout_ms: int = Field(default=600_000, ge=1)
+    default_run_ttl_ms: int = Field(default=30 * 60_000, ge=1)
+    default_runsync_ttl_ms: int = Field(default=60_000, ge=1)
+    default_runsync_wait_ms: int = Field(default=90_000, ge=0)
+    max_runsync_wait_ms: int = Field(default=300_000, ge=0)
+    # Request bodies larger than this are refused with 413.
+    max_body_bytes: int = Field(default=10 * 1024 * 1024, ge=1)
+    # Webhook: 1 attempt + this many retries, this far apart.
+    webhook_retries: int = Field(default=2, ge=0)
+    webhook_retry_delay_seconds: float = Field(default=10.0, ge=0)
+    webhook_timeout_seconds: float = Field(default=10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _batch_sizes_consistent(self) -> JobSettings:
+        if self.default_min_batch_size > self.default_batch_size:
+            raise ValueError(
+                f"DEFAULT_MIN_BATCH_SIZE ({self.default_min_batch_size}) must not exceed "
+                f"DEFAULT_BATCH_SIZE ({self.default_batch_size})"
+            )
+        return self

@@ -1,0 +1,142 @@
+"""Turning a job's input into its output: the part of a job that talks to the engine.
+
+``publish`` receives each chunk as soon as it exists (what ``/stream`` hands out); the return
+value is the job's final output. Anything raised ends the job ``FAILED``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from llmendpoints_runtime.jobs.asgi import call_app
+from llmendpoints_runtime.jobs.batching import BatchSchedule, TextCollector, TokenBatcher
+from llmendpoints_runtime.jobs.errors import JobFailed
+from llmendpoints_runtime.jobs.models import OPENAI_ROUTES, JobInput
+from llmendpoints_runtime.jobs.port import GenerationRequest, JobEngine
+from llmendpoints_runtime.jobs.sse import SSECutter, SSEEvent
+
+Publish = Callable[[Any], None]
+
+
+async def run_generation(
+    engine: JobEngine,
+    job_input: JobInput,
+    *,
+    request_id: str,
+    schedule: BatchSchedule,
+    default_max_tokens: int,
+    publish: Publish,
+) -> list[dict[str, Any]]:
+    """A prompt/messages job: token batches when streamed, one batch of full texts if not."""
+    request = GenerationRequest(
+        request_id=request_id,
+        prompt=job_input.prompt,
+        messages=(
+            [m.model_dump(exclude_none=True) for m in job_input.messages]
+            if job_input.messages is not None
+            else None
+        ),
+        apply_chat_template=job_input.apply_chat_template,
+        sampling_params=job_input.sampling_params,
+        default_max_tokens=default_max_tokens,
+    )
+    n_choices = engine.n_choices(job_input.sampling_params)
+    steps = engine.generate(request)
+    if not job_input.stream:
+        collector = TextCollector(n_choices)
+        async for step in steps:
+            collector.add(step)
+        result = collector.result()
+        publish(result)
+        return [result]
+
+    batches: list[dict[str, Any]] = []
+    batcher = TokenBatcher(n_choices, schedule)
+    async for step in steps:
+        if (batch := batcher.add(step)) is not None:
+            publish(batch)
+            batches.append(batch)
+    if (batch := batcher.flush()) is not None:
+        publish(batch)
+        batches.append(batch)
+    return batches
+
+
+async def run_openai_route(
+    engine: JobEngine,
+    job_input: JobInput,
+    *,
+    schedule: BatchSchedule,
+    raw_output: bool,
+    publish: Publish,
+) -> Any:
+    """An ``openai_route`` job: the OpenAI JSON, or the streamed events in growing batches."""
+    route = job_input.openai_route
+    assert route is not None  # validated by JobInput
+    method = OPENAI_ROUTES[route]
+    body = job_input.openai_input if method == "POST" else None
+    response = await call_app(engine.openai_app(), method, route, body)
+    streamed = response.headers.get("content-type", "").startswith("text/event-stream")
+    if response.status >= 400 or not streamed:
+        raw = await response.read()
+        value = _json_or_text(raw)
+        if response.status >= 400:
+            raise _route_error(route, response.status, value)
+        publish(value)
+        return value
+
+    chunks: list[Any] = []
+    sizes = schedule.sizes()
+    target = next(sizes)
+    pending: list[SSEEvent] = []
+    cutter = SSECutter()
+
+    def emit() -> None:
+        chunk: Any = (
+            "".join(e.raw for e in pending)
+            if raw_output
+            else [v for e in pending if (v := e.json()) is not None]
+        )
+        publish(chunk)
+        chunks.append(chunk)
+        pending.clear()
+
+    async def take(events: list[SSEEvent]) -> None:
+        nonlocal target
+        for event in events:
+            if (error := event.error) is not None:
+                raise _route_error(route, error.get("code") or 500, {"error": error})
+            if not raw_output and event.json() is None:
+                continue  # [DONE] and comments carry nothing once parsed
+            pending.append(event)
+            if len(pending) >= target:
+                emit()
+                target = next(sizes)
+
+    async for piece in response.body:
+        await take(cutter.feed(piece))
+    await take(cutter.finish())
+    if pending:
+        emit()
+    return chunks
+
+
+def _json_or_text(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return raw.decode("utf-8", errors="replace")
+
+
+def _route_error(route: str, status: Any, value: Any) -> JobFailed:
+    error = value.get("error") if isinstance(value, dict) else None
+    if isinstance(error, dict):
+        message = str(error.get("message") or error)
+        error_type = str(error.get("type") or "InternalServerError")
+    else:
+        detail = value.get("detail") if isinstance(value, dict) else value
+        message, error_type = str(detail), "InternalServerError"
+    status_code = status if isinstance(status, int) else 500
+    return JobFailed(f"{route}: {message}", error_type=error_type, status_code=status_code)

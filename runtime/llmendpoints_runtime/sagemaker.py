@@ -1,0 +1,109 @@
+"""SageMaker hosting contract: ``POST /invocations`` (``/ping`` is in health.py).
+
+SageMaker sends every request to ``/invocations``; the payload's shape says what it is:
+``messages`` -> chat completions, ``prompt`` (string or list) -> completions, ``input`` ->
+embeddings. The request then runs through vLLM's own OpenAI route in-process, so parameters,
+errors and ``"stream": true`` (SSE) behave exactly as on ``/v1/...``.
+
+Why not vLLM's own ``/invocations``: it tries the request types in turn and takes the first that
+validates, so a payload error surfaces as "Cannot find suitable handler", and it rejects
+``"model": "/opt/ml/model"`` (SageMaker's fixed model path) as an unknown model. Here the shape
+decides, the model name is mapped, and images sent to a text-only model are refused up front
+instead of being downloaded first.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from llmendpoints_runtime.jobs.asgi import ForwardedRequest
+from llmendpoints_runtime.jobs.errors import InvalidRequest, JobAPIError
+from llmendpoints_runtime.jobs.models import parse_json_object
+from llmendpoints_runtime.jobs.port import JobEngine, ServedModels
+from llmendpoints_runtime.jobs.routes import error_response, read_body
+
+SAGEMAKER_MODEL_PATH = "/opt/ml/model"
+_IMAGE_PART_TYPES = {"image_url", "input_image", "image", "image_pil", "image_embeds"}
+
+
+def invocation_route(payload: dict[str, Any]) -> str:
+    """Which OpenAI route a SageMaker payload is meant for."""
+    if "messages" in payload:
+        if not isinstance(payload["messages"], list) or not payload["messages"]:
+            raise InvalidRequest(
+                "messages: must be a non-empty list of chat messages", param="messages"
+            )
+        return "/v1/chat/completions"
+    if "prompt" in payload:
+        prompt = payload["prompt"]
+        if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
+            raise InvalidRequest(
+                "prompt: must be a string or a non-empty list of strings", param="prompt"
+            )
+        return "/v1/completions"
+    if "input" in payload:
+        return "/v1/embeddings"
+    raise InvalidRequest(
+        "the payload needs messages (chat completion), prompt (completion) or input (embeddings)"
+    )
+
+
+def map_model(payload: dict[str, Any], served: ServedModels) -> dict[str, Any]:
+    """Point ``model`` at the served model unless it names one (a base name or an adapter).
+
+    SageMaker clients send ``"/opt/ml/model"`` or whatever their code carried over; on a
+    single-model container every such value means "the model", so it is rewritten instead of
+    answered with 404. Served names and LoRA adapter names pass through unchanged.
+    """
+    model = payload.get("model")
+    if isinstance(model, str) and model in (*served.base, *served.adapters):
+        return payload
+    return {**payload, "model": served.base[0]}
+
+
+def image_parts(messages: list[Any]) -> list[str]:
+    """Where the messages carry images, as field paths (``messages[1].content[1]``)."""
+    found = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in _IMAGE_PART_TYPES:
+                found.append(f"messages[{i}].content[{j}]")
+    return found
+
+
+def check_modalities(payload: dict[str, Any], served: ServedModels) -> None:
+    if served.multimodal or not isinstance(payload.get("messages"), list):
+        return
+    if images := image_parts(payload["messages"]):
+        raise InvalidRequest(
+            f"model {served.base[0]!r} is text-only and cannot take images "
+            f"(image content at {', '.join(images)}); send text, or serve a multimodal model",
+            param=images[0],
+        )
+
+
+def build_sagemaker_router(engine: JobEngine, *, max_body_bytes: int) -> APIRouter:
+    router = APIRouter(tags=["sagemaker"])
+
+    @router.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        try:
+            payload = parse_json_object(await read_body(request, max_body_bytes))
+            route = invocation_route(payload)
+            await engine.wait_ready()
+            served = engine.served_models()
+            check_modalities(payload, served)
+            payload = map_model(payload, served)
+        except JobAPIError as exc:
+            return error_response(exc)
+        body = json.dumps(payload).encode()
+        return ForwardedRequest(engine.openai_app(), route, body)
+
+    return router

@@ -1,0 +1,313 @@
+import asyncio
+
+import pytest
+from llmendpoints_runtime.jobs.errors import JobNotFound, QueueFull, WrongJobState
+from llmendpoints_runtime.jobs.executor import JobExecutor, status_body
+from llmendpoints_runtime.jobs.models import JobStatus, parse_job_request
+from llmendpoints_runtime.jobs.settings import JobSettings
+from llmendpoints_runtime.jobs.webhook import WebhookSender
+
+from .fakes import FakeEngine
+
+
+def request(body: str):
+    return parse_job_request(body.encode())
+
+
+async def until(predicate, timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.001)
+
+
+class Posts:
+    def __init__(self, statuses: list[int] | None = None) -> None:
+        self.calls: list[tuple[str, dict]] = []
+        self.statuses = statuses or []
+
+    async def __call__(self, url: str, payload: dict) -> int:
+        self.calls.append((url, payload))
+        return self.statuses.pop(0) if self.statuses else 200
+
+
+def make(engine: FakeEngine, posts: Posts | None = None, **settings) -> JobExecutor:
+    job_settings = JobSettings(**settings)
+    webhooks = WebhookSender(retries=2, delay_seconds=0, timeout_seconds=1, post=posts or Posts())
+    executor = JobExecutor(engine, job_settings, webhooks=webhooks)
+    executor.start()
+    return executor
+
+
+async def test_prompt_job_completes_with_worker_vllm_output() -> None:
+    executor = make(FakeEngine())
+    job = await executor.submit(
+        request('{"input": {"prompt": "a b c", "sampling_params": {"max_tokens": 3}}}'), sync=True
+    )
+    job = await executor.wait(job, 5)
+    body = status_body(job)
+    assert body["status"] == "COMPLETED"
+    assert body["output"] == [
+        {"choices": [{"tokens": ["t0 t1 t2 "]}], "usage": {"input": 3, "output": 3}}
+    ]
+    assert body["delayTime"] >= 0 and body["executionTime"] >= 0
+    assert "error" not in body
+    await executor.drain(1)
+
+
+async def test_bare_prompt_gets_default_max_tokens_not_16() -> None:
+    engine = FakeEngine()
+    executor = make(engine, default_max_tokens=40)
+    job = await executor.wait(
+        await executor.submit(request('{"input": {"prompt": "x"}}'), sync=True), 5
+    )
+    assert job.output[0]["usage"]["output"] == 40
+    assert engine.started[0].default_max_tokens == 40
+    await executor.drain(1)
+
+
+async def test_streamed_job_publishes_growing_batches() -> None:
+    executor = make(
+        FakeEngine(),
+        default_batch_size=8,
+        default_min_batch_size=2,
+        default_batch_size_growth_factor=2,
+    )
+    job = await executor.submit(
+        request(
+            '{"input": {"prompt": "x", "stream": true, "sampling_params": {"max_tokens": 20}}}'
+        ),
+        sync=False,
+    )
+    job = await executor.wait(job, 5)
+    assert [len(b["choices"][0]["tokens"]) for b in job.output] == [2, 4, 8, 6]
+    _, chunks = await executor.take_stream(job.id)
+    assert chunks == job.output
+    _, again = await executor.take_stream(job.id)
+    assert again == []  # drained: only what was produced since the last poll
+    await executor.drain(1)
+
+
+async def test_per_request_batch_sizes_override_the_environment() -> None:
+    executor = make(FakeEngine())
+    job = await executor.submit(
+        request(
+            '{"input": {"prompt": "x", "stream": true, "max_batch_size": 2, "min_batch_size": 2, "sampling_params": {"max_tokens": 5}}}'
+        ),
+        sync=False,
+    )
+    job = await executor.wait(job, 5)
+    assert [len(b["choices"][0]["tokens"]) for b in job.output] == [2, 2, 1]
+    await executor.drain(1)
+
+
+async def test_at_most_max_concurrency_jobs_run_and_the_rest_queue() -> None:
+    engine = FakeEngine(step_delay=0.01)
+    executor = make(engine, max_concurrency=2, max_queue_length=3)
+    body = request('{"input": {"prompt": "x", "sampling_params": {"max_tokens": 50}}}')
+    jobs = [await executor.submit(body, sync=False) for _ in range(2)]
+    await until(lambda: executor.running == 2)
+    jobs += [await executor.submit(body, sync=False) for _ in range(3)]
+    await asyncio.sleep(0.02)
+    assert executor.running == 2 and executor.queued == 3
+    assert len(engine.active) == 2
+    with pytest.raises(QueueFull) as info:
+        await executor.submit(request('{"input": {"prompt": "x"}}'), sync=False)
+    assert info.value.status_code == 429
+    for job in jobs:
+        await executor.wait(job, 10)
+    assert {j.status for j in jobs} == {JobStatus.COMPLETED}
+    assert executor.queued == 0
+    await executor.drain(1)
+
+
+async def test_execution_timeout_ends_timed_out_and_aborts_the_engine_request() -> None:
+    engine = FakeEngine(step_delay=0.02)
+    executor = make(engine)
+    job = await executor.submit(
+        request(
+            '{"input": {"prompt": "x", "sampling_params": {"max_tokens": 1000}}, "policy": {"executionTimeout": 100}}'
+        ),
+        sync=False,
+    )
+    job = await executor.wait(job, 5)
+    assert job.status is JobStatus.TIMED_OUT
+    assert job.error["type"] == "TimeoutError" and "100 ms" in job.error["message"]
+    assert engine.aborted == [job.engine_request_id]
+    assert engine.active == set()
+    await executor.drain(1)
+
+
+async def test_cancel_running_job_aborts_at_once() -> None:
+    engine = FakeEngine(step_delay=0.05)
+    executor = make(engine)
+    job = await executor.submit(
+        request('{"input": {"prompt": "x", "sampling_params": {"max_tokens": 1000}}}'), sync=False
+    )
+    await until(lambda: job.status is JobStatus.IN_PROGRESS and engine.active)
+    cancelled = await executor.cancel(job.id)
+    assert cancelled.status is JobStatus.CANCELLED
+    assert engine.aborted == [job.engine_request_id] and engine.load().running == 0
+    with pytest.raises(WrongJobState) as info:
+        await executor.cancel(job.id)
+    assert info.value.status_code == 409 and "CANCELLED" in info.value.message
+    await executor.drain(1)
+
+
+async def test_cancelled_queued_job_never_starts_and_purge_counts() -> None:
+    engine = FakeEngine(ready=False)
+    executor = make(engine)
+    jobs = [
+        await executor.submit(request('{"input": {"prompt": "x"}}'), sync=False) for _ in range(3)
+    ]
+    await executor.cancel(jobs[0].id)
+    assert executor.queued == 2
+    assert await executor.purge_queue() == 2
+    assert executor.queued == 0
+    engine.become_ready()
+    await asyncio.sleep(0.05)
+    assert engine.started == []
+    assert {j.status for j in jobs} == {JobStatus.CANCELLED}
+    await executor.drain(1)
+
+
+async def test_jobs_wait_for_the_engine_then_run() -> None:
+    engine = FakeEngine(ready=False)
+    executor = make(engine)
+    job = await executor.submit(
+        request('{"input": {"prompt": "x", "sampling_params": {"max_tokens": 2}}}'), sync=False
+    )
+    await asyncio.sleep(0.05)
+    assert job.status is JobStatus.IN_QUEUE and executor.queued == 1
+    engine.become_ready()
+    assert (await executor.wait(job, 5)).status is JobStatus.COMPLETED
+    await executor.drain(1)
+
+
+async def test_engine_start_failure_fails_queued_jobs_with_a_json_error() -> None:
+    engine = FakeEngine(ready=False)
+    executor = make(engine)
+    job = await executor.submit(request('{"input": {"prompt": "x"}}'), sync=False)
+    engine.fail_start("out of memory")
+    job = await executor.wait(job, 5)
+    assert job.status is JobStatus.FAILED
+    assert job.error == {
+        "message": "the engine failed to start: out of memory",
+        "type": "ServiceUnavailableError",
+    }
+    assert executor.queued == 0
+    await executor.drain(1)
+
+
+async def test_error_mid_stream_fails_the_job_and_keeps_what_was_streamed() -> None:
+    engine = FakeEngine(fail_at_step=5)
+    executor = make(engine)
+    job = await executor.submit(
+        request(
+            '{"input": {"prompt": "x", "stream": true, "sampling_params": {"max_tokens": 50}}}'
+        ),
+        sync=False,
+    )
+    job = await executor.wait(job, 5)
+    body = status_body(job)
+    assert body["status"] == "FAILED" and "output" not in body
+    assert body["error"] == {
+        "message": "RuntimeError: the engine broke mid-generation",
+        "type": "InternalServerError",
+    }
+    _, chunks = await executor.take_stream(job.id)
+    assert [len(c["choices"][0]["tokens"]) for c in chunks] == [1, 3]
+    await executor.drain(1)
+
+
+async def test_retry_requeues_failed_job_under_the_same_id() -> None:
+    engine = FakeEngine(fail_at_step=0)
+    executor = make(engine)
+    job = await executor.wait(
+        await executor.submit(
+            request('{"input": {"prompt": "x", "sampling_params": {"max_tokens": 2}}}'), sync=False
+        ),
+        5,
+    )
+    assert job.status is JobStatus.FAILED
+    engine.fail_at_step = None
+    retried = await executor.retry(job.id)
+    assert retried.id == job.id and retried.status is JobStatus.IN_QUEUE and retried.error is None
+    job = await executor.wait(retried, 5)
+    assert job.status is JobStatus.COMPLETED and job.attempts == 2
+    assert [r.request_id for r in engine.started] == [f"job-{job.id}-1", f"job-{job.id}-2"]
+    assert (await executor.health())["jobs"]["retried"] == 1
+    with pytest.raises(WrongJobState):
+        await executor.retry(job.id)
+    await executor.drain(1)
+
+
+async def test_unknown_job_is_404() -> None:
+    executor = make(FakeEngine())
+    for verb in (executor.get, executor.cancel, executor.retry):
+        with pytest.raises(JobNotFound) as info:
+            await verb("nope")
+        assert info.value.status_code == 404
+    await executor.drain(1)
+
+
+async def test_webhook_gets_the_final_status_and_is_retried() -> None:
+    posts = Posts(statuses=[500, 503, 200])
+    executor = make(FakeEngine(), posts)
+    job = await executor.submit(
+        request(
+            '{"input": {"prompt": "x", "sampling_params": {"max_tokens": 1}}, "webhook": "http://hooks.example/done"}'
+        ),
+        sync=False,
+    )
+    await executor.wait(job, 5)
+    await until(lambda: len(posts.calls) == 3)
+    url, payload = posts.calls[-1]
+    assert url == "http://hooks.example/done"
+    assert payload == status_body(job) and payload["status"] == "COMPLETED"
+    await executor.drain(1)
+
+
+async def test_health_reports_counts_and_engine_state() -> None:
+    engine = FakeEngine(step_delay=0.05)
+    executor = make(engine)
+    job = await executor.submit(
+        request('{"input": {"prompt": "x", "sampling_params": {"max_tokens": 100}}}'), sync=False
+    )
+    await until(lambda: job.status is JobStatus.IN_PROGRESS)
+    health = await executor.health()
+    assert health["jobs"]["inProgress"] == 1
+    assert health["engine"] == {"state": "busy", "running": 1, "waiting": 0}
+    await executor.cancel(job.id)
+    health = await executor.health()
+    assert health["jobs"]["cancelled"] == 1 and health["engine"]["state"] == "idle"
+    await executor.drain(1)
+
+
+async def test_openai_route_job_returns_the_routes_json() -> None:
+    engine = FakeEngine()
+    executor = make(engine)
+    job = await executor.submit(
+        request('{"input": {"openai_route": "/v1/completions", "openai_input": {"prompt": "hi"}}}'),
+        sync=True,
+    )
+    job = await executor.wait(job, 5)
+    assert job.output == {"object": "echo", "route": "/v1/completions", "body": {"prompt": "hi"}}
+    models = await executor.wait(
+        await executor.submit(request('{"input": {"openai_route": "/v1/models"}}'), sync=True), 5
+    )
+    assert models.output["data"][0]["id"] == "demo"
+    await executor.drain(1)
+
+
+async def test_openai_route_error_fails_the_job_with_the_routes_error() -> None:
+    executor = make(FakeEngine())
+    job = await executor.submit(
+        request(
+            '{"input": {"openai_route": "/v1/completions", "openai_input": {"prompt": "hi", "fail": true}}}'
+        ),
+        sync=True,
+    )
+    job = await executor.wait(job, 5)
+    assert job.status is JobStatus.FAILED
+    assert job.error == {"message": "/v1/completions: bad things", "type": "BadRequestError"}
+    await executor.drain(1)
