@@ -70,3 +70,8 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache
+
+# Copy crds/ (the source of truth) into the Helm chart; tests/chart checks they are identical.
+.PHONY: sync-crds
+sync-crds:
+	bash scripts/sync_crds.sh

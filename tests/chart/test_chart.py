@@ -1,0 +1,497 @@
+"""The Helm chart, rendered by the real helm binary and checked against the real Kubernetes schemas."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from .helm_kit import (
+    ALL_FEATURES,
+    CHART,
+    NAMESPACED,
+    ROOT,
+    only,
+    pod_specs,
+    pyproject,
+    render,
+    run_helm,
+)
+
+pytestmark = pytest.mark.helm
+
+# The chart's kubeVersion floor and the newest schemas kubernetes-validate ships.
+KUBE_VERSIONS = ["1.29", kubernetes_validate.utils.latest_version()]
+PROMETHEUS_OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor"}
+VALUE_SETS = {
+    "defaults": {},
+    "all-features": ALL_FEATURES,
+    "namespaced": {**ALL_FEATURES, **NAMESPACED},
+}
+
+# The fields of the Prometheus Operator's monitoring.coreos.com/v1 CRDs this chart uses, with the
+# types and patterns of the real CRDs (their schemas are not in kubernetes-validate).
+_DURATION = {
+    "type": "string",
+    "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+}
+_LABEL_NAME = {"type": "string", "pattern": r"^[a-zA-Z_][a-zA-Z0-9_]*$"}
+_ENDPOINT = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["port"],
+    "properties": {
+        "port": {"type": "string", "minLength": 1},
+        "path": {"type": "string", "pattern": "^/"},
+        "interval": _DURATION,
+        "scrapeTimeout": _DURATION,
+        "honorLabels": {"type": "boolean"},
+        "relabelings": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {
+                    "sourceLabels": {"type": "array", "items": _LABEL_NAME},
+                    "targetLabel": _LABEL_NAME,
+                },
+            },
+        },
+    },
+}
+_MONITOR_SPEC = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["selector"],
+    "properties": {
+        "selector": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["matchLabels"],
+            "properties": {
+                "matchLabels": {
+                    "type": "object",
+                    "minProperties": 1,
+                    "additionalProperties": {"type": "string"},
+                }
+            },
+        },
+        "namespaceSelector": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "any": {"type": "boolean"},
+                "matchNames": {"type": "array", "items": {"type": "string"}},
+            },
+        },
+        "endpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT},
+        "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT},
+    },
+}
+
+
+def _monitor_schema(kind: str) -> dict[str, Any]:
+    endpoints = "endpoints" if kind == "ServiceMonitor" else "podMetricsEndpoints"
+    spec = {**_MONITOR_SPEC, "required": ["selector", endpoints]}
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": kind},
+            "metadata": {"type": "object", "required": ["name", "namespace"]},
+            "spec": spec,
+        },
+    }
+
+
+@pytest.fixture(scope="module", params=list(VALUE_SETS))
+def rendered(
+    request: pytest.FixtureRequest, helm: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, list[dict[str, Any]]]:
+    name = request.param
+    return name, render(helm, tmp_path_factory.mktemp(name), VALUE_SETS[name])
+
+
+@pytest.mark.parametrize("values", list(VALUE_SETS))
+def test_helm_lint_strict_passes(helm: Path, tmp_path: Path, values: str) -> None:
+    result = run_helm(
+        helm, "lint", "--strict", str(CHART), values=VALUE_SETS[values], tmp_path=tmp_path
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_every_document_validates_strictly(
+    rendered: tuple[str, list[dict[str, Any]]], kube_version: str
+) -> None:
+    _, docs = rendered
+    for doc in docs:
+        if doc["kind"] in PROMETHEUS_OPERATOR_KINDS:
+            jsonschema.validate(doc, _monitor_schema(doc["kind"]))
+        else:
+            # Raises on any unknown field or wrong type; SchemaNotFoundError on an unknown kind.
+            kubernetes_validate.validate(doc, kube_version, strict=True)
+
+
+def test_defaults_render_only_the_operator_and_its_rbac(helm: Path, tmp_path: Path) -> None:
+    kinds = sorted(d["kind"] for d in render(helm, tmp_path))
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "CustomResourceDefinition",
+        "Deployment",
+        "ServiceAccount",
+    ]
+
+
+def test_all_features_render_monitoring_and_dashboard(helm: Path, tmp_path: Path) -> None:
+    docs = render(helm, tmp_path, ALL_FEATURES)
+    monitor = only(docs, "ServiceMonitor")
+    service = only(docs, "Service")
+    deployment = only(docs, "Deployment")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    # The Service selects the operator pod, and the ServiceMonitor selects the Service by its port.
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    container_ports = {
+        p["name"]: p["containerPort"]
+        for p in deployment["spec"]["template"]["spec"]["containers"][0]["ports"]
+    }
+    assert service["spec"]["ports"][0]["targetPort"] == "metrics"
+    assert container_ports["metrics"] == 8080
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    pod_monitor = only(docs, "PodMonitor")
+    assert pod_monitor["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+    assert pod_monitor["spec"]["namespaceSelector"] == {"any": True}
+    dashboard = only(docs, "ConfigMap")
+    assert dashboard["metadata"]["namespace"] == "monitoring"
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads((CHART / "dashboards" / "llmendpoints.json").read_text())
+    assert json.loads(dashboard["data"]["llmendpoints.json"]) == shipped
+
+
+def test_chart_crds_are_byte_identical_to_the_source_of_truth() -> None:
+    source = sorted(p.name for p in (ROOT / "crds").glob("*.yaml"))
+    chart = sorted(p.name for p in (CHART / "crds").glob("*.yaml"))
+    assert source, "crds/ holds no CRD"
+    assert chart == source, "run scripts/sync_crds.sh"
+    for name in source:
+        assert (CHART / "crds" / name).read_bytes() == (ROOT / "crds" / name).read_bytes(), (
+            f"charts/llmendpoints/crds/{name} differs from crds/{name}: run scripts/sync_crds.sh"
+        )
+
+
+def test_rendered_crd_is_the_llmendpoint_resource(helm: Path, tmp_path: Path) -> None:
+    crd = only(render(helm, tmp_path), "CustomResourceDefinition")
+    assert crd["metadata"]["name"] == "llmendpoints.llmendpoints.dev"
+    assert crd["spec"]["names"]["kind"] == "LLMEndpoint"
+
+
+def _rbac_rules(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    return [
+        (f"{d['kind']}/{d['metadata'].get('namespace', '')}/{d['metadata']['name']}", rule)
+        for d in docs
+        if d["kind"] in {"Role", "ClusterRole"}
+        for rule in d["rules"]
+    ]
+
+
+def test_rbac_has_no_wildcards_and_no_secrets(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    _, docs = rendered
+    rules = _rbac_rules(docs)
+    assert rules
+    for where, rule in rules:
+        for field in ("apiGroups", "resources", "verbs", "resourceNames", "nonResourceURLs"):
+            assert "*" not in rule.get(field, []), f"{where}: wildcard in {field}: {rule}"
+        assert "secrets" not in rule.get("resources", []), (
+            f"{where}: the operator never reads Secrets"
+        )
+        assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), f"{where}: {rule}"
+
+
+def _grants(rules: list[tuple[str, dict[str, Any]]]) -> dict[tuple[str, str], set[str]]:
+    grants: dict[tuple[str, str], set[str]] = {}
+    for _, rule in rules:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                grants.setdefault((group, resource), set()).update(rule["verbs"])
+    return grants
+
+
+def test_rbac_grants_what_the_operator_does_and_nothing_else(helm: Path, tmp_path: Path) -> None:
+    docs = render(helm, tmp_path)
+    grants = _grants(_rbac_rules(docs))
+    manage = {"get", "list", "watch", "create", "patch", "update", "delete"}
+    read = {"get", "list", "watch"}
+    assert grants == {
+        ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
+        ("llmendpoints.dev", "llmendpoints"): {"get", "list", "watch", "patch"},
+        ("llmendpoints.dev", "llmendpoints/status"): {"get", "patch"},
+        ("llmendpoints.dev", "llmendpoints/scale"): {"get", "patch"},
+        ("apps", "deployments"): manage,
+        ("apps", "deployments/scale"): {"get", "patch", "update"},
+        ("", "services"): manage,
+        ("", "configmaps"): manage,
+        ("", "persistentvolumeclaims"): manage,
+        ("policy", "poddisruptionbudgets"): manage,
+        ("networking.k8s.io", "ingresses"): manage,
+        ("", "pods"): read,
+        ("discovery.k8s.io", "endpointslices"): read,
+        ("", "events"): {"create", "patch"},
+        ("events.k8s.io", "events"): {"create", "patch"},
+    }
+    binding = only(docs, "ClusterRoleBinding")
+    account = only(docs, "ServiceAccount")
+    deployment = only(docs, "Deployment")
+    assert binding["roleRef"]["name"] == only(docs, "ClusterRole")["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": "llm-system"}
+    ]
+    assert (
+        deployment["spec"]["template"]["spec"]["serviceAccountName"] == account["metadata"]["name"]
+    )
+
+
+def test_watch_namespaces_switches_to_namespaced_roles(helm: Path, tmp_path: Path) -> None:
+    docs = render(helm, tmp_path, NAMESPACED)
+    roles = [d for d in docs if d["kind"] == "Role"]
+    bindings = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    for binding in bindings:
+        assert binding["subjects"][0]["namespace"] == "llm-system"
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": roles[0]["metadata"]["name"],
+        }
+    # Cluster-wide, only read-only discovery remains: no write verb on anything cluster-scoped.
+    cluster_rules = [rule for d in docs if d["kind"] == "ClusterRole" for rule in d["rules"]]
+    assert {
+        (g, r) for rule in cluster_rules for g in rule["apiGroups"] for r in rule["resources"]
+    } == {
+        ("apiextensions.k8s.io", "customresourcedefinitions"),
+        ("", "namespaces"),
+    }
+    assert {v for rule in cluster_rules for v in rule["verbs"]} == {"list", "watch"}
+    args = only(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args
+    assert "--all-namespaces" not in args
+
+
+def test_clusterwide_by_default(helm: Path, tmp_path: Path) -> None:
+    docs = render(helm, tmp_path)
+    args = only(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--all-namespaces" in args
+    assert not [a for a in args if a.startswith("--namespace")]
+    assert not [d for d in docs if d["kind"] in {"Role", "RoleBinding"}]
+
+
+def test_every_container_is_locked_down(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    _, docs = rendered
+    pods = list(pod_specs(docs))
+    assert pods
+    for name, pod in pods:
+        pod_ctx = pod.get("securityContext", {})
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            ctx = container.get("securityContext", {})
+            where = f"{name}/{container['name']}"
+            run_as_non_root = ctx.get("runAsNonRoot", pod_ctx.get("runAsNonRoot"))
+            uid = ctx.get("runAsUser", pod_ctx.get("runAsUser"))
+            seccomp = ctx.get("seccompProfile", pod_ctx.get("seccompProfile", {}))
+            assert run_as_non_root is True, where
+            assert isinstance(uid, int) and uid > 0, f"{where}: needs a fixed non-root uid"
+            assert ctx.get("allowPrivilegeEscalation") is False, where
+            assert ctx.get("readOnlyRootFilesystem") is True, where
+            assert ctx.get("privileged", False) is False, where
+            assert ctx.get("capabilities", {}).get("drop") == ["ALL"], where
+            assert not ctx.get("capabilities", {}).get("add"), where
+            assert seccomp.get("type") == "RuntimeDefault", where
+            assert container.get("resources", {}).get("requests") and container["resources"].get(
+                "limits"
+            ), where
+        assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC"), (
+            name
+        )
+
+
+def test_operator_deployment_shape(helm: Path, tmp_path: Path) -> None:
+    deployment = only(render(helm, tmp_path), "Deployment")
+    spec = deployment["spec"]
+    pod = spec["template"]["spec"]
+    container = pod["containers"][0]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    assert (
+        container["image"] == f"ghcr.io/llmendpoints/operator:{pyproject()['project']['version']}"
+    )
+    assert container["args"][:2] == ["--standalone", "--liveness=http://0.0.0.0:8081/healthz"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"metrics": 8080, "health": 8081}
+    # The read-only root filesystem gets one writable scratch directory.
+    assert container["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    assert pod["volumes"][0]["emptyDir"]["medium"] == "Memory"
+
+
+def test_image_digest_wins_over_tag(helm: Path, tmp_path: Path) -> None:
+    digest = "sha256:" + "b" * 64
+    deployment = only(
+        render(helm, tmp_path, {"image": {"tag": "9.9.9", "digest": digest}}), "Deployment"
+    )
+    assert (
+        deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+        == f"ghcr.io/llmendpoints/operator@{digest}"
+    )
+
+
+def test_operator_settings_come_from_values(helm: Path, tmp_path: Path) -> None:
+    values = {
+        "runtimeDefaults": {
+            "image": {"repository": "registry.example.com/llm/runtime", "tag": "2.0.0"},
+            "gpuResourceName": "amd.com/gpu",
+            "podSecurityContext": {"runAsNonRoot": True, "runAsUser": 4242},
+            "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True},
+        },
+        "operator": {"resyncSeconds": 120, "metricsPort": 9090},
+    }
+    container = only(render(helm, tmp_path, values), "Deployment")["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["LLMEP_OPERATOR_RUNTIME_IMAGE"] == "registry.example.com/llm/runtime:2.0.0"
+    assert env["LLMEP_OPERATOR_GPU_RESOURCE_NAME"] == "amd.com/gpu"
+    # Helm merges maps from your values into the defaults, key by key.
+    assert json.loads(env["LLMEP_OPERATOR_RUNTIME_POD_SECURITY_CONTEXT"]) == {
+        "runAsNonRoot": True,
+        "runAsUser": 4242,
+        "runAsGroup": 1000,
+        "fsGroup": 1000,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert json.loads(env["LLMEP_OPERATOR_RUNTIME_SECURITY_CONTEXT"]) == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert env["LLMEP_OPERATOR_RESYNC_SECONDS"] == "120"
+    assert env["LLMEP_OPERATOR_METRICS_PORT"] == "9090"
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"] == 9090
+
+
+def test_rendered_environment_is_what_the_operator_settings_read(
+    helm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The contract with operator/llmendpoints_operator/config.py: every LLMEP_OPERATOR_* variable
+    the chart sets is a real setting, it parses, and default values give the operator's defaults."""
+    from llmendpoints_operator.config import OperatorSettings
+
+    container = only(render(helm, tmp_path), "Deployment")["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    fields = {f"LLMEP_OPERATOR_{name.upper()}" for name in OperatorSettings.model_fields}
+    assert set(env) <= fields, f"not operator settings: {set(env) - fields}"
+    for name in [n for n in os.environ if n.startswith("LLMEP_OPERATOR_")]:
+        monkeypatch.delenv(name)
+    defaults = OperatorSettings()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert OperatorSettings() == defaults
+
+
+@pytest.mark.parametrize(
+    ("values", "complaint"),
+    [
+        ({"watchNamespace": ["team-a"]}, "watchNamespace"),  # misspelt top-level key
+        ({"image": {"respository": "x"}}, "respository"),  # misspelt nested key
+        ({"metrics": {"podMonitor": {"enable": True}}}, "enable"),
+        ({"operator": {"resyncSeconds": "soon"}}, "resyncSeconds"),
+        ({"operator": {"metricsPort": 70000}}, "metricsPort"),
+        ({"watchNamespaces": "team-a"}, "watchNamespaces"),
+        ({"watchNamespaces": ["Team_A"]}, "watchNamespaces"),
+        ({"grafanaDashboard": {"enabled": "yes"}}, "enabled"),
+        ({"image": {"pullPolicy": "Sometimes"}}, "pullPolicy"),
+        ({"metrics": {"serviceMonitor": {"interval": "30 seconds"}}}, "interval"),
+        ({"runtimeDefaults": {"securityContext": "privileged"}}, "securityContext"),
+    ],
+)
+def test_values_schema_rejects_typos_and_wrong_types(
+    helm: Path, tmp_path: Path, values: dict[str, Any], complaint: str
+) -> None:
+    for command in (["template", "x", str(CHART)], ["lint", "--strict", str(CHART)]):
+        result = run_helm(helm, *command, values=values, tmp_path=tmp_path)
+        assert result.returncode != 0, f"helm {command[0]} accepted {values}"
+        assert complaint in result.stdout + result.stderr
+
+
+def test_metrics_and_health_ports_must_differ(helm: Path, tmp_path: Path) -> None:
+    result = run_helm(
+        helm,
+        "template",
+        "x",
+        str(CHART),
+        values={"operator": {"healthPort": 8080}},
+        tmp_path=tmp_path,
+    )
+    assert result.returncode != 0
+    assert "must differ" in result.stderr
+
+
+def test_chart_version_follows_the_package() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    version = pyproject()["project"]["version"]
+    assert chart["version"] == version
+    assert chart["appVersion"] == version
+
+
+def test_default_runtime_image_is_the_operators_default(helm: Path, tmp_path: Path) -> None:
+    from llmendpoints_operator.config import DEFAULT_RUNTIME_IMAGE
+
+    container = only(render(helm, tmp_path), "Deployment")["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["LLMEP_OPERATOR_RUNTIME_IMAGE"] == DEFAULT_RUNTIME_IMAGE
+
+
+def test_every_value_is_documented_and_in_the_schema() -> None:
+    """Each chart setting in values.yaml has a comment right above it and a described schema entry
+    (the contents of free-form Kubernetes objects such as `resources` are not settings)."""
+    text = (CHART / "values.yaml").read_text()
+    lines = text.splitlines()
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    problems: list[str] = []
+
+    def walk(node: yaml.Node, schema_node: dict[str, Any], path: str) -> None:
+        if (
+            not isinstance(node, yaml.MappingNode)
+            or schema_node.get("additionalProperties") is not False
+        ):
+            return
+        for key_node, value_node in node.value:
+            key = f"{path}{key_node.value}"
+            above = lines[key_node.start_mark.line - 1].strip() if key_node.start_mark.line else ""
+            if not above.startswith("#"):
+                problems.append(f"{key}: no comment above it")
+            sub = schema_node["properties"].get(key_node.value)
+            if sub is None:
+                problems.append(f"{key}: not in values.schema.json")
+                continue
+            if not sub.get("description") and sub.get("additionalProperties") is not False:
+                problems.append(f"{key}: no description in values.schema.json")
+            walk(value_node, sub, f"{key}.")
+
+    walk(yaml.compose(text), schema, "")
+    assert not problems, problems

@@ -1,0 +1,115 @@
+"""The Grafana dashboard: valid JSON, and every series its queries name is one the software exports,
+checked against the real sources (vLLM's installed code, the runtime's collectors, the operator)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from .helm_kit import CHART, ROOT
+
+DASHBOARD = json.loads((CHART / "dashboards" / "llmendpoints.json").read_text())
+METRIC = re.compile(r"\b(vllm:[a-z_:]+|llmendpoints_[a-z_]+)")
+SUFFIXES = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
+
+
+def exposed(name: str, kind: str) -> set[str]:
+    """The series names Prometheus scrapes for one metric."""
+    return {name + suffix for suffix in SUFFIXES[kind]}
+
+
+def vllm_series() -> set[str]:
+    """Every metric vLLM's Prometheus logger defines, read from the installed vLLM's source."""
+    defined = re.compile(r'_(counter|gauge|histogram)_cls\(\s*name="(vllm:[a-z_]+)"')
+    series: set[str] = set()
+    spec = importlib.util.find_spec("vllm")  # located, not imported: importing vLLM is slow
+    assert spec is not None and spec.origin is not None
+    for path in Path(spec.origin).parent.rglob("*.py"):
+        for kind, name in defined.findall(path.read_text(errors="replace")):
+            series |= exposed(name, kind)
+    return series
+
+
+def runtime_series() -> set[str]:
+    from llmendpoints_runtime.metrics import RuntimeMetrics
+
+    series: set[str] = set()
+    for family in RuntimeMetrics().registry.collect():
+        series |= exposed(family.name, family.type)
+    return series
+
+
+def operator_series() -> set[str]:
+    """Metric names defined in the operator's source (its autoscaler exports them)."""
+    names: set[str] = set()
+    for path in (ROOT / "operator" / "llmendpoints_operator").rglob("*.py"):
+        names |= set(re.findall(r'"(llmendpoints_operator_[a-z_]+)"', path.read_text()))
+    if not names:
+        pytest.skip("the operator defines no metrics yet")
+    return {n + s for n in names for s in ("", "_total", "_bucket", "_sum", "_count")}
+
+
+def queries() -> list[tuple[str, str]]:
+    return [
+        (panel["title"], target["expr"])
+        for panel in DASHBOARD["panels"]
+        for target in panel["targets"]
+    ]
+
+
+def test_dashboard_is_a_grafana_dashboard() -> None:
+    assert DASHBOARD["uid"] == "llmendpoints"
+    assert DASHBOARD["title"]
+    ids = [panel["id"] for panel in DASHBOARD["panels"]]
+    assert len(ids) == len(set(ids))
+    variables = {v["name"] for v in DASHBOARD["templating"]["list"]}
+    for panel in DASHBOARD["panels"]:
+        assert panel["targets"], panel["title"]
+        assert panel["datasource"]["uid"] == "${datasource}"
+        for target in panel["targets"]:
+            # Every $variable a query uses is defined (Grafana's own ones start with __).
+            used = set(re.findall(r"\$(\w+)", target["expr"])) - {"__rate_interval", "__interval"}
+            assert used <= variables, (panel["title"], used - variables)
+            assert target["expr"].count("(") == target["expr"].count(")"), target["expr"]
+
+
+def test_dashboard_shows_what_an_operator_of_endpoints_needs() -> None:
+    names = {m for _, expr in queries() for m in METRIC.findall(expr)}
+    assert {
+        "llmendpoints_queue_depth",  # queue depth
+        "llmendpoints_operator_desired_replicas",  # replicas desired ...
+        "llmendpoints_engine_ready",  # ... and ready
+        "vllm:request_success_total",  # requests/s
+        "vllm:time_to_first_token_seconds_bucket",  # TTFT
+        "vllm:generation_tokens_total",  # tokens/s
+        "llmendpoints_startup_phase_seconds",  # start-up phase durations
+    } <= names
+
+
+def test_runtime_and_vllm_series_in_queries_exist() -> None:
+    known = vllm_series() | runtime_series()
+    for title, expr in queries():
+        for name in METRIC.findall(expr):
+            if not name.startswith("llmendpoints_operator_"):
+                assert name in known, f"{title}: {name} is not exported by vLLM or the runtime"
+
+
+def test_operator_series_in_queries_exist() -> None:
+    known = operator_series()
+    for title, expr in queries():
+        for name in METRIC.findall(expr):
+            if name.startswith("llmendpoints_operator_"):
+                assert name in known, f"{title}: the operator exports no {name}"
+
+
+def test_queries_group_by_the_label_the_pod_monitor_sets() -> None:
+    template = (CHART / "templates" / "podmonitor.yaml").read_text()
+    (target_label,) = re.findall(r"targetLabel: (\w+)", template)
+    assert target_label == "llmendpoint"
+    runtime_queries = [e for _, e in queries() if re.search(r"vllm:|llmendpoints_(?!operator_)", e)]
+    for expr in runtime_queries:
+        assert f'{target_label}=~"$llmendpoint"' in expr, expr

@@ -1,0 +1,339 @@
+"""Static checks of Dockerfile.runtime, Dockerfile.operator and .dockerignore (no Docker engine here):
+pinned bases, a fixed non-root user, entrypoints that are real console scripts, no secret in a layer."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .helm_kit import CHART, ROOT, pyproject
+
+
+@dataclass(frozen=True)
+class Instruction:
+    keyword: str
+    args: str
+
+
+def parse(path: Path) -> list[Instruction]:
+    """Instructions of a Dockerfile: comments dropped, continuation lines joined."""
+    instructions: list[Instruction] = []
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if pending and line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line = pending + line
+        pending = ""
+        keyword, _, args = line.partition(" ")
+        instructions.append(Instruction(keyword.upper(), args.strip()))
+    assert not pending, f"{path.name}: dangling line continuation"
+    return instructions
+
+
+def final_stage(instructions: list[Instruction]) -> list[Instruction]:
+    starts = [i for i, ins in enumerate(instructions) if ins.keyword == "FROM"]
+    return instructions[starts[-1] :]
+
+
+def exec_form(instructions: list[Instruction], keyword: str) -> list[str]:
+    found = [ins for ins in final_stage(instructions) if ins.keyword == keyword]
+    assert found, f"no {keyword}"
+    value = json.loads(
+        found[-1].args
+    )  # exec form (JSON array): no shell, signals reach the process
+    assert isinstance(value, list)
+    return value
+
+
+def env_assignments(instructions: list[Instruction]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for ins in instructions:
+        if ins.keyword == "ENV":
+            for item in shlex.split(ins.args):
+                name, _, value = item.partition("=")
+                env[name] = value
+    return env
+
+
+def arg_defaults(instructions: list[Instruction]) -> dict[str, str]:
+    args: dict[str, str] = {}
+    for ins in instructions:
+        if ins.keyword == "ARG":
+            name, _, value = ins.args.partition("=")
+            args[name] = value.strip('"')
+    return args
+
+
+RUNTIME = parse(ROOT / "Dockerfile.runtime")
+OPERATOR = parse(ROOT / "Dockerfile.operator")
+BOTH = {"runtime": RUNTIME, "operator": OPERATOR}
+SECRET_NAME = re.compile(
+    r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_KEYS?|CREDENTIALS?|PRIVATE_KEY)(_|$)", re.IGNORECASE
+)
+
+
+def _vllm_pin() -> str:
+    (pin,) = [
+        d
+        for d in pyproject()["project"]["optional-dependencies"]["runtime"]
+        if d.startswith("vllm==")
+    ]
+    return pin.removeprefix("vllm==")
+
+
+def test_runtime_is_built_on_the_pinned_vllm_image() -> None:
+    froms = [ins.args for ins in RUNTIME if ins.keyword == "FROM"]
+    assert froms == [f"vllm/vllm-openai:v{_vllm_pin()}"]
+
+
+def test_operator_is_built_on_a_pinned_slim_python() -> None:
+    stages: set[str] = set()
+    for ins in OPERATOR:
+        if ins.keyword != "FROM":
+            continue
+        image, *alias = ins.args.split()
+        if alias:
+            stages.add(alias[-1])
+        if image in stages:
+            continue
+        match = re.fullmatch(r"python:(\d+)\.(\d+)\.(\d+)-slim-\w+", image)
+        assert match, f"{image}: pin python:<major>.<minor>.<patch>-slim-<debian release>"
+        assert (int(match[1]), int(match[2])) >= (3, 11), "pyproject requires Python >= 3.11"
+
+
+@pytest.mark.parametrize("name", list(BOTH))
+def test_no_floating_tags_or_variables_in_from(name: str) -> None:
+    for ins in BOTH[name]:
+        if ins.keyword == "FROM":
+            image = ins.args.split()[0]
+            assert "$" not in image, f"{image}: the base image is fixed in the file"
+            assert not image.endswith(":latest"), image
+
+
+@pytest.mark.parametrize(
+    ("name", "uid", "chart_key"),
+    [
+        ("runtime", 1000, ("runtimeDefaults", "podSecurityContext")),
+        ("operator", 10001, ("podSecurityContext",)),
+    ],
+)
+def test_final_user_is_the_fixed_non_root_uid_the_chart_runs_as(
+    name: str, uid: int, chart_key: tuple[str, ...]
+) -> None:
+    users = [ins.args for ins in final_stage(BOTH[name]) if ins.keyword == "USER"]
+    assert users, "no USER: the image would run as root"
+    assert users[-1] == f"{uid}:{uid}", "a numeric uid:gid, so runAsNonRoot can verify it"
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    for key in chart_key:
+        values = values[key]
+    assert values["runAsUser"] == uid
+    assert values["runAsNonRoot"] is True
+
+
+def test_runtime_uid_is_the_operators_default_for_runtime_pods() -> None:
+    from llmendpoints_operator.config import OperatorSettings
+
+    assert OperatorSettings().runtime_pod_security_context["runAsUser"] == 1000
+
+
+@pytest.mark.parametrize(
+    ("name", "entrypoint", "cmd"),
+    [
+        ("runtime", ["llmendpoints-runtime"], ["serve"]),
+        ("operator", ["llmendpoints-operator", "run"], None),
+    ],
+)
+def test_entrypoints_are_the_console_scripts(
+    name: str, entrypoint: list[str], cmd: list[str] | None
+) -> None:
+    instructions = BOTH[name]
+    assert exec_form(instructions, "ENTRYPOINT") == entrypoint
+    assert entrypoint[0] in pyproject()["project"]["scripts"]
+    if cmd is not None:
+        # SageMaker starts containers as `<image> serve`: the same command as the default.
+        assert exec_form(instructions, "CMD") == cmd
+
+
+@pytest.mark.parametrize("subcommand", ["serve", "download"])
+def test_runtime_cli_has_the_subcommands_the_image_uses(subcommand: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "llmendpoints_runtime", subcommand, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("name", list(BOTH))
+def test_no_secret_in_build_args_or_environment(name: str) -> None:
+    for ins in BOTH[name]:
+        if ins.keyword == "ARG":
+            assert not SECRET_NAME.search(ins.args.partition("=")[0]), ins
+        if ins.keyword == "ENV":
+            for var in env_assignments([ins]):
+                assert not SECRET_NAME.search(var), ins
+        if ins.keyword in {"ARG", "ENV", "LABEL"}:
+            assert not re.search(r"hf_[A-Za-z0-9]{20,}", ins.args), (
+                "a Hugging Face token in the file"
+            )
+
+
+def test_hf_token_reaches_only_the_download_step_as_a_buildkit_secret() -> None:
+    mentions = [ins for ins in RUNTIME if "HF_TOKEN" in ins.args]
+    assert len(mentions) == 1
+    (step,) = mentions
+    assert step.keyword == "RUN"
+    assert re.search(r"--mount=type=secret,id=HF_TOKEN\b", step.args)
+    assert "llmendpoints-runtime download" in step.args
+    # The download runs as the runtime user, so the baked files belong to it.
+    before = RUNTIME[: RUNTIME.index(step)]
+    assert [ins.args for ins in before if ins.keyword == "USER"][-1] == "1000:1000"
+
+
+def test_model_baking_build_arguments() -> None:
+    args = arg_defaults(RUNTIME)
+    assert {
+        "MODEL_NAME",
+        "MODEL_REVISION",
+        "TOKENIZER_NAME",
+        "TOKENIZER_REVISION",
+        "BASE_PATH",
+    } <= set(args)
+    assert args["MODEL_NAME"] == "", "no model is baked unless asked for"
+    assert args["BASE_PATH"] == "/models"
+    env = env_assignments(RUNTIME)
+    assert env["BASE_PATH"] == "${BASE_PATH}"
+    # A baked image serves offline by default; a generic one does not.
+    assert env["HF_HUB_OFFLINE"] == "${MODEL_NAME:+1}"
+    for name in ("MODEL_NAME", "MODEL_REVISION", "TOKENIZER_NAME", "TOKENIZER_REVISION"):
+        assert env[name] == f"${{{name}}}"
+
+
+def test_runtime_install_cannot_change_vllm_or_torch() -> None:
+    installs = [ins.args for ins in RUNTIME if ins.keyword == "RUN" and "pip install" in ins.args]
+    assert len(installs) == 1
+    (install,) = installs
+    # Every distribution of the base image is pinned to its installed version while installing.
+    assert "pip list" in install and "--format=freeze" in install
+    assert "--constraint" in install
+    assert not re.search(r"(\s-U\b|--upgrade|--force-reinstall)", install)
+    assert not re.search(r"\b(torch|vllm)[=<>]", install)
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    """Docker's .dockerignore rule: the last matching pattern wins; a match on a parent counts."""
+    ignored = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        body = pattern.removeprefix("!").rstrip("/")
+        regex = (
+            re.escape(body)
+            .replace(r"\*\*/", "(.*/)?")
+            .replace(r"\*\*", ".*")
+            .replace(r"\*", "[^/]*")
+        )
+        regex = regex.replace(r"\?", "[^/]")
+        if re.fullmatch(f"{regex}(/.*)?", path):
+            ignored = not negate
+    return ignored
+
+
+def test_dockerignore_keeps_the_build_context_to_what_the_images_copy() -> None:
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    for kept in [
+        "pyproject.toml",
+        "README.md",
+        "runtime/llmendpoints_runtime/app.py",
+        "operator/llmendpoints_operator/config.py",
+    ]:
+        assert not _ignored(kept, patterns), kept
+    for dropped in [
+        ".venv/bin/python",
+        ".git/config",
+        ".cache/demo-model/config.json",
+        "tests/chart/test_chart.py",
+        "runtime/llmendpoints_runtime/__pycache__/app.cpython-311.pyc",
+        ".env",
+        "bench/RESULTS.md",
+    ]:
+        assert _ignored(dropped, patterns), dropped
+    for instructions in BOTH.values():
+        for ins in instructions:
+            if ins.keyword == "COPY" and "--from=" not in ins.args:
+                for source in ins.args.split()[:-1]:
+                    assert not _ignored(source.rstrip("/"), patterns), f"COPY {source} is excluded"
+
+
+def _expand(value: str, variables: dict[str, str]) -> str:
+    """Dockerfile substitution: ${VAR}, ${VAR:+word}, ${VAR:-word}."""
+
+    def one(match: re.Match[str]) -> str:
+        name, op, word = match[1], match[2], match[3]
+        current = variables.get(name, "")
+        if op == ":+":
+            return word if current else ""
+        if op == ":-":
+            return current or word
+        return current
+
+    return re.sub(r"\$\{(\w+)(?:(:[+-])([^}]*))?\}", one, value)
+
+
+def image_environment(build_args: dict[str, str]) -> dict[str, str]:
+    """The environment a container of Dockerfile.runtime starts with, for the given build args."""
+    variables = {**arg_defaults(RUNTIME), **build_args}
+    env: dict[str, str] = {}
+    for ins in RUNTIME:
+        if ins.keyword == "ENV":
+            for name, value in env_assignments([ins]).items():
+                env[name] = variables[name] = _expand(value, variables)
+    return env
+
+
+@pytest.mark.parametrize(
+    ("build_args", "pod_env", "expected_argv"),
+    [
+        # The generic image, in a pod the operator configured.
+        ({}, {"MODEL_NAME": "org/model"}, ["--model", "org/model"]),
+        # A baked image run with no environment at all: it serves its own model, offline.
+        (
+            {"MODEL_NAME": "org/model", "MODEL_REVISION": "0123abc"},
+            {},
+            ["--model", "org/model", "--revision", "0123abc"],
+        ),
+    ],
+)
+def test_runtime_accepts_the_images_environment(
+    build_args: dict[str, str], pod_env: dict[str, str], expected_argv: list[str]
+) -> None:
+    """Contract between Dockerfile.runtime and the runtime's configuration: empty values the
+    image declares mean "not set", and the settings the image fixes are the ones it serves with."""
+    from llmendpoints_runtime.config import load_config
+
+    env = {**image_environment(build_args), **pod_env}
+    assert env["HF_HUB_OFFLINE"] == ("1" if build_args else "")
+    config = load_config(env)
+    assert config.vllm_argv == expected_argv
+    assert (config.settings.host, config.settings.port) == ("0.0.0.0", 8000)
+    assert config.settings.base_path == "/models"
+    assert config.engine_args.tokenizer is None or config.engine_args.tokenizer == "org/model"
