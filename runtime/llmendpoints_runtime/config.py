@@ -282,6 +282,50 @@ RETIRED_VARIABLES: dict[str, tuple[Literal["ignore", "refuse"], str]] = {
     ),
 }
 
+# worker-vllm variables whose name already is the vLLM flag's UPPER_SNAKE name: passed straight
+# through (listed for the README; every vLLM flag works this way, these are the common ones).
+COMMON_ENGINE_VARIABLES: dict[str, str] = {
+    "TOKENIZER": "Tokenizer repo or path (same as TOKENIZER_NAME).",
+    "TOKENIZER_REVISION": "Tokenizer revision.",
+    "TOKENIZER_MODE": "auto, slow, mistral, ...",
+    "SKIP_TOKENIZER_INIT": "Skip tokenizer initialisation (token-id input only).",
+    "TRUST_REMOTE_CODE": "Run model code from the Hub repository.",
+    "DOWNLOAD_DIR": "Where weights are stored, if not the Hugging Face cache under BASE_PATH.",
+    "LOAD_FORMAT": "Weight format: auto, safetensors, pt, ...",
+    "DTYPE": "auto, half, float16, bfloat16, float, float32.",
+    "KV_CACHE_DTYPE": "auto, fp8, ...",
+    "MAX_MODEL_LEN": "Context length (accepts 4k, 32k, ...).",
+    "QUANTIZATION": "awq, gptq, fp8, bitsandbytes, ...",
+    "TENSOR_PARALLEL_SIZE": "GPUs the model is sharded over.",
+    "PIPELINE_PARALLEL_SIZE": "Pipeline stages.",
+    "DISTRIBUTED_EXECUTOR_BACKEND": "mp or ray.",
+    "MAX_PARALLEL_LOADING_WORKERS": "Load weights in batches (avoids host RAM OOM).",
+    "GPU_MEMORY_UTILIZATION": "Fraction of GPU memory vLLM may use.",
+    "BLOCK_SIZE": "KV-cache block size in tokens.",
+    "ENFORCE_EAGER": "Disable CUDA graphs.",
+    "DISABLE_CUSTOM_ALL_REDUCE": "Use NCCL all-reduce only.",
+    "ENABLE_PREFIX_CACHING": "Automatic prefix caching (1/0).",
+    "ENABLE_CHUNKED_PREFILL": "Chunked prefill (1/0).",
+    "DISABLE_SLIDING_WINDOW": "Cap the context to the sliding window.",
+    "SEED": "Random seed.",
+    "NUM_GPU_BLOCKS_OVERRIDE": "Override the profiled number of KV blocks.",
+    "MAX_NUM_BATCHED_TOKENS": "Tokens per scheduler step.",
+    "MAX_NUM_SEQS": "Sequences per scheduler step (the engine's batch size).",
+    "MAX_LOGPROBS": "Most logprobs a request may ask for.",
+    "DISABLE_LOG_STATS": "Turn off vLLM's periodic stats log.",
+    "ENABLE_LORA": "Serve LoRA adapters (1/0).",
+    "MAX_LORAS": "LoRAs in one batch.",
+    "MAX_LORA_RANK": "Largest LoRA rank.",
+    "LORA_DTYPE": "auto, float16, bfloat16, float32.",
+    "MAX_CPU_LORAS": "LoRAs kept in CPU memory.",
+    "FULLY_SHARDED_LORAS": "Fully sharded LoRA layers.",
+    "RAY_WORKERS_USE_NSIGHT": "Profile Ray workers with nsight.",
+    "MODEL_LOADER_EXTRA_CONFIG": "JSON passed to the model loader.",
+    "MAX_LOG_LEN": "Prompt characters shown in request logs.",
+    "SPECULATIVE_CONFIG": "JSON speculative-decoding configuration.",
+    "HF_OVERRIDES": "JSON overrides of the model's Hugging Face config.",
+}
+
 # vLLM flags that are NOT settable through their UPPER_SNAKE name, and why. Either we own the
 # variable (it means something to the runtime itself), or the name is too generic to be read
 # from a container's environment without surprises.
@@ -487,6 +531,15 @@ def _variable_for_parse_error(message: str, sources: Mapping[str, str]) -> str:
     return "environment"
 
 
+def _one_line(message: str) -> str:
+    """vLLM's messages may span lines (pydantic) or name a Python function; make them readable."""
+    message = re.sub(r"<function (\w+) at 0x[0-9a-f]+>", r"\1()", message)
+    message = message.replace("json.loads()", "JSON").replace("loads()", "JSON")
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("For further information visit")]
+    return "; ".join(lines)
+
+
 def load_config(env: Mapping[str, str]) -> RuntimeConfig:
     """Validate the environment and turn it into settings and vLLM's parsed arguments.
 
@@ -507,7 +560,8 @@ def load_config(env: Mapping[str, str]) -> RuntimeConfig:
     try:
         engine_args = engine_module.parse_engine_args(parser, argv)
     except engine_module.EngineArgsError as exc:
-        raise ConfigError(_variable_for_parse_error(str(exc), sources), str(exc)) from None
+        message = _one_line(str(exc))
+        raise ConfigError(_variable_for_parse_error(message, sources), message) from None
 
     if engine_args.api_key:
         # vLLM would enforce its own key on its routes only; keys are ours to enforce everywhere.

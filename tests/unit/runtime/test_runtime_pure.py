@@ -1,0 +1,244 @@
+"""Pure pieces of the runtime: admission queue, keys, body checks, probes, errors, download plan."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+
+import pytest
+from llmendpoints_runtime.admission import AdmissionQueue, QueueFull, default_max_concurrency
+from llmendpoints_runtime.auth import KeyStore, key_from_headers, key_matches, parse_keys_file
+from llmendpoints_runtime.download import select_files
+from llmendpoints_runtime.errors import describe_validation_error, error_type, openai_error
+from llmendpoints_runtime.health import EngineState, liveness, readiness
+from llmendpoints_runtime.middleware import json_body_problem
+
+# -- admission ---------------------------------------------------------------------------------
+
+
+async def test_admission_runs_up_to_the_limit_then_queues_in_order():
+    queue = AdmissionQueue(limit=2, max_waiting=2)
+    await queue.acquire()
+    await queue.acquire()
+    order: list[str] = []
+
+    async def wait(name: str) -> None:
+        await queue.acquire()
+        order.append(name)
+
+    first = asyncio.create_task(wait("first"))
+    await asyncio.sleep(0)
+    second = asyncio.create_task(wait("second"))
+    await asyncio.sleep(0)
+    assert (queue.running, queue.waiting) == (2, 2)
+    with pytest.raises(QueueFull):
+        await queue.acquire()
+    queue.release()
+    await first
+    queue.release()
+    await second
+    assert order == ["first", "second"]
+    assert (queue.running, queue.waiting) == (2, 0)
+
+
+async def test_a_cancelled_waiter_leaves_the_queue_and_loses_no_slot():
+    queue = AdmissionQueue(limit=1, max_waiting=5)
+    await queue.acquire()
+    waiter = asyncio.create_task(queue.acquire())
+    await asyncio.sleep(0)
+    assert queue.waiting == 1
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert queue.waiting == 0
+    queue.release()
+    assert queue.running == 0
+    await asyncio.wait_for(queue.acquire(), 1)
+
+
+async def test_raising_the_limit_admits_waiters():
+    queue = AdmissionQueue(limit=1, max_waiting=5)
+    await queue.acquire()
+    waiter = asyncio.create_task(queue.acquire())
+    await asyncio.sleep(0)
+    queue.set_limit(2)
+    await asyncio.wait_for(waiter, 1)
+    assert queue.running == 2
+
+
+def test_default_concurrency_never_throttles_the_engine_batch():
+    assert default_max_concurrency(None) == 300
+    assert default_max_concurrency(256) == 300
+    assert default_max_concurrency(1024) == 1024
+
+
+# -- API keys ----------------------------------------------------------------------------------
+
+
+def test_keys_file_format():
+    assert parse_keys_file("# team a\nk1\n\n k2 \nk3,k4\nk1\n") == ("k1", "k2", "k3", "k4")
+
+
+@pytest.mark.parametrize(
+    ("headers", "key"),
+    [
+        ([(b"authorization", b"Bearer abc")], "abc"),
+        ([(b"authorization", b"bearer  abc ")], "abc"),
+        ([(b"x-api-key", b"xyz")], "xyz"),
+        ([(b"authorization", b"Basic abc")], None),
+        ([(b"authorization", b"Bearer ")], None),
+        ([], None),
+    ],
+)
+def test_key_from_headers(headers, key):
+    assert key_from_headers(headers) == key
+
+
+def test_key_matching():
+    assert key_matches("b", ("a", "b"))
+    assert not key_matches("c", ("a", "b"))
+    assert not key_matches("", ("a",))
+    assert not key_matches("a", ())
+
+
+def test_keys_file_is_reread_when_it_changes(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("old\n")
+    store = KeyStore(("static",), str(path), check_interval=0)
+    assert store.keys() == ("static", "old")
+    path.write_text("new\n")
+    later = time.time() + 5
+    os.utime(path, (later, later))
+    assert store.keys() == ("static", "new")
+
+
+def test_unreadable_keys_file_fails_closed(tmp_path):
+    store = KeyStore((), str(tmp_path / "missing"), check_interval=0)
+    assert store.enabled
+    assert store.keys() == ()
+
+
+# -- request bodies ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        (b'{"a": 1}', None),
+        (b"{bad", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object, got an array"),
+        (b'"text"', "got a string"),
+        (b"null", "got null"),
+        (b'{"prompt": "\xff"}', "not valid UTF-8"),
+    ],
+)
+def test_json_body_problem(body, problem):
+    found = json_body_problem(body)
+    if problem is None:
+        assert found is None
+    else:
+        assert problem in found
+
+
+# -- probes ------------------------------------------------------------------------------------
+
+
+def test_readiness_answers():
+    init = EngineState.INITIALIZING
+    assert readiness(init, phase="load", reason=None, draining=False, strict=False).status == 204
+    assert readiness(init, phase="load", reason=None, draining=False, strict=True).status == 503
+    assert (
+        readiness(EngineState.READY, phase=None, reason=None, draining=False, strict=False).status
+        == 200
+    )
+    failed = readiness(EngineState.FAILED, phase=None, reason="OOM", draining=False, strict=False)
+    assert (failed.status, failed.body["reason"]) == (503, "OOM")
+    assert (
+        readiness(EngineState.READY, phase=None, reason=None, draining=True, strict=False).status
+        == 503
+    )
+
+
+def test_liveness_answers():
+    assert liveness(EngineState.INITIALIZING, reason=None).status == 200
+    assert liveness(EngineState.READY, reason=None).status == 200
+    assert liveness(EngineState.FAILED, reason="dead").status == 503
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def test_error_shape_and_types():
+    assert openai_error(404, "no such model", param="model") == {
+        "error": {
+            "message": "no such model",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
+    assert error_type(400) == "BadRequestError"
+    assert error_type(401) == "UnauthorizedError"
+    assert error_type(429) == "TooManyRequestsError"
+
+
+def test_validation_errors_name_the_field():
+    message, param = describe_validation_error(
+        [
+            {
+                "loc": ("body", "sampling_params", "max_tokens"),
+                "msg": "Input should be a valid integer",
+                "type": "int_type",
+            }
+        ]
+    )
+    assert param == "sampling_params.max_tokens"
+    assert "`sampling_params.max_tokens`" in message
+
+
+# -- download plan -----------------------------------------------------------------------------
+
+
+def test_download_prefers_safetensors_and_skips_other_formats():
+    files = [
+        ("config.json", 1),
+        ("model-00001-of-00002.safetensors", 10),
+        ("model.safetensors.index.json", 1),
+        ("pytorch_model.bin", 10),
+        ("tokenizer.json", 1),
+        ("tokenizer_config.json", 1),
+        ("onnx/model.onnx", 10),
+        ("original/consolidated.00.pth", 10),
+        ("modeling_custom.py", 1),
+        ("README.md", 1),
+    ]
+    assert select_files(files, trust_remote_code=False) == [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert "modeling_custom.py" in select_files(files, trust_remote_code=True)
+    assert "pytorch_model.bin" in select_files(
+        [("config.json", 1), ("pytorch_model.bin", 1)], trust_remote_code=False
+    )
+
+
+# -- demo model --------------------------------------------------------------------------------
+
+
+def test_demo_model_is_deterministic_and_complete(tmp_path):
+    from llmendpoints_runtime.demo import write_demo_model
+
+    def digest(path):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+    first = digest(write_demo_model(tmp_path / "a"))
+    second = digest(write_demo_model(tmp_path / "b"))
+    assert first == second
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(
+        first
+    )
