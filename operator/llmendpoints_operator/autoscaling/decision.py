@@ -3,30 +3,29 @@ the policy and the clock. No I/O, no wall clock: every caller passes `now` (seco
 
 How a decision is made (docs/autoscaling.md tells the same story for users):
 
-1. Each tick adds one sample (queue depth and in-flight totals over the ready pods that answered)
-   to the history. Demand in replicas for a signal is total / target per replica; the largest
-   signal wins.
-2. Stable window (default 60 s): the average demand over it is the normal recommendation, with a
-   dead band (`tolerance`) around the current size so that noise never moves it.
+1. Each tick adds one sample (queue depth and in-flight totals over the ready pods that
+   answered) to the history. Demand, in replicas, is computed per signal and the largest wins:
+   in-flight / targetInFlight; for the queue, queue / targetQueueDepth until a replica's
+   capacity is known, then work / (capacity + targetQueueDepth) (see `_demand`: this is what
+   keeps a drained queue from shrinking the endpoint back into a queue, and pending replicas
+   from causing runaway growth).
+2. Stable window (default 60 s): its average demand is the normal scale-up recommendation, with
+   a dead band (`tolerance`) above the current size so that noise never moves it, and only once
+   the window is full of samples.
 3. Panic window (default 10 s): when its average demand reaches `panicThreshold` x the *ready*
    replicas (pending ones are not capacity), the endpoint is bursting: it scales to that demand
    at once and does not scale down until no burst has been seen for a whole stable window.
-4. Every tick leaves two recommendations. Up: the stable-window demand (bursts: the short
-   window), applied once it has held for `scaleUpStabilizationSeconds` (0: at once), by at most
-   x`maxScaleUpRate` (at least +1) per decision. Down: the short-window demand with `tolerance`
-   headroom; the endpoint shrinks to the largest of these over `scaleDownStabilizationSeconds`,
-   i.e. to a size the busiest short window of that period would have fit. (The long average
-   lags a drop in load; replaying that lag through the window would shed one replica per
-   tick.) A size just scaled up to is kept for a whole scale-down window. The result is
-   clamped to [minReplicas, maxReplicas] (a bound the user changes applies at once).
+4. Scale up once the recommendation has held for `scaleUpStabilizationSeconds` (0: at once), by
+   at most x`maxScaleUpRate` (at least +1) per decision. Scale down to the largest short-window
+   demand (with `tolerance` headroom) of the last `scaleDownStabilizationSeconds`: a size the
+   busiest short window of that period would have fit. (The long average lags a drop in load;
+   replaying that lag through the window would shed one replica per tick.) A size just scaled
+   up to is kept for a whole scale-down window. The result is clamped to [minReplicas,
+   maxReplicas]; a bound the user changes applies at once.
 5. Scale-down is held while any sample in the stable window is incomplete (a ready pod did not
    answer: its load is unknown, so it is neither load nor idle capacity), and until the history
    covers a whole scale-down window of uninterrupted observation (after a restart that lost the
-   state, or a gap longer than the stable window). Outside bursts, scale-up waits for a full
-   stable window of samples too.
-
-Demand is an absolute count (total / target), never "current replicas x utilisation": pending
-replicas that never become ready cannot make it grow past what the measured load needs.
+   state, or a gap longer than the stable window).
 """
 
 from __future__ import annotations
@@ -50,6 +49,9 @@ class Observation:
     in_flight: float  # llmendpoints_requests_in_flight summed over the pods that answered
     answered: int  # ready pods whose /metrics was read
     failed: int = 0  # ready pods that did not answer in time, or answered without the gauges
+    # Mean in-flight count of the pods that had a queue: a pod only queues when it runs all it
+    # can, so this is what one replica carries at most. None when no pod had a queue.
+    saturated_in_flight: float | None = None
 
     @property
     def ready(self) -> int:
@@ -89,6 +91,8 @@ class History:
     last_sample_at: float | None = None
     # While now < panic_until the endpoint is in burst mode (no scale-down).
     panic_until: float | None = None
+    # Requests one replica runs at most, last seen on pods that had a queue (None: never seen).
+    capacity: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -96,6 +100,7 @@ class History:
             "since": self.observing_since,
             "last": self.last_sample_at,
             "panicUntil": self.panic_until,
+            "capacity": None if self.capacity is None else _r(self.capacity),
             "samples": [
                 [_r(s.t), _r(s.queue_depth), _r(s.in_flight), int(s.partial)] for s in self.samples
             ],
@@ -118,6 +123,7 @@ class History:
                 observing_since=_opt_float(data.get("since")),
                 last_sample_at=_opt_float(data.get("last")),
                 panic_until=_opt_float(data.get("panicUntil")),
+                capacity=_opt_float(data.get("capacity")),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"malformed autoscaler state: {error}") from error
@@ -182,6 +188,7 @@ def decide(history: History, current: Current, policy: ScalingPolicy, now: float
             observing_since=history.observing_since,
             last_sample_at=history.last_sample_at,
             panic_until=panic_until,
+            capacity=history.capacity,
         )
         return _finish(replicas, replicas, policy, why, kept, signals, demand=None, burst=False)
 
@@ -199,11 +206,16 @@ def decide(history: History, current: Current, policy: ScalingPolicy, now: float
         sample,
     )
     burst_samples = [s for s in stable if s.t > now - policy.panic_window_seconds]
+    capacity = history.capacity
+    if obs.saturated_in_flight:
+        capacity = obs.saturated_in_flight
 
     # 2./3. Demand over both windows, burst detection against ready capacity only.
-    stable_demand, stable_parts = _demand(stable, targets)
-    burst_demand, _ = _demand(burst_samples, targets)
-    signals.update({f"{name}Avg": value for name, value in stable_parts.items()})
+    stable_demand, stable_avg, explained = _demand(stable, targets, capacity)
+    burst_demand, _, _ = _demand(burst_samples, targets, capacity)
+    signals.update(stable_avg)
+    if capacity:
+        signals["replicaCapacity"] = capacity
     bursting = burst_demand >= policy.panic_threshold * max(obs.ready, 1)
     if bursting:
         panic_until = now + policy.stable_window_seconds
@@ -213,12 +225,12 @@ def decide(history: History, current: Current, policy: ScalingPolicy, now: float
     elif now - since < policy.stable_window_seconds - policy.interval_seconds / 2:
         # Too few samples to average (first ticks, or after a gap): only a burst moves it up.
         up_rec = replicas
-        down_rec = _banded_down(burst_demand, policy.tolerance)
+        down_rec = _ceil(burst_demand * (1 + policy.tolerance))
     else:
         up_rec = _banded_up(stable_demand, replicas, policy.tolerance)
         # Down on the short window: the smoothed average lags a drop in load, and replaying
         # that lag through the scale-down window would step down one replica per tick.
-        down_rec = _banded_down(burst_demand, policy.tolerance)
+        down_rec = _ceil(burst_demand * (1 + policy.tolerance))
     recs = (*recs, (now, up_rec, down_rec))
     demand = max(_ceil(stable_demand), _ceil(burst_demand) if panic_until else 0)
     signals["demandReplicas"] = round(stable_demand, 3)
@@ -232,8 +244,9 @@ def decide(history: History, current: Current, policy: ScalingPolicy, now: float
         observing_since=since,
         last_sample_at=now,
         panic_until=panic_until,
+        capacity=capacity,
     )
-    why = _explain_demand(stable_parts, targets, policy, obs.ready)
+    why = f"{explained} over {policy.stable_window_seconds:g} s ({obs.ready} ready)"
     if panic_until is not None:
         why += (
             f"; burst: {_fmt(burst_demand)} replicas over {policy.panic_window_seconds:g} s"
@@ -241,11 +254,11 @@ def decide(history: History, current: Current, policy: ScalingPolicy, now: float
             else "; burst mode (no scale-down until a stable window without burst)"
         )
     if up_to > replicas:
+        if current.pending:
+            why += f"; {current.pending} pending replica(s) not counted as capacity"
         cap = max(math.ceil(replicas * policy.max_scale_up_rate - _EPS), replicas + 1)
         if up_to > cap:
             why += f"; growth capped at {cap} (x{policy.max_scale_up_rate:g} per decision)"
-        if current.pending:
-            why += f"; {current.pending} pending replica(s) not counted as capacity"
         up = _finish(replicas, min(up_to, cap), policy, why, new_history, signals, demand, bursting)
         # The size just scaled up to is the floor of the scale-down window from now on.
         kept = (*recs[:-1], (now, up_rec, max(down_rec, up.replicas)))
@@ -314,13 +327,51 @@ def _finish(
     )
 
 
-def _demand(samples: list[Sample] | tuple[Sample, ...], targets: dict[str, float]):
-    """Average demand in replicas over the samples: the largest over the signals."""
+def _demand(
+    samples: list[Sample] | tuple[Sample, ...],
+    targets: dict[str, float],
+    capacity: float | None,
+) -> tuple[float, dict[str, float], str]:
+    """Replicas the samples' average load needs (the largest signal wins), the averages, and
+    the arithmetic in words.
+
+    Queue signal. A queue shows a shortage but not its size: once scaling up has drained it,
+    queue / target says "no replica needed" however much work is running, and shrinking on
+    that brings the queue straight back (the flapping of queue-only autoscalers); while added
+    replicas are pending the queue stays, and queue / target keeps asking for more (runaway).
+    So once a replica's capacity is known (a pod only queues when it runs all it can, so its
+    in-flight count then is its capacity), the queue signal asks the question the target means:
+    how many replicas leave at most targetQueueDepth waiting each, for the work now running plus
+    queued? n replicas run n x capacity and queue the rest:
+        (work - n x capacity) / n <= target   <=>   n >= work / (capacity + target).
+    This needs more than the current n exactly when the queue per ready replica exceeds the
+    target, so it never stalls a needed scale-up. Until a queue has been seen (capacity
+    unknown) it is queue / target.
+
+    In-flight signal (optional): in-flight / targetInFlight.
+    """
     n = len(samples)
-    parts = {"queueDepth": sum(s.queue_depth for s in samples) / n}
+    queue_depth = sum(s.queue_depth for s in samples) / n
+    in_flight = sum(s.in_flight for s in samples) / n
+    target = targets["queueDepth"]
+    if capacity:
+        work = queue_depth + in_flight
+        demand = work / (capacity + target)
+        words = (
+            f"queued {_fmt(queue_depth)} + running {_fmt(in_flight)} = {_fmt(work)} requests / "
+            f"({_fmt(capacity)} running + {target:g} queued per replica) = {_fmt(demand)}"
+        )
+    else:
+        demand = queue_depth / target
+        words = f"queued {_fmt(queue_depth)} / {target:g} per replica = {_fmt(demand)}"
     if "inFlight" in targets:
-        parts["inFlight"] = sum(s.in_flight for s in samples) / n
-    return max(parts[name] / targets[name] for name in parts), parts
+        by_in_flight = in_flight / targets["inFlight"]
+        words += (
+            f"; running {_fmt(in_flight)} / {targets['inFlight']:g} per replica = "
+            f"{_fmt(by_in_flight)}"
+        )
+        demand = max(demand, by_in_flight)
+    return demand, {"queueDepthAvg": queue_depth, "inFlightAvg": in_flight}, f"demand {words}"
 
 
 def _banded_up(demand: float, replicas: int, tolerance: float) -> int:
@@ -329,21 +380,6 @@ def _banded_up(demand: float, replicas: int, tolerance: float) -> int:
     if wanted > replicas and demand <= replicas * (1 + tolerance) + _EPS:
         return replicas
     return wanted
-
-
-def _banded_down(demand: float, tolerance: float) -> int:
-    """The smallest size that carries the demand with `tolerance` headroom."""
-    return _ceil(demand * (1 + tolerance))
-
-
-def _explain_demand(
-    averages: dict[str, float], targets: dict[str, float], policy: ScalingPolicy, ready: int
-) -> str:
-    parts = [
-        f"{name} {_fmt(avg)} / {targets[name]:g} per replica = {_fmt(avg / targets[name])}"
-        for name, avg in averages.items()
-    ]
-    return f"{', '.join(parts)} over {policy.stable_window_seconds:g} s ({ready} ready)"
 
 
 def _ceil(value: float) -> int:

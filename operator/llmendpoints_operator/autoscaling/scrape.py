@@ -107,6 +107,18 @@ def parse_pod_metrics(text: str) -> tuple[float, float]:
     return values[QUEUE_DEPTH], values[IN_FLIGHT]
 
 
+def observe(pods: list[tuple[float, float]], failed: int = 0) -> Observation:
+    """One tick's observation from the (queue depth, in flight) of each pod that answered."""
+    saturated = [in_flight for queue_depth, in_flight in pods if queue_depth > 0]
+    return Observation(
+        queue_depth=sum(q for q, _ in pods),
+        in_flight=sum(f for _, f in pods),
+        answered=len(pods),
+        failed=failed,
+        saturated_in_flight=sum(saturated) / len(saturated) if saturated else None,
+    )
+
+
 class MetricsScraper:
     """Reads the runtime pods' /metrics. One per operator; close it on shutdown."""
 
@@ -124,16 +136,14 @@ class MetricsScraper:
         error, or lacks the gauges is counted as failed, with the reason in `errors`."""
         targets = list(targets)
         results = await asyncio.gather(*(self._read(t) for t in targets))
-        queue = in_flight = 0.0
         errors: dict[str, str] = {}
+        read: list[tuple[float, float]] = []
         for target, result in zip(targets, results, strict=True):
             if isinstance(result, str):
                 errors[target.pod] = result
             else:
-                queue += result[0]
-                in_flight += result[1]
-        answered = len(targets) - len(errors)
-        return ScrapeResult(Observation(queue, in_flight, answered, len(errors)), errors)
+                read.append(result)
+        return ScrapeResult(observe(read, failed=len(errors)), errors)
 
     async def _read(self, target: ScrapeTarget) -> tuple[float, float] | str:
         if self._session is None or self._session.closed:

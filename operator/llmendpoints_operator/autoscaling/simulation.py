@@ -77,7 +77,10 @@ def replay(
         queue, in_flight = load(now, ready)
         down = min(ready, failed(now, ready)) if failed else 0
         seen = (ready - down) / ready if ready else 0.0
-        observation = Observation(queue * seen, in_flight * seen, ready - down, down)
+        answered = ready - down
+        # The balanced-load model: every pod has the same share, so all or none have a queue.
+        saturated = in_flight / ready if queue > 0 and ready else None
+        observation = Observation(queue * seen, in_flight * seen, answered, down, saturated)
         decision = decide(history, Current(deployment.replicas, observation), policy, now)
         ticks.append(Tick(now, deployment.replicas, decision))
         history = decision.history

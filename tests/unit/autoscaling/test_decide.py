@@ -190,6 +190,43 @@ def test_pending_replicas_are_not_capacity_and_do_not_cause_runaway_growth():
     assert "pending replica(s) not counted as capacity" in changes(ticks)[-1].decision.reason
 
 
+def served(work_at, capacity: int = 8):
+    """Closed loop: `work_at(t)` concurrent requests spread over the ready replicas, each of
+    which runs `capacity` at most and queues the rest."""
+
+    def load(t, ready):
+        work = work_at(t)
+        return max(0.0, work - ready * capacity), min(work, ready * capacity)
+
+    return load
+
+
+def test_pending_replicas_with_a_known_capacity_stop_at_what_the_work_needs():
+    # 40 concurrent requests, 8 per replica, 2 may wait per replica: 4 replicas. The first one
+    # is ready and saturated (8 running, 32 queued); the added ones never start.
+    deployment = SimulatedDeployment(1, ready_after=None)
+    ticks, _ = replay(policy(), served(lambda t: 40.0), duration=HOUR, deployment=deployment)
+    assert [(c.before, c.after) for c in changes(ticks)] == [(1, 2), (2, 4)]
+    assert "40 requests / (8 running + 2 queued per replica) = 4" in ticks[-1].decision.reason
+
+
+@pytest.mark.parametrize("work", [12, 20, 45])
+def test_closed_loop_steady_load_settles_then_never_changes(work):
+    # The queue the replicas see depends on how many there are: adding replicas drains it.
+    # Queue / target alone would shrink to minReplicas once drained, and come back: no flapping
+    # is allowed here, and the size must leave at most ~2 queued per replica.
+    rng = random.Random(work)
+    ticks, _ = replay(
+        policy(),
+        served(lambda t: rng.uniform(work * 0.9, work * 1.1)),
+        duration=2 * HOUR,
+        deployment=SimulatedDeployment(1, ready_after=30),
+    )
+    assert [c for c in changes(ticks) if c.t >= 600] == []
+    settled = ticks[-1].after
+    assert math.ceil(work / (8 + 2)) <= settled <= math.ceil(work * 1.1 * 1.1 / (8 + 2))
+
+
 def test_burst_detection_measures_against_ready_replicas_only():
     # 4 replicas asked for, 1 ready: 6 queued is 3 replicas' worth = 3x the *ready* capacity.
     obs = Observation(queue_depth=6, in_flight=0, answered=1)
@@ -222,7 +259,7 @@ def test_the_largest_signal_wins():
         deployment=SimulatedDeployment(2),
     )
     assert ticks[-1].after == 6
-    assert "inFlight 60 / 10 per replica = 6" in changes(ticks)[-1].decision.reason
+    assert "running 60 / 10 per replica = 6" in changes(ticks)[-1].decision.reason
 
 
 def test_scale_up_stabilization_ignores_a_short_spike_and_acts_on_a_sustained_rise():

@@ -13,6 +13,7 @@ from llmendpoints_operator.autoscaling.scrape import (
     MetricsScraper,
     ScrapeTarget,
     endpointslice_selector,
+    observe,
     parse_pod_metrics,
     targets_from_endpointslices,
 )
@@ -160,12 +161,20 @@ async def test_scrape_sums_the_pods_that_answer_and_counts_the_others_as_failed(
     obs = result.observation
     assert (obs.queue_depth, obs.in_flight) == (4.5, 6.0)
     assert (obs.answered, obs.failed, obs.ready) == (2, 4, 6)
+    assert obs.saturated_in_flight == 3.0  # both answering pods have a queue: (2 + 4) / 2
     assert set(result.errors) == {"pod-slow", "pod-500", "pod-no-gauges", "pod-gone"}
     assert result.errors["pod-slow"] == "no answer within 0.5 s"
     assert result.errors["pod-500"] == "HTTP 500"
     assert "missing llmendpoints_queue_depth" in result.errors["pod-no-gauges"]
     assert "ClientConnectorError" in result.errors["pod-gone"]
     assert again.observation.answered == 2 and again.errors == {}
+
+
+def test_capacity_is_read_from_the_pods_that_have_a_queue_only():
+    obs = observe([(3, 8), (0, 5), (1, 6)], failed=1)
+    assert (obs.queue_depth, obs.in_flight, obs.answered, obs.failed) == (4, 19, 3, 1)
+    assert obs.saturated_in_flight == 7.0
+    assert observe([(0, 5)]).saturated_in_flight is None
 
 
 async def test_scrape_of_no_pods_is_an_empty_observation():
