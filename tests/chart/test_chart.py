@@ -495,3 +495,59 @@ def test_every_value_is_documented_and_in_the_schema() -> None:
 
     walk(yaml.compose(text), schema, "")
     assert not problems, problems
+
+
+@pytest.mark.parametrize("values", ["defaults", "namespaced"])
+def test_operator_cli_accepts_the_charts_arguments(helm: Path, tmp_path: Path, values: str) -> None:
+    """The image's entrypoint is `llmendpoints-operator run`; the chart passes only flags, and the
+    operator's own argument parser must accept every one of them."""
+    from llmendpoints_operator.__main__ import _parser
+
+    container = only(render(helm, tmp_path, VALUE_SETS[values]), "Deployment")["spec"]["template"][
+        "spec"
+    ]["containers"][0]
+    args = _parser().parse_args(["run", *container["args"]])
+    assert args.standalone is True
+    assert args.liveness == "http://0.0.0.0:8081/healthz"
+    if values == "namespaced":
+        assert args.namespaces == ["team-a", "team-b"] and not args.all_namespaces
+    else:
+        assert args.all_namespaces and not args.namespaces
+
+
+def test_pod_monitor_selects_the_runtime_pods_the_operator_builds(
+    helm: Path, tmp_path: Path
+) -> None:
+    from llmendpoints_operator import manifests, spec
+    from llmendpoints_operator.config import OperatorSettings
+
+    endpoint = spec.parse("chat", "team-a", {"model": {"name": "Qwen/Qwen2.5-0.5B-Instruct"}})
+    pod = manifests.build_deployment(endpoint, OperatorSettings(), replicas=1)["spec"]["template"]
+    monitor = only(render(helm, tmp_path, ALL_FEATURES), "PodMonitor")["spec"]
+    assert monitor["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    port_names = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+    assert monitor["podMetricsEndpoints"][0]["port"] in port_names
+    # The relabelling reads the pod label that names the endpoint (Prometheus sanitises its name).
+    (relabel,) = monitor["podMetricsEndpoints"][0]["relabelings"]
+    assert pod["metadata"]["labels"][manifests.LABEL_ENDPOINT] == "chat"
+    sanitised = "__meta_kubernetes_pod_label_" + "".join(
+        ch if ch.isalnum() else "_" for ch in manifests.LABEL_ENDPOINT
+    )
+    assert relabel["sourceLabels"] == [sanitised]
+
+
+@pytest.mark.parametrize("values", ["defaults", "namespaced"])
+def test_install_notes_tell_the_next_steps(helm: Path, tmp_path: Path, values: str) -> None:
+    result = run_helm(
+        helm, "install", "llmendpoints", str(CHART), "-n", "llm-system", "--dry-run=client",
+        values=VALUE_SETS[values], tmp_path=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.split("NOTES:", 1)[1]
+    manifest = result.stdout.split("MANIFEST:", 1)[1].split("NOTES:", 1)[0]
+    docs = [d for d in yaml.safe_load_all(manifest) if d]
+    deployment = only(docs, "Deployment")["metadata"]["name"]
+    assert f"kubectl -n llm-system rollout status deployment/{deployment}" in notes
+    assert "kubectl apply -f examples/minimal.yaml" in notes
+    assert "/v1/chat/completions" in notes
+    assert ("team-a, team-b" in notes) == (values == "namespaced")
