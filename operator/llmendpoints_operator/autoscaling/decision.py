@@ -212,11 +212,16 @@ def decide(history: History, current: Current, policy: ScalingPolicy, now: float
 
     # 2./3. Demand over both windows, burst detection against ready capacity only.
     stable_demand, stable_avg, explained = _demand(stable, targets, capacity)
-    burst_demand, _, _ = _demand(burst_samples, targets, capacity)
+    burst_demand, burst_avg, _ = _demand(burst_samples, targets, capacity)
     signals.update(stable_avg)
     if capacity:
         signals["replicaCapacity"] = capacity
-    bursting = burst_demand >= policy.panic_threshold * max(obs.ready, 1)
+    # Burst: a signal per *ready* replica (pending ones carry nothing) at panicThreshold x its
+    # target, e.g. 4 queued per replica for a target of 2.
+    pressure = burst_avg["queueDepthAvg"] / targets["queueDepth"]
+    if "inFlight" in targets:
+        pressure = max(pressure, burst_avg["inFlightAvg"] / targets["inFlight"])
+    bursting = pressure >= policy.panic_threshold * max(obs.ready, 1)
     if bursting:
         panic_until = now + policy.stable_window_seconds
     if panic_until is not None:
@@ -249,7 +254,8 @@ def decide(history: History, current: Current, policy: ScalingPolicy, now: float
     why = f"{explained} over {policy.stable_window_seconds:g} s ({obs.ready} ready)"
     if panic_until is not None:
         why += (
-            f"; burst: {_fmt(burst_demand)} replicas over {policy.panic_window_seconds:g} s"
+            f"; burst: {_fmt(pressure / max(obs.ready, 1))} x target per ready replica over "
+            f"{policy.panic_window_seconds:g} s, {_fmt(burst_demand)} replicas needed"
             if bursting
             else "; burst mode (no scale-down until a stable window without burst)"
         )

@@ -62,11 +62,13 @@ def replay(
     start: float = 0.0,
     history: History | None = None,
     failed: Callable[[float, int], int] | None = None,
+    report_capacity: bool = True,
 ) -> tuple[list[Tick], History]:
     """Run one decision every `policy.interval_seconds` from `start` for `duration` seconds.
 
     `failed(t, ready)` says how many ready pods do not answer /metrics; their share of the load
-    is missing from the observation, as it would be from a real scrape.
+    is missing from the observation, as it would be from a real scrape. `report_capacity=False`
+    hides the pods' saturation (the decision then scales on queue / target alone).
     """
     ticks: list[Tick] = []
     history = history or History()
@@ -79,7 +81,7 @@ def replay(
         seen = (ready - down) / ready if ready else 0.0
         answered = ready - down
         # The balanced-load model: every pod has the same share, so all or none have a queue.
-        saturated = in_flight / ready if queue > 0 and ready else None
+        saturated = in_flight / ready if queue > 0 and ready and report_capacity else None
         observation = Observation(queue * seen, in_flight * seen, answered, down, saturated)
         decision = decide(history, Current(deployment.replicas, observation), policy, now)
         ticks.append(Tick(now, deployment.replicas, decision))
