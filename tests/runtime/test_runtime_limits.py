@@ -1,0 +1,156 @@
+"""API keys, body-size limit, admission queue and 429, on a runtime configured for them."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import running_runtime
+
+pytestmark = pytest.mark.engine
+
+LONG = {
+    "model": "demo",
+    "prompt": "Once upon a time",
+    "max_tokens": 400,
+    "ignore_eos": True,
+    "stream": True,
+}
+
+
+@pytest.fixture(scope="module")
+def keys_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("secret") / "api-keys"
+    path.write_text("# mounted from a Secret\nfile-key-1\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def limited(demo_model, runtime_logs, keys_file):
+    with running_runtime(
+        demo_model,
+        runtime_logs,
+        API_KEYS="env-key-1,env-key-2",
+        API_KEYS_FILE=str(keys_file),
+        MAX_CONCURRENCY="1",
+        MAX_QUEUE_LENGTH="1",
+        MAX_REQUEST_BODY_BYTES="4096",
+    ) as server:
+        yield server
+
+
+def sdk(server, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+
+def test_requests_without_a_valid_key_get_401(limited):
+    with pytest.raises(openai.AuthenticationError) as info:
+        sdk(limited, "wrong").models.list()
+    assert info.value.status_code == 401
+    assert "invalid API key" in info.value.body["message"]
+    response = httpx.post(limited.url + "/v1/completions", json={"model": "demo", "prompt": "x"})
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == 401
+    assert response.headers["www-authenticate"] == "Bearer"
+
+
+def test_bearer_and_x_api_key_both_work(limited):
+    assert sdk(limited, "env-key-2").models.list().data[0].id == "demo"
+    response = httpx.get(limited.url + "/v1/models", headers={"x-api-key": "env-key-1"})
+    assert response.status_code == 200
+
+
+def test_keys_file_is_honoured_and_rotation_needs_no_restart(limited, keys_file):
+    assert sdk(limited, "file-key-1").models.list().data
+    keys_file.write_text("file-key-2\n")
+    later = time.time() + 10
+    os.utime(keys_file, (later, later))
+    time.sleep(1.2)  # the file is checked at most once a second
+    assert sdk(limited, "file-key-2").models.list().data
+    with pytest.raises(openai.AuthenticationError):
+        sdk(limited, "file-key-1").models.list()
+
+
+def test_probes_and_metrics_are_open(limited):
+    for path in ("/health", "/ready", "/ping", "/metrics"):
+        assert httpx.get(limited.url + path).status_code == 200, path
+
+
+def test_keys_never_reach_the_log(limited):
+    log = limited.log()
+    for key in ("env-key-1", "env-key-2", "file-key-1", "file-key-2"):
+        assert key not in log
+
+
+def test_oversized_body_gets_413(limited):
+    big = {"model": "demo", "prompt": "x" * 5000}
+    response = httpx.post(
+        limited.url + "/v1/completions", json=big, headers={"x-api-key": "env-key-1"}
+    )
+    assert response.status_code == 413
+    assert "MAX_REQUEST_BODY_BYTES" in response.json()["error"]["message"]
+    # a chunked body (no content-length) is counted as it arrives
+    response = httpx.post(
+        limited.url + "/v1/completions",
+        content=iter([b'{"prompt": "', b"y" * 5000, b'"}']),
+        headers={"x-api-key": "env-key-1", "content-type": "application/json"},
+    )
+    assert response.status_code == 413
+
+
+def _stream_until_first_token(url: str, started: concurrent.futures.Future) -> int:
+    tokens = 0
+    with httpx.stream(
+        "POST", url + "/v1/completions", json=LONG, headers={"x-api-key": "env-key-1"}, timeout=120
+    ) as r:
+        if r.status_code != 200:
+            started.set_result(r.status_code)
+            return r.status_code
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                tokens += 1
+                if not started.done():
+                    started.set_result(200)
+    return tokens
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_beyond_concurrency_requests_queue_and_beyond_the_queue_get_429(limited):
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first_started: concurrent.futures.Future = concurrent.futures.Future()
+        first = pool.submit(_stream_until_first_token, limited.url, first_started)
+        assert first_started.result(60) == 200
+        second_started: concurrent.futures.Future = concurrent.futures.Future()
+        second = pool.submit(_stream_until_first_token, limited.url, second_started)
+        deadline = time.monotonic() + 10
+        while _metric(limited.url, "llmendpoints_queue_depth") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _metric(limited.url, "llmendpoints_queue_depth") == 1
+        assert _metric(limited.url, "llmendpoints_requests_in_flight") == 1
+
+        third = httpx.post(
+            limited.url + "/v1/completions", json=LONG, headers={"x-api-key": "env-key-1"}
+        )
+        assert third.status_code == 429
+        assert third.headers["retry-after"]
+        assert third.json()["error"]["type"] == "TooManyRequestsError"
+
+        assert first.result(120) > 300  # nothing was cut short
+        assert second.result(120) > 300  # the queued request ran once a slot was free
+    # Everything drained, and the server keeps serving.
+    assert _metric(limited.url, "llmendpoints_queue_depth") == 0
+    assert (
+        sdk(limited, "env-key-1")
+        .completions.create(model="demo", prompt="ok", max_tokens=1)
+        .choices
+    )
