@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, start_http_server
 
 from .decision import Decision
 
@@ -83,3 +83,15 @@ class AutoscalerMetrics:
     def serve(self, port: int, addr: str = "0.0.0.0"):
         """Serve /metrics in a background thread; returns (server, thread)."""
         return start_http_server(port, addr=addr, registry=self.registry)
+
+
+_shared: AutoscalerMetrics | None = None
+
+
+def shared_metrics() -> AutoscalerMetrics:
+    """The operator process's instance, in prometheus_client's default registry (the one
+    __main__ serves on LLMEP_OPERATOR_METRICS_PORT). Created once per process."""
+    global _shared
+    if _shared is None:
+        _shared = AutoscalerMetrics(REGISTRY)
+    return _shared

@@ -35,15 +35,16 @@ def test_scale_to_zero_is_refused_with_the_reason():
         ScalingPolicy(minReplicas=0, maxReplicas=3)
     message = str(error.value)
     assert "minReplicas" in message and "request-holding gateway" in message
+    assert "scale-to-zero" in message
 
 
 @pytest.mark.parametrize(
     ("fields", "words"),
     [
-        ({"minReplicas": 3, "maxReplicas": 2}, "maxReplicas (2) must be >= minReplicas (3)"),
+        ({"minReplicas": 3, "maxReplicas": 2}, "maxReplicas: must be at least minReplicas (2 < 3)"),
         ({"targetQueueDepth": 0}, "targetQueueDepth"),
         ({"targetInFlight": -1}, "targetInFlight"),
-        ({"panicWindowSeconds": 120}, "panicWindowSeconds (120) must not exceed"),
+        ({"panicWindowSeconds": 120}, "panicWindowSeconds: must not exceed stableWindowSeconds"),
         ({"panicThreshold": 1}, "panicThreshold"),
         ({"maxScaleUpRate": 1}, "maxScaleUpRate"),
         ({"intervalSeconds": 0}, "intervalSeconds"),
