@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -50,6 +51,7 @@ class Runtime:
     # Callables returning how much work is still running (jobs register theirs); drain waits
     # for all of them to reach zero.
     busy_sources: list = field(default_factory=list)
+    jobs: Any = None  # the job API's JobExecutor (jobs/wiring.py)
 
     def busy(self) -> int:
         active = self.context.active if self.context is not None else 0
@@ -196,7 +198,9 @@ def create_app(runtime: Runtime, *, start_engine: bool = True) -> ASGIApp:
 
 def extra_routers(runtime: Runtime) -> list[APIRouter]:
     """Routers mounted in front of vLLM's app (the job API and SageMaker add theirs here)."""
-    return []
+    from llmendpoints_runtime.jobs.wiring import install_job_api
+
+    return install_job_api(runtime, default_max_concurrency=default_max_concurrency(None))
 
 
 async def _start_engine(runtime: Runtime) -> None:

@@ -115,6 +115,52 @@ class RuntimeSettings(BaseSettings):
         description="How often download and load progress is logged.",
     )
 
+    # -- job API (RunPod-compatible; see docs/jobs.md) ------------------------------------------
+    default_max_tokens: int = Field(
+        512,
+        ge=1,
+        validation_alias="DEFAULT_MAX_TOKENS",
+        description="max_tokens of prompt/messages jobs that set none (not vLLM's silent 16); "
+        "lowered to what the context window leaves after the prompt.",
+    )
+    default_batch_size: int = Field(
+        50,
+        ge=1,
+        validation_alias="DEFAULT_BATCH_SIZE",
+        description="Largest streaming batch of a job, in tokens (per-request: max_batch_size).",
+    )
+    default_min_batch_size: int = Field(
+        1,
+        ge=1,
+        validation_alias="DEFAULT_MIN_BATCH_SIZE",
+        description="First streaming batch of a job, in tokens (per-request: min_batch_size).",
+    )
+    default_batch_size_growth_factor: float = Field(
+        3.0,
+        ge=1,
+        validation_alias="DEFAULT_BATCH_SIZE_GROWTH_FACTOR",
+        description="Each streaming batch is this many times the last, up to DEFAULT_BATCH_SIZE.",
+    )
+    raw_openai_output: bool = Field(
+        True,
+        validation_alias="RAW_OPENAI_OUTPUT",
+        description="Streamed openai_route jobs yield raw SSE text (1) or parsed events (0).",
+    )
+    max_stored_jobs: int = Field(
+        10_000,
+        ge=1,
+        validation_alias="LLMEP_MAX_STORED_JOBS",
+        description="Jobs this pod keeps; finished ones expire after policy.ttl, oldest first when full.",
+    )
+
+    @field_validator("default_min_batch_size")
+    @classmethod
+    def _min_batch_within_max(cls, value: int, info) -> int:
+        largest = info.data.get("default_batch_size")
+        if largest is not None and value > largest:
+            raise ValueError(f"must not exceed DEFAULT_BATCH_SIZE ({largest})")
+        return value
+
     @field_validator("log_format", "log_level", mode="before")
     @classmethod
     def _lower(cls, value: object) -> object:

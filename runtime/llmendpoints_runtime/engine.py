@@ -256,6 +256,260 @@ class Engine:
         self.health.engine_stopped()
 
 
+# ---------------------------------------------------------------------------------------------
+# the job API's engine port (llmendpoints_runtime.jobs.port.JobEngine) -- owned by the job API
+# ---------------------------------------------------------------------------------------------
+
+# SamplingParams fields that are engine plumbing, not sampling choices a client may set.
+_INTERNAL_SAMPLING_FIELDS = frozenset(
+    {
+        "output_kind",
+        "skip_clone",
+        "output_text_buffer_length",
+        "routed_experts_prompt_start",
+        "trace_decode_token_ids",
+        "detokenize",
+        "stream_interval",
+    }
+)
+# Names from older worker-vllm/vLLM docs that vLLM 0.32 no longer has, with what to do instead.
+_RETIRED_SAMPLING_FIELDS = {
+    "best_of": "vLLM 0.32 removed best_of; use n",
+    "use_beam_search": "beam search is not a sampling parameter in vLLM 0.32; send the request "
+    "through openai_route /v1/completions with use_beam_search",
+    "length_penalty": "beam search only; send the request through openai_route",
+    "early_stopping": "beam search only; send the request through openai_route",
+}
+
+
+class JobEngineAdapter:
+    """`Engine` seen through the job API's narrow port.
+
+    Prompt/messages jobs are rendered by vLLM's own completion/chat preprocessing (chat
+    template, CUSTOM_CHAT_TEMPLATE, tokenisation, length checks) and then generated straight on
+    the engine client with DELTA outputs -- the same engine work as /v1/completions without the
+    OpenAI response formatting.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def is_ready(self) -> bool:
+        return self.engine.health.state is EngineState.READY and self.engine.asgi_app is not None
+
+    async def wait_ready(self) -> None:
+        from llmendpoints_runtime.jobs.errors import EngineUnavailable
+
+        while not self.is_ready():
+            if self.engine.health.state in (EngineState.FAILED, EngineState.STOPPED):
+                raise EngineUnavailable(
+                    f"the engine is not available: {self.engine.health.reason or 'stopped'}"
+                )
+            await asyncio.sleep(0.05)
+
+    # -- input checks ------------------------------------------------------------------------
+
+    def sampling_params(self, params: Any, **overrides: Any):
+        """vLLM's SamplingParams from a job's dict; InvalidRequest naming the bad field."""
+        import msgspec
+        from vllm.sampling_params import SamplingParams
+
+        from llmendpoints_runtime.jobs.errors import InvalidRequest
+
+        def bad(name: str, message: str) -> InvalidRequest:
+            field = f"input.sampling_params.{name}" if name else "input.sampling_params"
+            return InvalidRequest(f"{field}: {message}", param=field)
+
+        allowed = {
+            f
+            for f in SamplingParams.__struct_fields__
+            if not f.startswith("_") and f not in _INTERNAL_SAMPLING_FIELDS
+        }
+        for name in params:
+            if name in _RETIRED_SAMPLING_FIELDS:
+                raise bad(name, _RETIRED_SAMPLING_FIELDS[name])
+            if name not in allowed:
+                raise bad(name, "not a vLLM sampling parameter (see vllm.SamplingParams)")
+        try:
+            sampling = msgspec.convert(dict(params), SamplingParams)
+        except msgspec.ValidationError as exc:
+            text = str(exc)
+            name = text.rsplit("`$.", 1)[-1].split("`")[0].split(".")[0] if "`$." in text else ""
+            raise bad(name, text.split(" - at ")[0]) from None
+        except _client_errors() as exc:
+            raise bad(getattr(exc, "parameter", None) or "", _clean(exc)) from None
+        for name, value in overrides.items():  # engine plumbing, set after validation
+            setattr(sampling, name, value)
+        return sampling
+
+    def check_sampling_params(self, params: Any) -> None:
+        self.sampling_params(params)
+
+    def check_openai_input(self, route: str, body: Any) -> None:
+        import pydantic
+
+        from llmendpoints_runtime.jobs.errors import InvalidRequest
+        from llmendpoints_runtime.jobs.models import describe_validation_error
+
+        model = _openai_request_models().get(route)
+        if model is None or body is None:
+            return
+        try:
+            parsed = pydantic.TypeAdapter(model).validate_python(body)
+        except pydantic.ValidationError as exc:
+            message, field = describe_validation_error(exc, prefix="input.openai_input")
+            raise InvalidRequest(message, param=field) from None
+        # Values pydantic lets through but SamplingParams refuses (max_tokens: -1, top_p: 5):
+        # the route would refuse them when the job runs; refuse them now, with a 400.
+        to_sampling_params = getattr(parsed, "to_sampling_params", None)
+        if to_sampling_params is None or getattr(parsed, "use_beam_search", False):
+            return
+        max_tokens = getattr(parsed, "max_completion_tokens", None)
+        if max_tokens is None:
+            max_tokens = getattr(parsed, "max_tokens", None)
+        try:
+            to_sampling_params(16 if max_tokens is None else max_tokens, {})
+        except _client_errors() as exc:
+            name = getattr(exc, "parameter", None)
+            field = f"input.openai_input.{name}" if name else "input.openai_input"
+            raise InvalidRequest(f"{field}: {_clean(exc)}", param=field) from None
+        except Exception:  # anything else is left to the route itself
+            return
+
+    def n_choices(self, params: Any) -> int:
+        n = params.get("n", 1)
+        return n if isinstance(n, int) and n > 0 else 1
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def generate(self, request):  # -> AsyncIterator[GenerationStep]
+        from vllm.sampling_params import RequestOutputKind
+
+        from llmendpoints_runtime.jobs.errors import EngineUnavailable, InvalidRequest, JobFailed
+        from llmendpoints_runtime.jobs.port import ChoiceDelta, GenerationStep
+
+        engine_input = await self._render(request)
+        prompt_len = _prompt_len(engine_input)
+        params = dict(self._model_defaults())
+        params.update(request.sampling_params)
+        if "max_tokens" not in request.sampling_params:
+            room = self.engine.client.model_config.max_model_len - prompt_len
+            params["max_tokens"] = max(1, min(request.default_max_tokens, room))
+        sampling = self.sampling_params(params, output_kind=RequestOutputKind.DELTA)
+        try:
+            async for output in self.engine.client.generate(
+                engine_input, sampling, request.request_id
+            ):
+                yield GenerationStep(
+                    prompt_tokens=len(output.prompt_token_ids or ()) or prompt_len,
+                    choices=tuple(
+                        ChoiceDelta(o.index, o.text, len(o.token_ids)) for o in output.outputs
+                    ),
+                )
+        except _client_errors() as exc:  # prompt too long, max_tokens beyond the context...
+            raise InvalidRequest(_clean(exc)) from None
+        except Exception as exc:
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            if isinstance(exc, EngineDeadError):
+                raise EngineUnavailable(f"the engine died: {_clean(exc)}") from None
+            cause = exc.__cause__ or exc
+            raise JobFailed(
+                f"generation failed: {type(cause).__name__}: {_clean(cause)}",
+                error_type="InternalServerError",
+            ) from exc
+
+    async def _render(self, request):
+        """vLLM's own preprocessing: chat template or plain prompt -> engine input."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        from llmendpoints_runtime.jobs.errors import InvalidRequest
+
+        state = self.engine.asgi_app.state
+        messages = request.messages
+        if messages is None and request.apply_chat_template:
+            messages = [{"role": "user", "content": request.prompt}]
+        try:
+            if messages is not None:
+                rendered = await state.openai_serving_chat.render_chat_request(
+                    ChatCompletionRequest(messages=messages)
+                )
+                engine_inputs = rendered if isinstance(rendered, ErrorResponse) else rendered[1]
+            else:
+                engine_inputs = await state.openai_serving_completion.render_completion_request(
+                    CompletionRequest(prompt=request.prompt)
+                )
+        except _client_errors() as exc:  # pydantic's ValidationError is a ValueError too
+            raise InvalidRequest(f"input.messages: {_clean(exc)}", param="input.messages") from None
+        if isinstance(engine_inputs, ErrorResponse):
+            raise InvalidRequest(engine_inputs.error.message, param=engine_inputs.error.param)
+        return engine_inputs[0]
+
+    def _model_defaults(self) -> dict[str, Any]:
+        """The model's generation_config defaults, as /v1/completions applies them."""
+        serving = self.engine.asgi_app.state.openai_serving_completion
+        return dict(getattr(serving, "default_sampling_params", None) or {})
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    def load(self):
+        from llmendpoints_runtime.jobs.port import EngineLoad
+
+        client = self.engine.client
+        if client is None or self.engine.asgi_app is None:
+            return EngineLoad(running=0, waiting=0)
+        waiting = self.engine.requests_waiting()
+        return EngineLoad(
+            running=max(0, client.get_num_unfinished_requests() - waiting), waiting=waiting
+        )
+
+    def openai_app(self):
+        return self.engine.asgi_app
+
+    def served_models(self):
+        from llmendpoints_runtime.jobs.port import ServedModels
+
+        models = getattr(self.engine.asgi_app.state, "openai_serving_models", None)
+        adapters = tuple(getattr(models, "lora_requests", {}) or {})
+        return ServedModels(
+            base=tuple(self.engine.served_model_names()),
+            adapters=adapters,
+            multimodal=bool(self.engine.client.model_config.is_multimodal_model),
+            tasks=tuple(getattr(self.engine, "supported_tasks", ()) or ()),
+        )
+
+
+def _openai_request_models() -> dict[str, Any]:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.pooling.embed.protocol import EmbeddingRequest
+
+    return {
+        "/v1/chat/completions": ChatCompletionRequest,
+        "/v1/completions": CompletionRequest,
+        "/v1/embeddings": EmbeddingRequest,
+    }
+
+
+def _client_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "the request is wrong" (a 400), not "the server broke"."""
+    from vllm.exceptions import VLLMClientError
+
+    return (ValueError, TypeError, VLLMClientError)
+
+
+def _prompt_len(engine_input: Any) -> int:
+    ids = engine_input.get("prompt_token_ids") if isinstance(engine_input, dict) else None
+    return len(ids) if ids is not None else 0
+
+
+def _clean(exc: BaseException) -> str:
+    return str(exc).strip() or type(exc).__name__
+
+
 def _describe_failure(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     # vLLM wraps engine-core start-up failures; the useful line is the cause.
@@ -270,6 +524,7 @@ __all__ = [
     "Engine",
     "EngineArgsError",
     "EngineState",
+    "JobEngineAdapter",
     "build_arg_parser",
     "installed_vllm_version",
     "parse_engine_args",

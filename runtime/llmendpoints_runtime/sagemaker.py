@@ -15,6 +15,7 @@ instead of being downloaded first.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -23,7 +24,7 @@ from fastapi.responses import Response
 from llmendpoints_runtime.jobs.asgi import ForwardedRequest
 from llmendpoints_runtime.jobs.errors import InvalidRequest, JobAPIError
 from llmendpoints_runtime.jobs.models import parse_json_object
-from llmendpoints_runtime.jobs.port import JobEngine, ServedModels
+from llmendpoints_runtime.jobs.port import ASGIApp, JobEngine, ServedModels
 from llmendpoints_runtime.jobs.routes import error_response, read_body
 
 SAGEMAKER_MODEL_PATH = "/opt/ml/model"
@@ -78,6 +79,23 @@ def image_parts(messages: list[Any]) -> list[str]:
     return found
 
 
+_ROUTE_TASKS = {
+    "/v1/chat/completions": ("generate", "chat completion (messages)"),
+    "/v1/completions": ("generate", "completion (prompt)"),
+    "/v1/embeddings": ("embed", "embeddings (input)"),
+}
+
+
+def check_task(route: str, served: ServedModels) -> None:
+    """A payload for a task the model does not serve is a 400 that says so, not a bare 404."""
+    task, what = _ROUTE_TASKS[route]
+    if task not in served.tasks:
+        raise InvalidRequest(
+            f"this payload asks for {what}, but model {served.base[0]!r} serves only "
+            f"{', '.join(served.tasks) or 'nothing'}"
+        )
+
+
 def check_modalities(payload: dict[str, Any], served: ServedModels) -> None:
     if served.multimodal or not isinstance(payload.get("messages"), list):
         return
@@ -89,7 +107,13 @@ def check_modalities(payload: dict[str, Any], served: ServedModels) -> None:
         )
 
 
-def build_sagemaker_router(engine: JobEngine, *, max_body_bytes: int) -> APIRouter:
+def build_sagemaker_router(
+    engine: JobEngine,
+    *,
+    max_body_bytes: int,
+    target: Callable[[Request], ASGIApp] | None = None,
+) -> APIRouter:
+    """``target`` is the app that serves ``/v1/...`` (default: vLLM's app itself)."""
     router = APIRouter(tags=["sagemaker"])
 
     @router.post("/invocations")
@@ -99,11 +123,13 @@ def build_sagemaker_router(engine: JobEngine, *, max_body_bytes: int) -> APIRout
             route = invocation_route(payload)
             await engine.wait_ready()
             served = engine.served_models()
+            check_task(route, served)
             check_modalities(payload, served)
             payload = map_model(payload, served)
         except JobAPIError as exc:
             return error_response(exc)
         body = json.dumps(payload).encode()
-        return ForwardedRequest(engine.openai_app(), route, body)
+        app = target(request) if target is not None else engine.openai_app()
+        return ForwardedRequest(app, route, body)
 
     return router

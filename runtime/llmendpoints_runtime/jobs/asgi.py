@@ -142,8 +142,16 @@ class ForwardedRequest(Response):
             await self._app(scope, receive, send)
             return
         body = self._body
-        headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-length",)]
-        scope["headers"] = [*headers, (b"content-length", str(len(body)).encode())]
+        # The replacement body is JSON whatever the client declared (SageMaker clients often
+        # send none, or application/octet-stream).
+        headers = [
+            (k, v) for k, v in scope["headers"] if k not in (b"content-length", b"content-type")
+        ]
+        scope["headers"] = [
+            *headers,
+            (b"content-length", str(len(body)).encode()),
+            (b"content-type", b"application/json"),
+        ]
         sent = False
 
         async def replay_receive() -> MutableMapping[str, Any]:

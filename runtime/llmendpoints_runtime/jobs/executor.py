@@ -140,6 +140,7 @@ class JobExecutor:
     # ---- the API's verbs -----------------------------------------------------------------
 
     async def submit(self, request: JobRequest, *, sync: bool) -> Job:
+        self.start()  # lazily: the workers need the server's event loop
         if self._queued >= self._settings.max_queue_length:
             raise QueueFull(
                 f"the job queue is full ({self._settings.max_queue_length} jobs waiting); "

@@ -66,6 +66,8 @@ class ServedModels:
     base: tuple[str, ...]
     adapters: tuple[str, ...] = ()
     multimodal: bool = False
+    # What the model serves: "generate" (chat, completions), "embed" (embeddings), ...
+    tasks: tuple[str, ...] = ("generate",)
 
 
 class JobEngine(Protocol):

@@ -6,6 +6,7 @@ from llmendpoints_runtime.jobs.port import ServedModels
 from llmendpoints_runtime.sagemaker import (
     build_sagemaker_router,
     check_modalities,
+    check_task,
     invocation_route,
     map_model,
 )
@@ -77,6 +78,14 @@ def test_model_maps_to_the_served_model_unless_it_names_one(model, expected) -> 
     assert map_model(payload, SERVED)["model"] == expected
 
 
+def test_payload_for_a_task_the_model_lacks_is_refused() -> None:
+    check_task("/v1/completions", SERVED)
+    with pytest.raises(InvalidRequest) as info:
+        check_task("/v1/embeddings", SERVED)
+    assert "embeddings" in info.value.message and "serves only generate" in info.value.message
+    check_task("/v1/embeddings", ServedModels(base=("e5",), tasks=("embed",)))
+
+
 def test_images_to_a_text_only_model_are_refused_naming_the_part() -> None:
     with pytest.raises(InvalidRequest) as info:
         check_modalities(IMAGE_CHAT, SERVED)
@@ -115,6 +124,7 @@ async def test_invocations_forward_the_mapped_payload(client) -> None:
         (b"[1]", 400, "JSON object"),
         (b'{"temperature": 1}', 400, "needs messages"),
         (b"\xff", 400, "UTF-8"),
+        (b'{"input": "embed me"}', 400, "serves only generate"),
         (b'{"prompt": "' + b"x" * 20_000 + b'"}', 413, "limit"),
     ],
 )
