@@ -1,0 +1,485 @@
+"""PURE builders: a validated Endpoint (+ operator settings) -> the Kubernetes objects it needs.
+
+No I/O, no clock, no randomness: the same input always gives the same dicts, which is what makes
+the reconcile idempotent and these builders golden-testable. Owner references are added by the
+handlers (kopf.adopt), because they need the live object's uid.
+
+The pod spec implements the runtime's environment contract (.coord/CONTRACTS.md): MODEL_NAME and
+friends, engine flags as UPPER_SNAKE variables, BASE_PATH on the model-cache volume,
+API_KEYS_FILE and CUSTOM_CHAT_TEMPLATE as mounted files, probes on /ready?strict=1 and /health.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from llmendpoints_operator.config import OperatorSettings
+from llmendpoints_operator.spec import Endpoint, flag_env_name
+
+GROUP = "llmendpoints.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "LLMEndpoint"
+PLURAL = "llmendpoints"
+
+# Labels on every child. The endpoint label is the pod selector (immutable in a Deployment, so it
+# must never change) and how the autoscaler and the status find an endpoint's children.
+LABEL_ENDPOINT = f"{GROUP}/endpoint"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "llmendpoints-operator"
+ANNOTATION_CHAT_TEMPLATE_HASH = f"{GROUP}/chat-template-sha256"
+
+CONTAINER_NAME = "runtime"
+HTTP_PORT = 8000
+HTTP_PORT_NAME = "http"
+MODEL_CACHE_PATH = "/models"
+CHAT_TEMPLATE_DIR = "/etc/llmendpoints/chat-template"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+API_KEYS_DIR = "/etc/llmendpoints/api-keys"
+API_KEYS_FILE = "api-keys"
+# Extra grace after the runtime's drain timeout: SIGKILL must never cut a drain short.
+TERMINATION_GRACE_MARGIN_SECONDS = 15
+STARTUP_PROBE_PERIOD_SECONDS = 10
+READY_PATH = "/ready?strict=1"  # 200 ready, 503 otherwise (plain /ready answers 204 while loading)
+HEALTH_PATH = "/health"
+
+
+# Fixed child names: a reconcile finds its children by name, never by listing.
+def deployment_name(endpoint_name: str) -> str:
+    return endpoint_name
+
+
+def service_name(endpoint_name: str) -> str:
+    return endpoint_name
+
+
+def chat_template_configmap_name(endpoint_name: str) -> str:
+    return f"{endpoint_name}-chat-template"
+
+
+def cache_claim_name(endpoint_name: str) -> str:
+    return f"{endpoint_name}-model-cache"
+
+
+def selector_labels(endpoint_name: str) -> dict[str, str]:
+    return {LABEL_ENDPOINT: endpoint_name}
+
+
+def labels(endpoint_name: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "llmendpoint",
+        "app.kubernetes.io/instance": endpoint_name,
+        "app.kubernetes.io/component": "inference",
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_ENDPOINT: endpoint_name,
+    }
+
+
+def selector_string(endpoint_name: str) -> str:
+    """The pod selector in the string form the scale subresource publishes (status.selector)."""
+    return ",".join(f"{key}={value}" for key, value in selector_labels(endpoint_name).items())
+
+
+def _metadata(ep: Endpoint, name: str, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": ep.namespace, "labels": labels(ep.name)}
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    return meta
+
+
+def _bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def _arg_value(value: str | int | float | bool) -> str:
+    return _bool(value) if isinstance(value, bool) else str(value)
+
+
+def tensor_parallel_size(ep: Endpoint) -> int | None:
+    """Explicit tensorParallelSize, else one shard per requested GPU when there are several."""
+    if ep.spec.engine.tensor_parallel_size is not None:
+        return ep.spec.engine.tensor_parallel_size
+    return ep.spec.resources.gpus if ep.spec.resources.gpus > 1 else None
+
+
+def build_env(ep: Endpoint) -> list[dict[str, Any]]:
+    """The runtime's environment for this endpoint, in a stable order."""
+    model, engine, api = ep.spec.model, ep.spec.engine, ep.spec.api
+    plain: list[tuple[str, str | None]] = [
+        ("MODEL_NAME", model.name),
+        ("MODEL_REVISION", model.revision),
+        ("TOKENIZER_NAME", model.tokenizer.name if model.tokenizer else None),
+        ("TOKENIZER_REVISION", model.tokenizer.revision if model.tokenizer else None),
+        ("OPENAI_SERVED_MODEL_NAME_OVERRIDE", ep.served_model_name),
+        (
+            "CUSTOM_CHAT_TEMPLATE",
+            f"{CHAT_TEMPLATE_DIR}/{CHAT_TEMPLATE_FILE}" if model.chat_template else None,
+        ),
+        ("TRUST_REMOTE_CODE", _bool(True) if model.trust_remote_code else None),
+        ("DTYPE", engine.dtype),
+        ("MAX_MODEL_LEN", _opt(engine.max_model_len)),
+        ("TENSOR_PARALLEL_SIZE", _opt(tensor_parallel_size(ep))),
+        ("GPU_MEMORY_UTILIZATION", _opt(engine.gpu_memory_utilization)),
+        ("QUANTIZATION", engine.quantization),
+        (
+            "ENABLE_PREFIX_CACHING",
+            None if engine.enable_prefix_caching is None else _bool(engine.enable_prefix_caching),
+        ),
+        ("BASE_PATH", MODEL_CACHE_PATH),
+        ("API_KEYS_FILE", f"{API_KEYS_DIR}/{API_KEYS_FILE}" if api.api_keys_secret_ref else None),
+        ("MAX_CONCURRENCY", _opt(api.max_concurrency)),
+        ("MAX_QUEUE_LENGTH", _opt(api.max_queue_length)),
+        ("DEFAULT_MAX_TOKENS", _opt(api.default_max_tokens)),
+        ("DEFAULT_BATCH_SIZE", _opt(api.streaming.batch_size if api.streaming else None)),
+        ("DEFAULT_MIN_BATCH_SIZE", _opt(api.streaming.min_batch_size if api.streaming else None)),
+        (
+            "DEFAULT_BATCH_SIZE_GROWTH_FACTOR",
+            _opt(api.streaming.batch_size_growth_factor if api.streaming else None),
+        ),
+        ("DRAIN_TIMEOUT_SECONDS", str(engine.drain_timeout_seconds)),
+        ("HOST", "0.0.0.0"),
+        ("PORT", str(HTTP_PORT)),
+        ("LOG_FORMAT", "json"),
+    ]
+    env: list[dict[str, Any]] = [
+        {"name": name, "value": value} for name, value in plain if value is not None
+    ]
+    if model.hf_token_secret_ref is not None:
+        ref = model.hf_token_secret_ref
+        env.append(
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+        )
+    for flag in sorted(engine.args):
+        env.append({"name": flag_env_name(flag), "value": _arg_value(engine.args[flag])})
+    for var in engine.env:
+        env.append(var.model_dump(by_alias=True, exclude_none=True))
+    return env
+
+
+def _opt(value: int | float | None) -> str | None:
+    return None if value is None else str(value)
+
+
+def _resources(ep: Endpoint, settings: OperatorSettings) -> dict[str, Any]:
+    res = ep.spec.resources
+    requests = res.requests.model_dump(exclude_none=True) if res.requests else {}
+    limits = res.limits.model_dump(exclude_none=True) if res.limits else {}
+    if res.gpus:
+        # Extended resources are only set as limits; Kubernetes copies them into requests.
+        limits[res.gpu_resource_name or settings.gpu_resource_name] = str(res.gpus)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": HTTP_PORT_NAME},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+    }
+
+
+def _volumes(ep: Endpoint) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    spec = ep.spec
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if spec.resources.shm_size is not None:
+        shm["sizeLimit"] = spec.resources.shm_size
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": shm}]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+
+    if spec.cache is None:
+        # No shared cache: every pod downloads into its own scratch volume.
+        volumes.append({"name": "model-cache", "emptyDir": {}})
+    else:
+        claim = spec.cache.existing_claim or cache_claim_name(ep.name)
+        volumes.append({"name": "model-cache", "persistentVolumeClaim": {"claimName": claim}})
+    mounts.append({"name": "model-cache", "mountPath": MODEL_CACHE_PATH})
+
+    if spec.model.chat_template is not None:
+        volumes.append(
+            {"name": "chat-template", "configMap": {"name": chat_template_configmap_name(ep.name)}}
+        )
+        mounts.append({"name": "chat-template", "mountPath": CHAT_TEMPLATE_DIR, "readOnly": True})
+
+    if spec.api.api_keys_secret_ref is not None:
+        ref = spec.api.api_keys_secret_ref
+        # A whole-directory mount (no subPath): the kubelet refreshes the file when the Secret
+        # changes, and the runtime re-reads it, so keys rotate without a restart.
+        volumes.append(
+            {
+                "name": "api-keys",
+                "secret": {
+                    "secretName": ref.name,
+                    "items": [{"key": ref.key, "path": API_KEYS_FILE}],
+                },
+            }
+        )
+        mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
+    return volumes, mounts
+
+
+def chat_template_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def build_pod_template(ep: Endpoint, settings: OperatorSettings) -> dict[str, Any]:
+    spec = ep.spec
+    engine = spec.engine
+    volumes, mounts = _volumes(ep)
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": engine.image or settings.runtime_image,
+        "command": ["llmendpoints-runtime"],
+        "args": ["serve"],
+        "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "env": build_env(ep),
+        "resources": _resources(ep, settings),
+        "volumeMounts": mounts,
+        # The HTTP server answers from the first second; the startup probe's budget covers the
+        # whole download + load of the weights, after which readiness and liveness take over.
+        "startupProbe": _probe(
+            READY_PATH,
+            STARTUP_PROBE_PERIOD_SECONDS,
+            math.ceil(engine.startup_timeout_seconds / STARTUP_PROBE_PERIOD_SECONDS),
+        ),
+        "readinessProbe": _probe(READY_PATH, period=5, failures=2),
+        # Generous: a busy engine may answer slowly, and a restart reloads the whole model.
+        "livenessProbe": _probe(HEALTH_PATH, period=10, failures=6),
+        "securityContext": dict(settings.runtime_security_context),
+    }
+    if engine.image_pull_policy is not None:
+        container["imagePullPolicy"] = engine.image_pull_policy
+
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": engine.drain_timeout_seconds
+        + TERMINATION_GRACE_MARGIN_SECONDS,
+        "securityContext": dict(settings.runtime_pod_security_context),
+        "enableServiceLinks": False,  # hundreds of *_SERVICE_HOST variables help nobody here
+    }
+    if engine.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": ref.name} for ref in engine.image_pull_secrets]
+    res = spec.resources
+    if res.node_selector:
+        pod_spec["nodeSelector"] = dict(res.node_selector)
+    if res.tolerations:
+        pod_spec["tolerations"] = [
+            t.model_dump(by_alias=True, exclude_none=True) for t in res.tolerations
+        ]
+    if res.affinity is not None:
+        pod_spec["affinity"] = res.affinity
+    if res.priority_class_name is not None:
+        pod_spec["priorityClassName"] = res.priority_class_name
+
+    annotations = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(HTTP_PORT),
+        "prometheus.io/path": "/metrics",
+    }
+    if spec.model.chat_template is not None:
+        # The runtime reads the template at start-up: a changed template must roll the pods.
+        annotations[ANNOTATION_CHAT_TEMPLATE_HASH] = chat_template_hash(spec.model.chat_template)
+    return {"metadata": {"labels": labels(ep.name), "annotations": annotations}, "spec": pod_spec}
+
+
+def build_deployment(
+    ep: Endpoint, settings: OperatorSettings, *, replicas: int | None
+) -> dict[str, Any]:
+    """The runtime Deployment. `replicas=None` leaves the field out (see replicas_to_write)."""
+    rollout = ep.spec.rollout
+    strategy: dict[str, Any]
+    if rollout.strategy == "Recreate":
+        strategy = {"type": "Recreate"}
+    else:
+        # Default maxSurge 0: a surge pod would wait for a GPU that the old pod still holds.
+        strategy = {
+            "type": "RollingUpdate",
+            "rollingUpdate": {
+                "maxSurge": rollout.max_surge,
+                "maxUnavailable": rollout.max_unavailable,
+            },
+        }
+    spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector_labels(ep.name)},
+        "strategy": strategy,
+        # Model downloads are long: only call a rollout stuck after the startup budget is spent.
+        "progressDeadlineSeconds": ep.spec.engine.startup_timeout_seconds + 600,
+        "revisionHistoryLimit": 3,
+        "template": build_pod_template(ep, settings),
+    }
+    if replicas is not None:
+        spec = {"replicas": replicas, **spec}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(ep, deployment_name(ep.name)),
+        "spec": spec,
+    }
+
+
+def build_service(ep: Endpoint) -> dict[str, Any]:
+    svc = ep.spec.api.service
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(ep, service_name(ep.name), svc.annotations),
+        "spec": {
+            "type": svc.type,
+            "selector": selector_labels(ep.name),
+            "ports": [
+                {
+                    "name": HTTP_PORT_NAME,
+                    "port": svc.port,
+                    "targetPort": HTTP_PORT_NAME,
+                    "protocol": "TCP",
+                    "appProtocol": "http",
+                }
+            ],
+        },
+    }
+
+
+def build_chat_template_configmap(ep: Endpoint) -> dict[str, Any] | None:
+    template = ep.spec.model.chat_template
+    if template is None:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(ep, chat_template_configmap_name(ep.name)),
+        "data": {CHAT_TEMPLATE_FILE: template},
+    }
+
+
+def build_cache_claim(ep: Endpoint) -> dict[str, Any] | None:
+    cache = ep.spec.cache
+    if cache is None or cache.size is None:
+        return None
+    spec: dict[str, Any] = {
+        "accessModes": list(cache.access_modes),
+        "volumeMode": "Filesystem",
+        "resources": {"requests": {"storage": cache.size}},
+    }
+    if cache.storage_class_name is not None:
+        spec["storageClassName"] = cache.storage_class_name
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _metadata(ep, cache_claim_name(ep.name)),
+        "spec": spec,
+    }
+
+
+def build_pdb(ep: Endpoint) -> dict[str, Any] | None:
+    """One voluntary disruption at a time, once the endpoint may run more than one replica."""
+    if ep.spec.scaling.upper <= 1:
+        return None
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(ep, ep.name),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(ep.name)},
+            # Pods still loading a model do not count against the budget; evicting them is cheap.
+            "unhealthyPodEvictionPolicy": "IfHealthyBudget",
+        },
+    }
+
+
+def build_ingress(ep: Endpoint) -> dict[str, Any] | None:
+    ing = ep.spec.api.ingress
+    if not ing.enabled:
+        return None
+    rule: dict[str, Any] = {
+        "http": {
+            "paths": [
+                {
+                    "path": ing.path,
+                    "pathType": "Prefix",
+                    "backend": {
+                        "service": {
+                            "name": service_name(ep.name),
+                            "port": {"name": HTTP_PORT_NAME},
+                        }
+                    },
+                }
+            ]
+        }
+    }
+    if ing.host is not None:
+        rule = {"host": ing.host, **rule}
+    spec: dict[str, Any] = {"rules": [rule]}
+    if ing.class_name is not None:
+        spec = {"ingressClassName": ing.class_name, **spec}
+    if ing.tls is not None and ing.host is not None:
+        spec["tls"] = [{"hosts": [ing.host], "secretName": ing.tls.secret_name}]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "Ingress",
+        "metadata": _metadata(ep, ep.name, ing.annotations),
+        "spec": spec,
+    }
+
+
+@dataclass(frozen=True)
+class ChildRef:
+    """Enough to address a child in the API: apiVersion, kind, name (namespace is the endpoint's)."""
+
+    api_version: str
+    kind: str
+    name: str
+
+
+def optional_children(ep_name: str) -> list[ChildRef]:
+    """Children that exist only for some specs; a reconcile deletes those the spec no longer asks for."""
+    return [
+        ChildRef("v1", "ConfigMap", chat_template_configmap_name(ep_name)),
+        ChildRef("v1", "PersistentVolumeClaim", cache_claim_name(ep_name)),
+        ChildRef("policy/v1", "PodDisruptionBudget", ep_name),
+        ChildRef("networking.k8s.io/v1", "Ingress", ep_name),
+    ]
+
+
+def build_children(ep: Endpoint, settings: OperatorSettings) -> list[dict[str, Any]]:
+    """Every child except the Deployment (whose replicas need the cluster's state), in apply order:
+    what the pods mount first, so that a new pod never waits for a missing volume source."""
+    built = [
+        build_chat_template_configmap(ep),
+        build_cache_claim(ep),
+        build_service(ep),
+        build_pdb(ep),
+        build_ingress(ep),
+    ]
+    return [obj for obj in built if obj is not None]
+
+
+def replicas_to_write(ep: Endpoint, current: int | None) -> int | None:
+    """The replica count the reconcile must write to the Deployment, or None to leave it alone.
+
+    Ownership rule (docs/operator.md): the reconcile writes `replicas` only when it creates the
+    Deployment, when the current count is outside [minReplicas, maxReplicas], or when the user
+    pins a count through the scale subresource (spec.scaling.replicas). Otherwise the autoscaler
+    is the single writer, and a reconcile never undoes its decisions.
+    """
+    scaling = ep.spec.scaling
+    lower, upper = scaling.min_replicas, scaling.upper
+    if scaling.replicas is not None:
+        wanted = min(max(scaling.replicas, lower), upper)
+        return None if current == wanted else wanted
+    if current is None:
+        return lower
+    if current < lower:
+        return lower
+    if current > upper:
+        return upper
+    return None

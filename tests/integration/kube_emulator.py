@@ -1,0 +1,288 @@
+"""An in-memory Kubernetes API (kmock's KubernetesEmulator) and the real operator process against it.
+
+Shared by tests/integration/ and bench/operator_scale.py. The emulator runs in the caller's event
+loop; the operator runs as a subprocess (`python -m llmendpoints_operator run`) pointed at it by a
+kubeconfig, exactly as a user would run it.
+
+kmock's emulator stores objects exactly as given. `Emulator` below adds the three things an API
+server does on every write that kopf and the operator rely on: a uid, a resourceVersion that
+changes on every write (kopf skips events older than its own last patch by it, and guards its
+patches with a JSON-patch test of it: a failed test is a 422, as on a real server), and a
+generation that changes when the spec does (the status reports observedGeneration).
+Still missing, so the tests do it where they need it: garbage collection, controllers (a
+Deployment never gets a status unless a test writes one), server-side apply semantics (a PATCH
+is a recursive merge of whatever is sent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import itertools
+import os
+import pathlib
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jsonpatch
+import kmock
+import yaml
+from kmock._internal import dicts as kmock_dicts
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+LLMEP = "llmendpoints.dev/v1alpha1/llmendpoints"
+VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
+
+# Every kind the operator watches or writes, plus what kopf itself needs.
+RESOURCES: dict[str, dict[str, Any]] = {
+    LLMEP: {
+        "kind": "LLMEndpoint",
+        "singular": "llmendpoint",
+        "shortnames": {"llmep"},
+        "subresources": {"status", "scale"},
+    },
+    "apiextensions.k8s.io/v1/customresourcedefinitions": {
+        "kind": "CustomResourceDefinition",
+        "namespaced": False,
+    },
+    "v1/namespaces": {"kind": "Namespace", "namespaced": False},
+    "v1/events": {"kind": "Event"},
+    "apps/v1/deployments": {"kind": "Deployment", "subresources": {"status", "scale"}},
+    "v1/services": {"kind": "Service", "subresources": {"status"}},
+    "v1/configmaps": {"kind": "ConfigMap"},
+    "v1/persistentvolumeclaims": {"kind": "PersistentVolumeClaim", "subresources": {"status"}},
+    "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "subresources": {"status"}},
+    "networking.k8s.io/v1/ingresses": {"kind": "Ingress", "subresources": {"status"}},
+}
+
+CHILD_RESOURCES = {
+    "Deployment": "apps/v1/deployments",
+    "Service": "v1/services",
+    "ConfigMap": "v1/configmaps",
+    "PersistentVolumeClaim": "v1/persistentvolumeclaims",
+    "PodDisruptionBudget": "policy/v1/poddisruptionbudgets",
+    "Ingress": "networking.k8s.io/v1/ingresses",
+}
+
+
+class Emulator(kmock.KubernetesEmulator):
+    """KubernetesEmulator plus uid, resourceVersion and generation bookkeeping."""
+
+    _versions = itertools.count(1)
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if request.resource is None:
+            pass  # discovery and other non-object requests
+        elif request.action == kmock.action.CREATE and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {})
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = f"{meta['generateName']}{next(self._versions):05d}"
+            meta.setdefault("uid", f"uid-{next(self._versions)}")
+            meta.setdefault("creationTimestamp", _now())
+            meta["generation"] = 1
+            meta["resourceVersion"] = str(next(self._versions))
+        elif request.action == kmock.action.UPDATE and request.name is not None:
+            self._stamp_update(request)
+        try:
+            return await super()._handle(request)
+        except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPatchConflict) as exc:
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=str(exc)) from exc
+
+    def _stamp_update(self, request: kmock.Request) -> None:
+        key = (request.resource, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            return
+        old = self.objects[key].raw
+        version = str(next(self._versions))
+        generation = (old.get("metadata") or {}).get("generation") or 1
+        data = request.data
+        if isinstance(data, list):  # JSON patch
+            try:
+                new = kmock_dicts.json_patch_dict(copy.deepcopy(old), data)
+            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException):
+                return  # the test op fails: the request is answered with a 422
+            if request.subresource != "status" and new.get("spec") != old.get("spec"):
+                generation += 1
+            data.append({"op": "add", "path": "/metadata/resourceVersion", "value": version})
+            data.append({"op": "add", "path": "/metadata/generation", "value": generation})
+        elif isinstance(data, dict):  # merge patch (or an apply, which the emulator merges)
+            if request.subresource != "status" and "spec" in data:
+                merged = kmock_dicts.merge_patch_dict(old.get("spec") or {}, data["spec"] or {})
+                if merged != old.get("spec"):
+                    generation += 1
+            meta = data.setdefault("metadata", {})
+            meta["resourceVersion"] = version
+            meta["generation"] = generation
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Cluster:
+    """A running emulator: create/patch objects through its HTTP API, read its store directly."""
+
+    def __init__(self) -> None:
+        self.kmock = Emulator()
+        self._server = kmock.Server(self.kmock)
+        self.url = ""
+
+    async def __aenter__(self) -> Cluster:
+        await self.kmock.__aenter__()
+        await self._server.__aenter__()
+        self.url = str(self._server.url).rstrip("/")
+        for resource, info in RESOURCES.items():
+            info = {"namespaced": True, "verbs": VERBS, **info}
+            self.kmock.resources[resource] = kmock.ResourceInfo(**info)
+        crd = yaml.safe_load((REPO / "crds/llmendpoints.dev_llmendpoints.yaml").read_text())
+        self.kmock.objects[
+            "apiextensions.k8s.io/v1/customresourcedefinitions", None, crd["metadata"]["name"]
+        ] = crd
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._server.__aexit__(*exc)
+        await self.kmock.__aexit__(*exc)
+
+    def write_kubeconfig(self, path: pathlib.Path) -> pathlib.Path:
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
+            "users": [{"name": "emulator", "user": {}}],
+            "contexts": [
+                {"name": "emulator", "context": {"cluster": "emulator", "user": "emulator"}}
+            ],
+            "current-context": "emulator",
+        }
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    # -- writing through the API (so that watchers see the change) --
+
+    async def create(self, resource: str, namespace: str, body: dict[str, Any]) -> None:
+        path = _collection_path(resource, namespace)
+        async with self._server.client.post(path, json=body) as response:
+            assert response.status < 400, await response.text()
+
+    async def patch(self, resource: str, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        path = f"{_collection_path(resource, namespace)}/{name}"
+        async with self._server.client.patch(
+            path, json=patch, headers={"Content-Type": "application/merge-patch+json"}
+        ) as response:
+            assert response.status < 400, await response.text()
+
+    async def delete(self, resource: str, namespace: str, name: str) -> None:
+        path = f"{_collection_path(resource, namespace)}/{name}"
+        async with self._server.client.delete(path) as response:
+            assert response.status < 400, await response.text()
+
+    # -- reading the store directly --
+
+    def get(self, resource: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        key = (kmock.resource(resource), namespace, name)
+        if key not in self.kmock.objects:
+            return None
+        obj = self.kmock.objects[key]
+        return None if obj.deleted else obj.raw
+
+    def names(self, resource: str, namespace: str) -> set[str]:
+        return {
+            name
+            for (res, ns, name), obj in self.kmock.objects.items()
+            if res == kmock.resource(resource) and ns == namespace and not obj.deleted
+        }
+
+    def events(self, namespace: str, involved_name: str) -> list[dict[str, Any]]:
+        return [
+            obj.raw
+            for (res, ns, _), obj in self.kmock.objects.items()
+            if res == kmock.resource("v1/events")
+            and ns == namespace
+            and not obj.deleted
+            and obj.raw.get("involvedObject", {}).get("name") == involved_name
+        ]
+
+
+def _collection_path(resource: str, namespace: str | None) -> str:
+    res = kmock.resource(resource)
+    base = f"/api/{res.version}" if res.group == "" else f"/apis/{res.group}/{res.version}"
+    return f"{base}/namespaces/{namespace}/{res.plural}" if namespace else f"{base}/{res.plural}"
+
+
+def endpoint(name: str, namespace: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """An LLMEndpoint as a user writes it."""
+    return {
+        "apiVersion": "llmendpoints.dev/v1alpha1",
+        "kind": "LLMEndpoint",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec,
+    }
+
+
+class Operator:
+    """`python -m llmendpoints_operator run -A --standalone` as a subprocess."""
+
+    def __init__(
+        self, kubeconfig: pathlib.Path, log_path: pathlib.Path, env: dict[str, str] | None = None
+    ):
+        self.kubeconfig, self.log_path, self.extra_env = kubeconfig, log_path, env or {}
+        self.process: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> asyncio.subprocess.Process:
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "LLMEP_OPERATOR_METRICS_PORT": "0",
+            "PYTHONUNBUFFERED": "1",
+            **self.extra_env,
+        }
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        self._log = self.log_path.open("ab")
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "llmendpoints_operator",
+            "run",
+            "--all-namespaces",
+            "--standalone",
+            env=env,
+            stdout=self._log,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        return self.process
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+    async def stop(self) -> int | None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.terminate()
+            try:
+                await asyncio.wait_for(self.process.wait(), timeout=20)
+            except TimeoutError:
+                self.process.kill()
+                await self.process.wait()
+        self._log.close()
+        return self.process.returncode if self.process else None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+async def wait_for(
+    predicate: Callable[[], Any], timeout: float = 60, what: str = "condition"
+) -> Any:
+    """Poll `predicate` until it returns something truthy (the operator works asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(0.1)

@@ -1,0 +1,279 @@
+"""The real operator (`python -m llmendpoints_operator run`) against an in-memory Kubernetes API.
+
+One emulator and one operator process for the whole module (the emulator slows down as requests
+pile up). Each test uses its own endpoint names, so the order of tests does not matter, except
+for the restart test, which replaces the operator process and runs last.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from .kube_emulator import CHILD_RESOURCES, LLMEP, Cluster, Operator, endpoint, wait_for
+
+pytestmark = [pytest.mark.kube, pytest.mark.asyncio(loop_scope="module")]
+
+NS = "models"
+DEPLOYMENTS = CHILD_RESOURCES["Deployment"]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster() -> AsyncIterator[Cluster]:
+    async with Cluster() as cluster:
+        yield cluster
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def operator(
+    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Operator]:
+    tmp = tmp_path_factory.mktemp("operator")
+    operator = Operator(cluster.write_kubeconfig(tmp / "kubeconfig"), tmp / "operator.log")
+    await operator.start()
+    yield operator
+    await operator.stop()
+
+
+def _status(cluster: Cluster, name: str) -> dict[str, Any]:
+    return (cluster.get(LLMEP, NS, name) or {}).get("status") or {}
+
+
+def _condition(cluster: Cluster, name: str, type_: str) -> dict[str, Any]:
+    return next((c for c in _status(cluster, name).get("conditions", []) if c["type"] == type_), {})
+
+
+def _env(deployment: dict[str, Any]) -> dict[str, Any]:
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    return {var["name"]: var.get("value", var.get("valueFrom")) for var in container["env"]}
+
+
+async def _until(operator: Operator, predicate: Any, what: str) -> Any:
+    def check() -> Any:
+        assert operator.alive, f"operator exited:\n{operator.log()[-3000:]}"
+        return predicate()
+
+    try:
+        return await wait_for(check, timeout=60, what=what)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}; operator log:\n{operator.log()[-4000:]}") from None
+
+
+FULL_SPEC = {
+    "model": {
+        "name": "org/model",
+        "chatTemplate": "{% for m in messages %}{{ m.content }}{% endfor %}",
+        "hfTokenSecretRef": {"name": "hf", "key": "token"},
+    },
+    "engine": {"maxModelLen": 4096, "args": {"max-num-seqs": 64}},
+    "cache": {"size": "100Gi"},
+    "scaling": {"minReplicas": 1, "maxReplicas": 3},
+    "api": {
+        "apiKeysSecretRef": {"name": "keys", "key": "api-keys"},
+        "ingress": {"enabled": True, "host": "llm.example.com"},
+    },
+}
+
+
+async def test_create_builds_every_child_with_owner_and_reports_status(
+    cluster: Cluster, operator: Operator
+) -> None:
+    await cluster.create(LLMEP, NS, endpoint("full", NS, FULL_SPEC))
+    await _until(operator, lambda: _status(cluster, "full").get("phase") == "Pending", "status")
+    owner_uid = cluster.get(LLMEP, NS, "full")["metadata"]["uid"]
+
+    expected = {
+        "Deployment": "full",
+        "Service": "full",
+        "ConfigMap": "full-chat-template",
+        "PersistentVolumeClaim": "full-model-cache",
+        "PodDisruptionBudget": "full",
+        "Ingress": "full",
+    }
+    for kind, name in expected.items():
+        child = cluster.get(CHILD_RESOURCES[kind], NS, name)
+        assert child is not None, f"{kind} {name} was not created"
+        refs = child["metadata"]["ownerReferences"]
+        assert [(r["kind"], r["name"], r["uid"], r["controller"]) for r in refs] == [
+            ("LLMEndpoint", "full", owner_uid, True)
+        ]
+
+    env = _env(cluster.get(DEPLOYMENTS, NS, "full"))
+    assert env["MODEL_NAME"] == "org/model"
+    assert env["MAX_NUM_SEQS"] == "64"
+    assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    assert cluster.get(DEPLOYMENTS, NS, "full")["spec"]["replicas"] == 1
+
+    status = _status(cluster, "full")
+    assert status["observedGeneration"] == 1
+    assert status["url"] == "http://full.models.svc.cluster.local"
+    assert status["ingressUrl"] == "http://llm.example.com"
+    # The claim has no status in the emulator (no provisioner): the endpoint waits for it.
+    assert _condition(cluster, "full", "CacheReady")["reason"] == "ClaimPending"
+    assert _condition(cluster, "full", "Ready")["reason"] == "WaitingForCache"
+    reasons = [e["reason"] for e in cluster.events(NS, "full")]
+    assert "Created" in reasons
+
+
+async def test_children_becoming_ready_make_the_endpoint_ready(
+    cluster: Cluster, operator: Operator
+) -> None:
+    await cluster.create(LLMEP, NS, endpoint("ready", NS, {"model": {"name": "org/m"}}))
+    await _until(operator, lambda: cluster.get(DEPLOYMENTS, NS, "ready"), "deployment")
+    await _until(operator, lambda: _status(cluster, "ready").get("phase") == "Starting", "Starting")
+
+    # What the Deployment controller would report once the pod passes its readiness probe.
+    generation = cluster.get(DEPLOYMENTS, NS, "ready")["metadata"]["generation"]
+    await cluster.patch(
+        DEPLOYMENTS,
+        NS,
+        "ready",
+        {
+            "status": {
+                "observedGeneration": generation,
+                "replicas": 1,
+                "readyReplicas": 1,
+                "availableReplicas": 1,
+                "updatedReplicas": 1,
+            }
+        },
+    )
+    await _until(operator, lambda: _status(cluster, "ready").get("phase") == "Ready", "Ready")
+    ready = _condition(cluster, "ready", "Ready")
+    assert (ready["status"], ready["reason"]) == ("True", "Serving")
+    assert _status(cluster, "ready")["readyReplicas"] == 1
+    await _until(
+        operator,
+        lambda: "Ready" in [e["reason"] for e in cluster.events(NS, "ready")],
+        "a Ready event",
+    )
+
+
+async def test_spec_change_updates_the_deployment_and_observed_generation(
+    cluster: Cluster, operator: Operator
+) -> None:
+    await cluster.create(LLMEP, NS, endpoint("change", NS, {"model": {"name": "org/old"}}))
+    await _until(operator, lambda: cluster.get(DEPLOYMENTS, NS, "change"), "deployment")
+
+    await cluster.patch(LLMEP, NS, "change", {"spec": {"model": {"name": "org/new"}}})
+    await _until(
+        operator,
+        lambda: _env(cluster.get(DEPLOYMENTS, NS, "change"))["MODEL_NAME"] == "org/new",
+        "the new model in the Deployment",
+    )
+    await _until(
+        operator,
+        lambda: _status(cluster, "change").get("observedGeneration") == 2,
+        "observedGeneration 2",
+    )
+
+
+async def test_reconcile_leaves_replicas_to_the_autoscaler_within_bounds(
+    cluster: Cluster, operator: Operator
+) -> None:
+    spec = {"model": {"name": "org/m"}, "scaling": {"minReplicas": 1, "maxReplicas": 4}}
+    await cluster.create(LLMEP, NS, endpoint("scaled", NS, spec))
+    await _until(operator, lambda: cluster.get(DEPLOYMENTS, NS, "scaled"), "deployment")
+
+    # The autoscaler decides 3; a later spec change must not undo it.
+    await cluster.patch(DEPLOYMENTS, NS, "scaled", {"spec": {"replicas": 3}})
+    await cluster.patch(LLMEP, NS, "scaled", {"spec": {"engine": {"maxModelLen": 2048}}})
+    await _until(
+        operator,
+        lambda: _env(cluster.get(DEPLOYMENTS, NS, "scaled")).get("MAX_MODEL_LEN") == "2048",
+        "the spec change",
+    )
+    assert cluster.get(DEPLOYMENTS, NS, "scaled")["spec"]["replicas"] == 3
+
+    # Lowering maxReplicas below the current count clamps it.
+    await cluster.patch(LLMEP, NS, "scaled", {"spec": {"scaling": {"maxReplicas": 2}}})
+    await _until(
+        operator,
+        lambda: cluster.get(DEPLOYMENTS, NS, "scaled")["spec"]["replicas"] == 2,
+        "replicas clamped to maxReplicas",
+    )
+
+
+async def test_invalid_spec_is_reported_and_fixing_it_recovers(
+    cluster: Cluster, operator: Operator
+) -> None:
+    spec = {"model": {"name": "org/m"}, "scaling": {"minReplicas": 3, "maxReplicas": 2}}
+    await cluster.create(LLMEP, NS, endpoint("broken", NS, spec))
+    await _until(operator, lambda: _status(cluster, "broken").get("phase") == "Failed", "Failed")
+
+    ready = _condition(cluster, "broken", "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    assert ready["message"].startswith("spec.scaling.minReplicas:")
+    assert _condition(cluster, "broken", "SpecValid")["status"] == "False"
+    await _until(
+        operator,
+        lambda: [e for e in cluster.events(NS, "broken") if e["reason"] == "InvalidSpec"],
+        "an InvalidSpec event",
+    )
+    warning = next(e for e in cluster.events(NS, "broken") if e["reason"] == "InvalidSpec")
+    assert warning["type"] == "Warning"
+    assert "spec.scaling.minReplicas" in warning["message"]
+    for resource in CHILD_RESOURCES.values():
+        assert "broken" not in cluster.names(resource, NS)
+
+    await cluster.patch(LLMEP, NS, "broken", {"spec": {"scaling": {"maxReplicas": 3}}})
+    await _until(operator, lambda: cluster.get(DEPLOYMENTS, NS, "broken"), "recovery")
+    assert cluster.get(DEPLOYMENTS, NS, "broken")["spec"]["replicas"] == 3
+    await _until(
+        operator,
+        lambda: _condition(cluster, "broken", "SpecValid").get("status") == "True",
+        "SpecValid=True",
+    )
+    assert operator.alive
+
+
+async def test_children_the_spec_no_longer_asks_for_are_deleted(
+    cluster: Cluster, operator: Operator
+) -> None:
+    spec = {"model": {"name": "org/m"}, "api": {"ingress": {"enabled": True}}}
+    await cluster.create(LLMEP, NS, endpoint("prune", NS, spec))
+    ingresses = CHILD_RESOURCES["Ingress"]
+    await _until(operator, lambda: cluster.get(ingresses, NS, "prune"), "the ingress")
+
+    await cluster.patch(LLMEP, NS, "prune", {"spec": {"api": {"ingress": {"enabled": False}}}})
+    await _until(operator, lambda: cluster.get(ingresses, NS, "prune") is None, "ingress deleted")
+    assert cluster.get(DEPLOYMENTS, NS, "prune") is not None
+
+
+async def test_a_deleted_deployment_is_recreated(cluster: Cluster, operator: Operator) -> None:
+    await cluster.create(LLMEP, NS, endpoint("drift", NS, {"model": {"name": "org/m"}}))
+    await _until(operator, lambda: cluster.get(DEPLOYMENTS, NS, "drift"), "deployment")
+    await cluster.delete(DEPLOYMENTS, NS, "drift")
+    await _until(operator, lambda: cluster.get(DEPLOYMENTS, NS, "drift"), "the deployment back")
+
+
+async def test_restarted_operator_resumes_and_repairs_drift(
+    cluster: Cluster, operator: Operator, tmp_path: pathlib.Path
+) -> None:
+    await cluster.create(LLMEP, NS, endpoint("resume", NS, {"model": {"name": "org/m"}}))
+    services = CHILD_RESOURCES["Service"]
+    await _until(operator, lambda: cluster.get(services, NS, "resume"), "service")
+    await _until(operator, lambda: _status(cluster, "resume").get("phase"), "status")
+
+    assert await operator.stop() == 0  # a clean shutdown on SIGTERM
+    # While no operator runs: one endpoint loses its Service, another one's spec changes.
+    await cluster.delete(services, NS, "resume")
+    await cluster.patch(LLMEP, NS, "change", {"spec": {"model": {"name": "org/newer"}}})
+
+    restarted = Operator(operator.kubeconfig, tmp_path / "restarted.log")
+    await restarted.start()
+    try:
+        await _until(restarted, lambda: cluster.get(services, NS, "resume"), "service back")
+        await _until(
+            restarted,
+            lambda: _env(cluster.get(DEPLOYMENTS, NS, "change"))["MODEL_NAME"] == "org/newer",
+            "the change made while the operator was down",
+        )
+        # Endpoints untouched while it was down are resumed, not re-created.
+        assert _status(cluster, "full").get("observedGeneration") == 1
+    finally:
+        await restarted.stop()

@@ -1,0 +1,87 @@
+"""`llmendpoints-operator` CLI and its settings."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from llmendpoints_operator import __version__
+from llmendpoints_operator.__main__ import _parser
+from llmendpoints_operator.config import DEFAULT_RUNTIME_IMAGE, OperatorSettings
+
+
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "llmendpoints_operator", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_run_accepts_kopfs_flags() -> None:
+    args = _parser().parse_args(
+        [
+            "run",
+            "--standalone",
+            "-n",
+            "a",
+            "-n",
+            "team-*",
+            "--liveness",
+            "http://0.0.0.0:8081/healthz",
+            "--verbose",
+        ]
+    )
+    assert (args.standalone, args.namespaces, args.liveness, args.verbose) == (
+        True,
+        ["a", "team-*"],
+        "http://0.0.0.0:8081/healthz",
+        True,
+    )
+    assert _parser().parse_args(["run", "-A"]).all_namespaces
+
+
+def test_all_namespaces_and_namespace_are_exclusive() -> None:
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["run", "-A", "-n", "a"])
+
+
+def test_help_lists_the_run_options() -> None:
+    result = _run("run", "--help")
+    assert result.returncode == 0
+    for flag in ("--standalone", "--all-namespaces", "--namespace", "--liveness", "--verbose"):
+        assert flag in result.stdout
+
+
+def test_a_bad_setting_stops_the_operator_naming_the_variable() -> None:
+    result = _run("run", "-A", env={"LLMEP_OPERATOR_RESYNC_SECONDS": "-5"})
+    assert result.returncode == 2
+    assert "LLMEP_OPERATOR_RESYNC_SECONDS" in result.stderr
+
+
+def test_settings_defaults_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    defaults = OperatorSettings()
+    assert (
+        defaults.runtime_image
+        == DEFAULT_RUNTIME_IMAGE
+        == f"ghcr.io/llmendpoints/runtime:{__version__}"
+    )
+    assert (defaults.gpu_resource_name, defaults.resync_seconds, defaults.metrics_port) == (
+        "nvidia.com/gpu",
+        300,
+        8080,
+    )
+    assert defaults.runtime_pod_security_context["runAsNonRoot"] is True
+    assert defaults.runtime_pod_security_context["runAsUser"] == 1000
+    assert defaults.runtime_security_context["allowPrivilegeEscalation"] is False
+    monkeypatch.setenv("LLMEP_OPERATOR_RUNTIME_IMAGE", "my/runtime:dev")
+    monkeypatch.setenv(
+        "LLMEP_OPERATOR_RUNTIME_SECURITY_CONTEXT", '{"readOnlyRootFilesystem": true}'
+    )
+    settings = OperatorSettings()
+    assert settings.runtime_image == "my/runtime:dev"
+    assert settings.runtime_security_context == {"readOnlyRootFilesystem": True}

@@ -1,0 +1,177 @@
+"""The CRD is structural, documented, and agrees with the operator's typed spec and defaults."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from llmendpoints_operator import manifests, spec
+from pydantic import BaseModel
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+CRD_PATH = REPO / "crds" / "llmendpoints.dev_llmendpoints.yaml"
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def crd() -> dict[str, Any]:
+    return yaml.safe_load(CRD_PATH.read_text())
+
+
+@pytest.fixture(scope="module")
+def version(crd: dict[str, Any]) -> dict[str, Any]:
+    (only,) = crd["spec"]["versions"]
+    return only
+
+
+@pytest.fixture(scope="module")
+def schema(version: dict[str, Any]) -> dict[str, Any]:
+    return version["schema"]["openAPIV3Schema"]
+
+
+def _walk(node: dict[str, Any], path: str = ""):
+    yield path, node
+    for name, child in (node.get("properties") or {}).items():
+        yield from _walk(child, f"{path}.{name}")
+    if isinstance(node.get("items"), dict):
+        yield from _walk(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _walk(node["additionalProperties"], f"{path}{{}}")
+
+
+def test_names_match_the_operator(crd: dict[str, Any], version: dict[str, Any]) -> None:
+    names = crd["spec"]["names"]
+    assert crd["metadata"]["name"] == f"{manifests.PLURAL}.{manifests.GROUP}"
+    assert (crd["spec"]["group"], version["name"]) == (manifests.GROUP, manifests.VERSION)
+    assert (names["kind"], names["plural"], names["shortNames"]) == (
+        manifests.KIND,
+        manifests.PLURAL,
+        ["llmep"],
+    )
+
+
+def test_subresources_and_printer_columns(version: dict[str, Any]) -> None:
+    assert version["subresources"]["status"] == {}
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.scaling.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns == ["Model", "Phase", "Ready", "Replicas", "URL", "Age"]
+
+
+def test_schema_is_structural_and_documented(schema: dict[str, Any]) -> None:
+    undocumented, untyped = [], []
+    for path, node in _walk(schema):
+        free = node.get("x-kubernetes-preserve-unknown-fields") or node.get(
+            "x-kubernetes-int-or-string"
+        )
+        if "type" not in node and not free:
+            untyped.append(path)
+        # metadata is the API server's; list items and map values are described by their list/map.
+        exempt = path == ".metadata" or path.endswith(("{}", "[]"))
+        if not exempt and "description" not in node:
+            undocumented.append(path)
+    assert untyped == []
+    assert undocumented == []
+
+
+def _model_for(schema_path: list[str]) -> type[BaseModel]:
+    model: type[BaseModel] = spec.EndpointSpec
+    for part in schema_path:
+        field = next(f for f in model.model_fields.values() if f.alias == part)
+        model = _submodel(field.annotation)
+    return model
+
+
+def _submodel(annotation: Any) -> type[BaseModel]:
+    for arg in [annotation, *getattr(annotation, "__args__", ())]:
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+        inner = getattr(arg, "__args__", ())
+        for candidate in inner:
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                return candidate
+    raise AssertionError(f"no model in {annotation}")
+
+
+def _object_nodes(schema: dict[str, Any]):
+    """(path below spec, schema node) for every object node of the spec that has properties."""
+    for path, node in _walk(schema["properties"]["spec"]):
+        if node.get("properties") and "{}" not in path:
+            yield [p for p in path.replace("[]", "").split(".") if p], node
+
+
+def test_every_crd_field_is_a_spec_field_and_back(schema: dict[str, Any]) -> None:
+    for path, node in _object_nodes(schema):
+        model = _model_for(path)
+        crd_fields = set(node["properties"])
+        model_fields = {f.alias for f in model.model_fields.values()}
+        assert crd_fields == model_fields, f"spec.{'.'.join(path)}"
+
+
+def test_crd_defaults_agree_with_the_operator(schema: dict[str, Any]) -> None:
+    checked = 0
+    for path, node in _object_nodes(schema):
+        model = _model_for(path)
+        required = {f.alias for f in model.model_fields.values() if f.is_required()}
+        assert set(node.get("required", [])) == required, f"spec.{'.'.join(path)}"
+        for field in model.model_fields.values():
+            if field.is_required():
+                continue
+            prop = node["properties"][field.alias]
+            default = field.get_default(call_default_factory=True)
+            if isinstance(default, BaseModel) or default in (None, {}, ()):
+                # Nothing to default, or a nested object whose own fields carry the defaults.
+                assert "default" not in prop, f"spec.{'.'.join([*path, field.alias])}"
+                continue
+            expected = list(default) if isinstance(default, tuple) else default
+            assert prop.get("default") == expected, f"spec.{'.'.join([*path, field.alias])}"
+            checked += 1
+    assert checked >= 10  # the walk really visited the defaulted fields
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_example_validates_against_the_crd_schema(
+    example: pathlib.Path, schema: dict[str, Any]
+) -> None:
+    doc = yaml.safe_load(example.read_text())
+    # CRD schemas are OpenAPI 3.0: boolean exclusiveMinimum, i.e. JSON Schema draft 4.
+    jsonschema.Draft4Validator(schema).validate(doc)
+    assert doc["apiVersion"] == manifests.API_VERSION and doc["kind"] == manifests.KIND
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_example_is_a_valid_endpoint_for_the_operator(example: pathlib.Path) -> None:
+    doc = yaml.safe_load(example.read_text())
+    spec.parse(doc["metadata"]["name"], "default", doc["spec"])
+
+
+def test_minimal_example_is_just_a_model_name() -> None:
+    doc = yaml.safe_load((REPO / "examples" / "minimal.yaml").read_text())
+    assert doc["spec"] == {"model": {"name": doc["spec"]["model"]["name"]}}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"model": {}},
+        {"model": {"name": "m"}, "scaling": {"minReplicas": -1}},
+        {"model": {"name": "m"}, "resources": {"requests": {"memory": "12XB"}}},
+        {"model": {"name": "m", "hfTokenSecretRef": {"name": "s"}}},
+        {"model": {"name": "m"}, "engine": {"dtype": "int3"}},
+    ],
+)
+def test_schema_rejects_what_it_can_see(bad: dict[str, Any], schema: dict[str, Any]) -> None:
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft4Validator(schema["properties"]["spec"]).validate(bad)
+
+
+def test_cel_rules_have_messages(schema: dict[str, Any]) -> None:
+    rules = [rule for _, node in _walk(schema) for rule in node.get("x-kubernetes-validations", [])]
+    assert len(rules) >= 6
+    assert all(rule.get("message") for rule in rules)

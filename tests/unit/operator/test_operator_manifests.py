@@ -1,0 +1,272 @@
+"""The pure builders: golden outputs, the runtime contract in the pod, and real Kubernetes schemas.
+
+Golden files live in golden/ (one per example). After an intended change, regenerate them with
+`UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/unit/operator/test_operator_manifests.py` and
+review the diff like code.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from llmendpoints_operator import manifests
+from llmendpoints_operator.config import OperatorSettings
+from llmendpoints_operator.spec import Endpoint, parse
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+SETTINGS = OperatorSettings(runtime_image="registry.example/runtime:1.2.3")
+# The oldest Kubernetes release the chart supports and the newest the validator knows.
+K8S_VERSIONS = ["1.29.0", kubernetes_validate.utils.latest_version()]
+
+
+def _endpoint(spec: dict[str, Any], name: str = "demo", namespace: str = "team") -> Endpoint:
+    return parse(name, namespace, spec)
+
+
+def _example(path: pathlib.Path) -> Endpoint:
+    doc = yaml.safe_load(path.read_text())
+    return parse(doc["metadata"]["name"], "team", doc["spec"])
+
+
+def _all(ep: Endpoint) -> list[dict[str, Any]]:
+    """What a first reconcile writes."""
+    replicas = manifests.replicas_to_write(ep, None)
+    deployment = manifests.build_deployment(ep, SETTINGS, replicas=replicas)
+    return [deployment, *manifests.build_children(ep, SETTINGS)]
+
+
+def _container(deployment: dict[str, Any]) -> dict[str, Any]:
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def _env(ep: Endpoint) -> dict[str, Any]:
+    return {v["name"]: v.get("value", v.get("valueFrom")) for v in manifests.build_env(ep)}
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_golden(example: pathlib.Path) -> None:
+    built = _all(_example(example))
+    golden = GOLDEN / f"{example.stem}.yaml"
+    text = yaml.safe_dump_all(built, sort_keys=False, width=100)
+    if os.environ.get("UPDATE_GOLDEN"):
+        GOLDEN.mkdir(exist_ok=True)
+        golden.write_text(text)
+    assert list(yaml.safe_load_all(golden.read_text())) == built
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_every_built_manifest_passes_the_kubernetes_schemas(
+    example: pathlib.Path, version: str
+) -> None:
+    ep = _example(example)
+    for obj in [*_all(ep), manifests.build_deployment(ep, SETTINGS, replicas=None)]:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_pod_follows_the_runtime_contract() -> None:
+    ep = _endpoint(
+        {
+            "model": {"name": "org/m", "chatTemplate": "{{ x }}"},
+            "api": {"apiKeysSecretRef": {"name": "keys", "key": "k"}},
+        }
+    )
+    deployment = manifests.build_deployment(ep, SETTINGS, replicas=1)
+    container = _container(deployment)
+    assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert container["startupProbe"]["httpGet"] == {"path": "/ready?strict=1", "port": "http"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready?strict=1", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    env = _env(ep)
+    assert env["HOST"] == "0.0.0.0" and env["PORT"] == "8000"
+    assert env["BASE_PATH"] == "/models"
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert mounts["/models"]["name"] == "model-cache"
+    assert mounts["/dev/shm"]["name"] == "dshm"
+    # Files, not inline text or keys in the environment:
+    assert pathlib.PurePosixPath(env["API_KEYS_FILE"]).parent.as_posix() in mounts
+    assert pathlib.PurePosixPath(env["CUSTOM_CHAT_TEMPLATE"]).parent.as_posix() in mounts
+    assert "API_KEYS" not in env
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert volumes["api-keys"]["secret"]["items"] == [{"key": "k", "path": "api-keys"}]
+    assert "subPath" not in mounts[manifests.API_KEYS_DIR]  # subPath mounts never refresh
+
+
+def test_engine_fields_and_args_become_upper_snake_variables() -> None:
+    ep = _endpoint(
+        {
+            "model": {"name": "org/m", "trustRemoteCode": True},
+            "engine": {
+                "dtype": "bfloat16",
+                "enablePrefixCaching": False,
+                "args": {"max-num-seqs": 64, "enforce-eager": True, "kv_cache_dtype": "fp8"},
+                "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}],
+            },
+        }
+    )
+    env = _env(ep)
+    assert env["MAX_NUM_SEQS"] == "64"
+    assert env["ENFORCE_EAGER"] == "true"
+    assert env["KV_CACHE_DTYPE"] == "fp8"
+    assert env["DTYPE"] == "bfloat16"
+    assert env["ENABLE_PREFIX_CACHING"] == "false"
+    assert env["TRUST_REMOTE_CODE"] == "true"
+    assert env["OPENAI_SERVED_MODEL_NAME_OVERRIDE"] == "demo"  # the resource's name
+    assert env["VLLM_LOGGING_LEVEL"] == "DEBUG"
+    # Unset optional fields are not written (the runtime's own defaults apply).
+    assert "MAX_MODEL_LEN" not in env and "QUANTIZATION" not in env
+
+
+def test_tensor_parallel_size_defaults_to_the_gpu_count() -> None:
+    assert "TENSOR_PARALLEL_SIZE" not in _env(_endpoint({"model": {"name": "m"}}))
+    env = _env(_endpoint({"model": {"name": "m"}, "resources": {"gpus": 4}}))
+    assert env["TENSOR_PARALLEL_SIZE"] == "4"
+    limits = _container(
+        manifests.build_deployment(
+            _endpoint({"model": {"name": "m"}, "resources": {"gpus": 4}}), SETTINGS, replicas=1
+        )
+    )["resources"]["limits"]
+    assert limits == {"nvidia.com/gpu": "4"}
+
+
+def test_gpu_resource_name_comes_from_spec_then_settings() -> None:
+    ep = _endpoint({"model": {"name": "m"}, "resources": {"gpuResourceName": "amd.com/gpu"}})
+    limits = _container(manifests.build_deployment(ep, SETTINGS, replicas=1))["resources"]["limits"]
+    assert limits == {"amd.com/gpu": "1"}
+    other = OperatorSettings(gpu_resource_name="gpu.intel.com/i915")
+    ep = _endpoint({"model": {"name": "m"}})
+    limits = _container(manifests.build_deployment(ep, other, replicas=1))["resources"]["limits"]
+    assert limits == {"gpu.intel.com/i915": "1"}
+    cpu_only = _endpoint({"model": {"name": "m"}, "resources": {"gpus": 0}})
+    assert _container(manifests.build_deployment(cpu_only, SETTINGS, replicas=1))["resources"] == {}
+
+
+def test_termination_grace_outlasts_the_drain() -> None:
+    ep = _endpoint({"model": {"name": "m"}, "engine": {"drainTimeoutSeconds": 120}})
+    pod = manifests.build_deployment(ep, SETTINGS, replicas=1)["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 135
+    assert _env(ep)["DRAIN_TIMEOUT_SECONDS"] == "120"
+
+
+def test_startup_probe_budget_covers_the_startup_timeout() -> None:
+    ep = _endpoint({"model": {"name": "m"}, "engine": {"startupTimeoutSeconds": 1805}})
+    probe = _container(manifests.build_deployment(ep, SETTINGS, replicas=1))["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 1805
+
+
+def test_rollout_suits_scarce_gpus() -> None:
+    default = manifests.build_deployment(_endpoint({"model": {"name": "m"}}), SETTINGS, replicas=1)
+    assert default["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+    }
+    recreate = _endpoint({"model": {"name": "m"}, "rollout": {"strategy": "Recreate"}})
+    assert manifests.build_deployment(recreate, SETTINGS, replicas=1)["spec"]["strategy"] == {
+        "type": "Recreate"
+    }
+
+
+def test_changing_the_chat_template_changes_the_pod_template() -> None:
+    def template(text: str) -> dict[str, Any]:
+        ep = _endpoint({"model": {"name": "m", "chatTemplate": text}})
+        return manifests.build_deployment(ep, SETTINGS, replicas=1)["spec"]["template"]
+
+    assert template("a") == template("a")
+    assert template("a") != template("b")  # a new ReplicaSet: pods read the template at start
+
+
+def test_optional_children_follow_the_spec() -> None:
+    kinds = lambda ep: [o["kind"] for o in manifests.build_children(ep, SETTINGS)]  # noqa: E731
+    assert kinds(_endpoint({"model": {"name": "m"}})) == ["Service"]
+    # A PDB only when the endpoint may run more than one replica.
+    assert "PodDisruptionBudget" in kinds(
+        _endpoint({"model": {"name": "m"}, "scaling": {"maxReplicas": 2}})
+    )
+    assert "PodDisruptionBudget" in kinds(
+        _endpoint({"model": {"name": "m"}, "scaling": {"minReplicas": 2}})
+    )
+    # An existing claim is used, not created.
+    existing = _endpoint({"model": {"name": "m"}, "cache": {"existingClaim": "mine"}})
+    assert "PersistentVolumeClaim" not in kinds(existing)
+    volumes = manifests.build_deployment(existing, SETTINGS, replicas=1)["spec"]["template"][
+        "spec"
+    ]["volumes"]
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "mine"}} in volumes
+    # Every optional child has a fixed name the reconcile can delete it by.
+    optional = {(r.kind, r.name) for r in manifests.optional_children("demo")}
+    full = _endpoint(
+        {
+            "model": {"name": "m", "chatTemplate": "t"},
+            "cache": {"size": "1Gi"},
+            "scaling": {"maxReplicas": 2},
+            "api": {"ingress": {"enabled": True}},
+        }
+    )
+    built = {(o["kind"], o["metadata"]["name"]) for o in manifests.build_children(full, SETTINGS)}
+    assert optional == built - {("Service", "demo")}
+
+
+def test_children_carry_the_selector_labels() -> None:
+    ep = _endpoint({"model": {"name": "m"}, "scaling": {"maxReplicas": 2}})
+    objs = _all(ep)
+    for obj in objs:
+        assert obj["metadata"]["labels"][manifests.LABEL_ENDPOINT] == "demo"
+        assert obj["metadata"]["namespace"] == "team"
+    deployment = objs[0]
+    assert deployment["spec"]["selector"]["matchLabels"] == {manifests.LABEL_ENDPOINT: "demo"}
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert labels.items() >= deployment["spec"]["selector"]["matchLabels"].items()
+
+
+@pytest.mark.parametrize(
+    ("scaling", "current", "expected"),
+    [
+        ({}, None, 1),  # create: minReplicas
+        ({"minReplicas": 2, "maxReplicas": 5}, None, 2),
+        ({"minReplicas": 1, "maxReplicas": 5}, 3, None),  # inside the bounds: the autoscaler's
+        ({"minReplicas": 1, "maxReplicas": 5}, 1, None),
+        ({"minReplicas": 1, "maxReplicas": 5}, 5, None),
+        ({"minReplicas": 2, "maxReplicas": 5}, 1, 2),  # below: raise to min
+        ({"minReplicas": 1, "maxReplicas": 2}, 4, 2),  # above: lower to max
+        ({"minReplicas": 3}, 1, 3),  # no max: a fixed size
+        ({"minReplicas": 0, "maxReplicas": 3}, None, 0),  # scale-to-zero endpoints start at zero
+        ({"minReplicas": 1, "maxReplicas": 5, "replicas": 4}, 2, 4),  # pinned by kubectl scale
+        ({"minReplicas": 1, "maxReplicas": 5, "replicas": 4}, 4, None),
+    ],
+)
+def test_replicas_to_write(
+    scaling: dict[str, Any], current: int | None, expected: int | None
+) -> None:
+    ep = _endpoint({"model": {"name": "m"}, "scaling": scaling})
+    assert manifests.replicas_to_write(ep, current) == expected
+
+
+def test_replicas_are_left_out_unless_given() -> None:
+    ep = _endpoint({"model": {"name": "m"}})
+    assert "replicas" not in manifests.build_deployment(ep, SETTINGS, replicas=None)["spec"]
+    assert manifests.build_deployment(ep, SETTINGS, replicas=2)["spec"]["replicas"] == 2
+
+
+def test_security_contexts_come_from_settings() -> None:
+    settings = OperatorSettings(
+        runtime_security_context={"readOnlyRootFilesystem": True},
+        runtime_pod_security_context={"runAsUser": 2000},
+    )
+    deployment = manifests.build_deployment(
+        _endpoint({"model": {"name": "m"}}), settings, replicas=1
+    )
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {"runAsUser": 2000}
+    assert pod["containers"][0]["securityContext"] == {"readOnlyRootFilesystem": True}
+    default = manifests.build_deployment(_endpoint({"model": {"name": "m"}}), SETTINGS, replicas=1)
+    assert default["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    container_sc = _container(default)["securityContext"]
+    assert container_sc["allowPrivilegeEscalation"] is False

@@ -1,0 +1,262 @@
+"""Status computation: children's state -> conditions, phase, url; and transition events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from llmendpoints_operator import status
+from llmendpoints_operator.spec import parse
+from llmendpoints_operator.status import CacheState, DeploymentState, Observed
+
+T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
+
+
+def _ep(spec: dict[str, Any] | None = None):
+    return parse("demo", "team", spec or {"model": {"name": "org/m"}})
+
+
+def _compute(
+    deployment: DeploymentState | None,
+    cache: CacheState | None = None,
+    previous: dict[str, Any] | None = None,
+    now: str = T0,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    kwargs.setdefault("endpoint", _ep())
+    kwargs.setdefault("invalid_message", None)
+    return status.compute(
+        name="demo",
+        namespace="team",
+        observed=Observed(deployment=deployment, cache=cache or CacheState()),
+        previous=previous,
+        now=now,
+        **kwargs,
+    )
+
+
+def _conditions(st: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in st["conditions"]}
+
+
+def _deployment(desired: int = 1, **status_fields: Any) -> DeploymentState:
+    return DeploymentState.from_object({"spec": {"replicas": desired}, "status": status_fields})
+
+
+AVAILABLE = {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1, "updatedReplicas": 1}
+
+
+def test_golden_ready_status() -> None:
+    st = _compute(_deployment(1, **AVAILABLE), observed_generation=4)
+    stamp = {"lastTransitionTime": T0, "observedGeneration": 4}
+    assert st == {
+        "phase": "Ready",
+        "replicas": 1,
+        "readyReplicas": 1,
+        "availableReplicas": 1,
+        "updatedReplicas": 1,
+        "desiredReplicas": 1,
+        "selector": "llmendpoints.dev/endpoint=demo",
+        "conditions": [
+            {
+                "type": "SpecValid",
+                "status": "True",
+                "reason": "Valid",
+                "message": "the spec is valid",
+                **stamp,
+            },
+            {
+                "type": "CacheReady",
+                "status": "True",
+                "reason": "NoSharedCache",
+                "message": "spec.cache is not set: every pod downloads the model into its own scratch volume",
+                **stamp,
+            },
+            {
+                "type": "Available",
+                "status": "True",
+                "reason": "ReplicasAvailable",
+                "message": "1/1 replicas available",
+                **stamp,
+            },
+            {
+                "type": "Progressing",
+                "status": "False",
+                "reason": "RolloutComplete",
+                "message": "all 1 replicas are up to date",
+                **stamp,
+            },
+            {
+                "type": "Ready",
+                "status": "True",
+                "reason": "Serving",
+                "message": "1/1 replicas available",
+                **stamp,
+            },
+        ],
+        "observedGeneration": 4,
+        "url": "http://demo.team.svc.cluster.local",
+        "servedModelName": "demo",
+    }
+
+
+@pytest.mark.parametrize(
+    ("deployment", "cache", "phase", "ready_reason"),
+    [
+        (None, CacheState(), "Pending", "Creating"),
+        (_deployment(1), CacheState(), "Starting", "Starting"),
+        (_deployment(1), CacheState("c", "Pending"), "Pending", "WaitingForCache"),
+        (_deployment(1), CacheState("c", None, existing=True), "Pending", "WaitingForCache"),
+        (_deployment(1, **AVAILABLE), CacheState("c", "Bound"), "Ready", "Serving"),
+        (_deployment(0), CacheState(), "ScaledToZero", "ScaledToZero"),
+        # 2 wanted, 1 serving, nothing rolling out: a replica is lost.
+        (
+            _deployment(2, replicas=2, readyReplicas=1, availableReplicas=1, updatedReplicas=2),
+            CacheState(),
+            "Degraded",
+            "Serving",
+        ),
+        # A rollout while the old replica still serves.
+        (
+            _deployment(1, replicas=2, readyReplicas=1, availableReplicas=1, updatedReplicas=1),
+            CacheState(),
+            "Updating",
+            "Serving",
+        ),
+        (
+            DeploymentState.from_object(
+                {
+                    "spec": {"replicas": 1},
+                    "status": {
+                        "conditions": [
+                            {
+                                "type": "Progressing",
+                                "status": "False",
+                                "reason": "ProgressDeadlineExceeded",
+                                "message": "stuck",
+                            }
+                        ]
+                    },
+                }
+            ),
+            CacheState(),
+            "Failed",
+            "ProgressDeadlineExceeded",
+        ),
+    ],
+)
+def test_phase_and_ready_reason(
+    deployment: DeploymentState | None, cache: CacheState, phase: str, ready_reason: str
+) -> None:
+    st = _compute(deployment, cache)
+    assert (st["phase"], _conditions(st)["Ready"][1]) == (phase, ready_reason)
+    assert _conditions(st)["Ready"][0] == (
+        "True" if phase in {"Ready", "Updating", "Degraded"} else "False"
+    )
+
+
+def test_deployment_without_replicas_field_defaults_to_one() -> None:
+    assert DeploymentState.from_object({"spec": {}}).desired == 1
+
+
+def test_a_newer_deployment_generation_is_a_rollout() -> None:
+    state = DeploymentState.from_object(
+        {
+            "metadata": {"generation": 3},
+            "spec": {"replicas": 1},
+            "status": {**AVAILABLE, "observedGeneration": 2},
+        }
+    )
+    assert state.rolling_out
+    assert _compute(state)["phase"] == "Updating"
+
+
+def test_invalid_spec_keeps_reporting_the_running_workload() -> None:
+    previous = _compute(_deployment(1, **AVAILABLE), observed_generation=1)
+    st = _compute(
+        _deployment(1, **AVAILABLE),
+        previous=previous,
+        endpoint=None,
+        invalid_message="spec.scaling.minReplicas: must not exceed maxReplicas (3 > 2)",
+        observed_generation=2,
+    )
+    conditions = _conditions(st)
+    assert st["phase"] == "Failed"
+    assert conditions["Ready"] == ("False", "InvalidSpec")
+    assert conditions["Available"] == ("True", "ReplicasAvailable")
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert ready["message"].startswith("spec.scaling.minReplicas")
+    assert st["url"] == previous["url"]  # where the last good workload still answers
+    assert st["observedGeneration"] == 2
+
+
+def test_transition_times_only_move_when_a_condition_flips() -> None:
+    first = _compute(_deployment(1), observed_generation=1)
+    second = _compute(_deployment(1, **AVAILABLE), previous=first, now=T1)
+    times = {c["type"]: c["lastTransitionTime"] for c in second["conditions"]}
+    assert times["SpecValid"] == T0 and times["CacheReady"] == T0
+    assert times["Available"] == T1 and times["Ready"] == T1
+    assert second["observedGeneration"] == 1  # carried over when not given
+    assert status.without_times(
+        _compute(_deployment(1), previous=first, now=T1)
+    ) == status.without_times(first)
+
+
+def test_ingress_url() -> None:
+    ep = _ep(
+        {
+            "model": {"name": "m"},
+            "api": {
+                "ingress": {
+                    "enabled": True,
+                    "host": "a.example.com",
+                    "path": "/llm/",
+                    "tls": {"secretName": "t"},
+                }
+            },
+        }
+    )
+    assert _compute(None, endpoint=ep)["ingressUrl"] == "https://a.example.com/llm"
+    ep = _ep({"model": {"name": "m"}, "api": {"service": {"port": 8000}}})
+    assert _compute(None, endpoint=ep)["url"] == "http://demo.team.svc.cluster.local:8000"
+
+
+def test_cache_state_for_created_and_existing_claims() -> None:
+    created = _ep({"model": {"name": "m"}, "cache": {"size": "1Gi"}})
+    assert status.cache_state_for(created, {"demo-model-cache": "Bound"}) == CacheState(
+        "demo-model-cache", "Bound"
+    )
+    existing = _ep({"model": {"name": "m"}, "cache": {"existingClaim": "shared"}})
+    assert status.cache_state_for(existing, {}) == CacheState("shared", None, existing=True)
+    st = _compute(_deployment(1), status.cache_state_for(existing, {}))
+    cache = next(c for c in st["conditions"] if c["type"] == "CacheReady")
+    assert cache["reason"] == "ClaimNotFound" and "spec.cache.existingClaim" in cache["message"]
+
+
+def _events(before: dict[str, Any] | None, after: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(e.type, e.reason) for e in status.transition_events(before, after)]
+
+
+def test_transition_events() -> None:
+    starting = _compute(_deployment(1))
+    ready = _compute(_deployment(1, **AVAILABLE), previous=starting)
+    updating = _compute(
+        _deployment(1, replicas=2, readyReplicas=1, availableReplicas=1, updatedReplicas=1),
+        previous=ready,
+    )
+    degraded = _compute(
+        _deployment(2, replicas=2, readyReplicas=1, availableReplicas=1, updatedReplicas=2),
+        previous=ready,
+    )
+    assert _events(None, starting) == []
+    assert _events(starting, ready) == [("Normal", "Ready")]
+    assert _events(ready, ready) == []
+    assert _events(ready, updating) == [("Normal", "RollingOut")]
+    assert _events(updating, ready) == [("Normal", "RolledOut")]
+    assert _events(ready, degraded) == [("Warning", "Degraded")]
+    invalid = _compute(_deployment(1), endpoint=None, invalid_message="spec.x: bad")
+    assert _events(ready, invalid) == []  # the reconcile reports invalid specs itself
+    assert (
+        "serving at http://demo.team.svc.cluster.local"
+        in status.transition_events(starting, ready)[0].message
+    )
