@@ -1,0 +1,140 @@
+"""The contract between operator and runtime: the pod the operator builds, as the runtime reads it.
+
+The operator's pod spec (env, volumes, mounts) is turned into the environment and files a
+container would see - this test plays the kubelet: it resolves secretKeyRef values and writes the
+ConfigMap and Secret volumes under a temporary root, moving the mount paths there - and is then
+parsed by the runtime's own `load_config`, which checks every value with vLLM's argument parser.
+The two packages never import each other; only this test sees both.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+from llmendpoints_operator import manifests
+from llmendpoints_operator.config import OperatorSettings
+from llmendpoints_operator.spec import parse
+from llmendpoints_runtime import config
+
+SECRETS = {("hf", "token"): "hf_contract_token", ("keys", "api-keys"): "key-one\nkey-two\n"}
+
+
+def _pod_environment(spec: dict[str, Any], root: pathlib.Path) -> dict[str, str]:
+    """The environment of the runtime container, with its config files materialised under root."""
+    ep = parse("demo", "team", spec)
+    deployment = manifests.build_deployment(ep, OperatorSettings(), replicas=1)
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    configmap = manifests.build_chat_template_configmap(ep)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+
+    moved: dict[str, str] = {}
+    for mount in container["volumeMounts"]:
+        volume = volumes[mount["name"]]
+        target = root / mount["mountPath"].lstrip("/")
+        if "configMap" in volume:
+            assert (
+                configmap is not None
+                and volume["configMap"]["name"] == configmap["metadata"]["name"]
+            )
+            files = dict(configmap["data"])
+        elif "secret" in volume:
+            secret = volume["secret"]["secretName"]
+            files = {
+                item["path"]: SECRETS[(secret, item["key"])] for item in volume["secret"]["items"]
+            }
+        else:
+            continue  # emptyDir / PVC: nothing to materialise
+        target.mkdir(parents=True)
+        for name, text in files.items():
+            (target / name).write_text(text)
+        moved[mount["mountPath"]] = str(target)
+
+    env: dict[str, str] = {}
+    for var in container["env"]:
+        if "valueFrom" in var:
+            ref = var["valueFrom"]["secretKeyRef"]
+            env[var["name"]] = SECRETS[(ref["name"], ref["key"])]
+            continue
+        value = var["value"]
+        for mount_path, real in moved.items():
+            if value.startswith(mount_path + "/"):
+                value = real + value[len(mount_path) :]
+        env[var["name"]] = value
+    return env
+
+
+def test_full_spec_reaches_vllm_as_intended(tmp_path: pathlib.Path) -> None:
+    spec = {
+        "model": {
+            "name": "org/model",
+            "revision": "abc123",
+            "servedModelName": "chat",
+            "tokenizer": {"name": "org/tokenizer", "revision": "def456"},
+            "chatTemplate": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+            "hfTokenSecretRef": {"name": "hf", "key": "token"},
+            "trustRemoteCode": True,
+        },
+        "engine": {
+            "dtype": "bfloat16",
+            "maxModelLen": 8192,
+            "tensorParallelSize": 2,
+            "gpuMemoryUtilization": 0.85,
+            "quantization": "fp8",
+            "enablePrefixCaching": True,
+            "args": {"max-num-seqs": 64, "enforce-eager": True, "max-num-batched-tokens": 4096},
+            "drainTimeoutSeconds": 45,
+        },
+        "resources": {"gpus": 2},
+        "api": {
+            "apiKeysSecretRef": {"name": "keys", "key": "api-keys"},
+            "maxConcurrency": 32,
+            "maxQueueLength": 100,
+        },
+    }
+    cfg = config.load_config(_pod_environment(spec, tmp_path))
+    args = cfg.engine_args
+    assert (args.model, args.revision) == ("org/model", "abc123")
+    assert (args.tokenizer, args.tokenizer_revision) == ("org/tokenizer", "def456")
+    assert cfg.served_model_names == ["chat"]
+    assert pathlib.Path(args.chat_template).read_text() == spec["model"]["chatTemplate"]
+    assert args.trust_remote_code is True
+    assert (args.dtype, args.max_model_len, args.tensor_parallel_size) == ("bfloat16", 8192, 2)
+    assert (args.gpu_memory_utilization, args.quantization) == (0.85, "fp8")
+    assert args.enable_prefix_caching is True
+    assert (args.max_num_seqs, args.enforce_eager, args.max_num_batched_tokens) == (64, True, 4096)
+
+    settings = cfg.settings
+    assert (settings.host, settings.port) == ("0.0.0.0", manifests.HTTP_PORT)
+    assert settings.base_path == manifests.MODEL_CACHE_PATH
+    assert settings.hf_token.get_secret_value() == "hf_contract_token"
+    assert pathlib.Path(settings.api_keys_file).read_text() == "key-one\nkey-two\n"
+    assert (settings.max_concurrency, settings.max_queue_length) == (32, 100)
+    assert settings.drain_timeout_seconds == 45
+    assert settings.log_format == "json"
+
+
+def test_minimal_spec_serves_the_model_under_the_endpoint_name(tmp_path: pathlib.Path) -> None:
+    cfg = config.load_config(_pod_environment({"model": {"name": "org/model"}}, tmp_path))
+    assert cfg.engine_args.model == "org/model"
+    assert cfg.served_model_names == ["demo"]
+    assert cfg.settings.api_keys_file is None  # no keys configured: the endpoint is open
+    assert cfg.warnings == []
+
+
+def test_disabling_a_boolean_engine_field_reaches_vllm(tmp_path: pathlib.Path) -> None:
+    spec = {"model": {"name": "org/model"}, "engine": {"enablePrefixCaching": False}}
+    cfg = config.load_config(_pod_environment(spec, tmp_path))
+    assert cfg.engine_args.enable_prefix_caching is False
+
+
+def test_an_engine_arg_vllm_rejects_is_caught_at_startup_naming_the_variable(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The operator passes free-form args through; the runtime's parser is the judge.
+    spec = {"model": {"name": "org/model"}, "engine": {"args": {"max-num-seqs": "many"}}}
+    with pytest.raises(config.ConfigError) as caught:
+        config.load_config(_pod_environment(spec, tmp_path))
+    assert caught.value.variable == "MAX_NUM_SEQS"
