@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -297,6 +298,9 @@ class JobEngineAdapter:
     def is_ready(self) -> bool:
         return self.engine.health.state is EngineState.READY and self.engine.asgi_app is not None
 
+    def draining(self) -> bool:
+        return self.engine.health.draining
+
     async def wait_ready(self) -> None:
         from llmendpoints_runtime.jobs.errors import EngineUnavailable
 
@@ -320,11 +324,7 @@ class JobEngineAdapter:
             field = f"input.sampling_params.{name}" if name else "input.sampling_params"
             return InvalidRequest(f"{field}: {message}", param=field)
 
-        allowed = {
-            f
-            for f in SamplingParams.__struct_fields__
-            if not f.startswith("_") and f not in _INTERNAL_SAMPLING_FIELDS
-        }
+        allowed = _public_sampling_fields()
         for name in params:
             if name in _RETIRED_SAMPLING_FIELDS:
                 raise bad(name, _RETIRED_SAMPLING_FIELDS[name])
@@ -395,7 +395,10 @@ class JobEngineAdapter:
         if "max_tokens" not in request.sampling_params:
             room = self.engine.client.model_config.max_model_len - prompt_len
             params["max_tokens"] = max(1, min(request.default_max_tokens, room))
-        sampling = self.sampling_params(params, output_kind=RequestOutputKind.DELTA)
+        # Non-streamed jobs take only the final output, as /v1/completions does: no per-token
+        # outputs to detokenise-and-hand-over for text nobody reads before the end.
+        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        sampling = self.sampling_params(params, output_kind=kind)
         try:
             async for output in self.engine.client.generate(
                 engine_input, sampling, request.request_id
@@ -492,6 +495,17 @@ def _openai_request_models() -> dict[str, Any]:
         "/v1/completions": CompletionRequest,
         "/v1/embeddings": EmbeddingRequest,
     }
+
+
+@functools.cache
+def _public_sampling_fields() -> frozenset[str]:
+    from vllm.sampling_params import SamplingParams
+
+    return frozenset(
+        f
+        for f in SamplingParams.__struct_fields__
+        if not f.startswith("_") and f not in _INTERNAL_SAMPLING_FIELDS
+    )
 
 
 def _client_errors() -> tuple[type[BaseException], ...]:

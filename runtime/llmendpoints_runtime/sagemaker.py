@@ -27,7 +27,6 @@ from llmendpoints_runtime.jobs.models import parse_json_object
 from llmendpoints_runtime.jobs.port import ASGIApp, JobEngine, ServedModels
 from llmendpoints_runtime.jobs.routes import error_response, read_body
 
-SAGEMAKER_MODEL_PATH = "/opt/ml/model"
 _IMAGE_PART_TYPES = {"image_url", "input_image", "image", "image_pil", "image_embeds"}
 
 

@@ -121,6 +121,18 @@ def test_messages_jobs_use_the_chat_template(endpoint) -> None:
     assert output[0]["usage"]["input"] > 12 and output[0]["usage"]["output"] == 6
 
 
+def test_apply_chat_template_wraps_the_prompt_as_a_user_message(http) -> None:
+    def input_tokens(apply: bool) -> int:
+        job = {
+            "prompt": "What is the capital of France?",
+            "apply_chat_template": apply,
+            "sampling_params": {"max_tokens": 1},
+        }
+        return http.post("/runsync", json={"input": job}).json()["output"][0]["usage"]["input"]
+
+    assert input_tokens(True) > input_tokens(False)
+
+
 def test_bare_prompt_gets_default_max_tokens(http) -> None:
     body = http.post(
         "/runsync", json={"input": {"prompt": "hi", "sampling_params": {"ignore_eos": True}}}

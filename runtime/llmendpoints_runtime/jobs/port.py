@@ -33,6 +33,9 @@ class GenerationRequest:
     # Treat ``prompt`` as one user message and apply the chat template.
     apply_chat_template: bool = False
     sampling_params: Mapping[str, Any] = field(default_factory=dict)
+    # True: one step per engine iteration (deltas). False: a single step at the end holding
+    # everything -- what non-streamed jobs need, and far less work per token.
+    stream: bool = True
     # Used when sampling_params has no max_tokens; the engine lowers it to what the
     # context window leaves after the prompt.
     default_max_tokens: int = 512
@@ -73,6 +76,10 @@ class ServedModels:
 class JobEngine(Protocol):
     def is_ready(self) -> bool: ...
 
+    def draining(self) -> bool:
+        """The process is shutting down: new jobs belong on another replica."""
+        ...
+
     async def wait_ready(self) -> None:
         """Return once the engine serves; raise EngineUnavailable if it failed to start."""
         ...
@@ -92,7 +99,7 @@ class JobEngine(Protocol):
         ...
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationStep]:
-        """Stream the request's engine steps as deltas. Raises InvalidRequest for input the
+        """The request's engine steps as deltas (one final step when not ``stream``). Raises InvalidRequest for input the
         engine refuses (prompt too long, no chat template, ...); closing the iterator aborts
         the engine request."""
         ...

@@ -16,7 +16,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from llmendpoints_runtime.jobs.asgi import ForwardedRequest
-from llmendpoints_runtime.jobs.errors import InvalidRequest, JobAPIError, PayloadTooLarge
+from llmendpoints_runtime.jobs.errors import (
+    EngineUnavailable,
+    InvalidRequest,
+    JobAPIError,
+    PayloadTooLarge,
+)
 from llmendpoints_runtime.jobs.executor import JobExecutor, status_body
 from llmendpoints_runtime.jobs.models import JobRequest, parse_job_request
 from llmendpoints_runtime.jobs.port import ASGIApp, JobEngine
@@ -61,6 +66,11 @@ def build_job_router(
     executor, settings = api.executor, api.settings
 
     async def accept(request: Request, *, sync: bool) -> Any:
+        if api.engine.draining():
+            raise EngineUnavailable(
+                "this replica is shutting down and takes no new jobs; send the job again "
+                "(the load balancer routes it to another replica)"
+            )
         job_request = parse_job_request(await read_body(request, settings.max_body_bytes))
         _check_input(api.engine, job_request)
         return await executor.submit(job_request, sync=sync)

@@ -40,6 +40,7 @@ async def run_generation(
         ),
         apply_chat_template=job_input.apply_chat_template,
         sampling_params=job_input.sampling_params,
+        stream=job_input.stream,
         default_max_tokens=default_max_tokens,
     )
     n_choices = engine.n_choices(job_input.sampling_params)

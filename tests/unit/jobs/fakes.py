@@ -40,11 +40,15 @@ class FakeEngine:
         if ready:
             self._ready.set()
         self.start_error: str | None = None
+        self.shutting_down = False
         self.aborted: list[str] = []
         self.active: set[str] = set()
         self.started: list[GenerationRequest] = []
         self._openai_app = openai_app or fake_openai_app()
         self.multimodal = multimodal
+
+    def draining(self) -> bool:
+        return self.shutting_down
 
     def become_ready(self) -> None:
         self._ready.set()

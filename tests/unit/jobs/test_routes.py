@@ -113,6 +113,20 @@ async def test_bad_input_is_a_json_4xx_and_the_next_request_works(
     assert (await client.post("/runsync", json=GOOD)).json()["status"] == "COMPLETED"
 
 
+async def test_a_draining_replica_refuses_new_jobs_with_503(setup) -> None:
+    client, engine = setup
+    engine.shutting_down = True
+    try:
+        for path in ("/run", "/runsync", "/v2/e/run"):
+            answer = await client.post(path, json=GOOD)
+            assert (
+                answer.status_code == 503 and "shutting down" in answer.json()["error"]["message"]
+            )
+    finally:
+        engine.shutting_down = False
+    assert (await client.post("/runsync", json=GOOD)).json()["status"] == "COMPLETED"
+
+
 @pytest.mark.parametrize("wait", ["abc", "-1", "1.5", "999999"])
 async def test_bad_wait_is_400(setup, wait) -> None:
     client, _ = setup
