@@ -32,6 +32,9 @@ from typing import Any
 import kopf
 
 from llmendpoints_operator import kube, manifests, status
+from llmendpoints_operator.autoscaling.controller import STATUS_KEY as AUTOSCALING_KEY
+from llmendpoints_operator.autoscaling.controller import Autoscaler, Subject
+from llmendpoints_operator.autoscaling.metrics import shared_metrics
 from llmendpoints_operator.config import OperatorSettings
 from llmendpoints_operator.spec import Endpoint, InvalidSpecError, parse
 
@@ -61,6 +64,7 @@ class Indexes:
             claim_phases=kwargs["claim_phases"],
         )
         STATE.indexes = indexes
+        _start_autoscaler()
         return indexes
 
 
@@ -78,6 +82,8 @@ class _State:
         # kopf hands indexes to handlers only; the resync loop uses the ones handlers saw.
         self.indexes: Indexes | None = None
         self.resync_task: asyncio.Task[None] | None = None
+        self.autoscaler: Autoscaler | None = None
+        self.autoscaler_task: asyncio.Task[None] | None = None
 
     def kube(self) -> kube.KubeClient:
         if self.client is None:
@@ -140,6 +146,10 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo:
 async def close_client(**_: Any) -> None:
     if STATE.resync_task is not None:
         STATE.resync_task.cancel()
+    if STATE.autoscaler_task is not None:
+        STATE.autoscaler_task.cancel()
+    if STATE.autoscaler is not None:
+        await STATE.autoscaler.close()
     if STATE.client is not None:
         await STATE.client.close()
         STATE.client = None
@@ -407,8 +417,10 @@ async def publish_status(
         )
         if status.without_times(new) == status.without_times(previous):
             return
-        # A merge patch: keys we no longer report must be nulled explicitly.
-        patch = {**{k: None for k in previous if k not in new}, **new}
+        # A merge patch: keys we no longer report must be nulled explicitly (but never the
+        # autoscaler's block, which only the autoscaler writes).
+        gone = [k for k in previous if k not in new and k != AUTOSCALING_KEY]
+        patch = {**dict.fromkeys(gone), **new}
         try:
             await STATE.kube().patch(
                 manifests.API_VERSION,
@@ -428,6 +440,62 @@ async def publish_status(
 
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# --- autoscaling (operator/llmendpoints_operator/autoscaling, docs/autoscaling.md) -------------
+
+
+def _start_autoscaler() -> None:
+    """Start the autoscaler's scheduler once, from a handler: kopf.event only works in tasks
+    that inherit the handlers' context (it is not set yet when startup handlers run)."""
+    if STATE.autoscaler_task is None:
+        STATE.autoscaler = Autoscaler(
+            kube=STATE.kube, post_event=_post_event, metrics=shared_metrics()
+        )
+        STATE.autoscaler_task = asyncio.create_task(
+            STATE.autoscaler.run(_autoscaled), name="llmendpoints-autoscaler"
+        )
+
+
+def _autoscaled() -> list[Subject]:
+    """The endpoints whose size the autoscaler decides now: valid spec, bounds that leave a
+    choice, no `spec.scaling.replicas` pin, and a Deployment."""
+    indexes = STATE.indexes
+    if indexes is None:
+        return []
+    subjects = []
+    for key, store in list(indexes.llmendpoints.items()):
+        snapshot = next(iter(store), None)
+        if snapshot is None or snapshot["metadata"].get("deletionTimestamp"):
+            continue
+        raw = (snapshot.get("spec") or {}).get("scaling") or {}
+        if not raw.get("maxReplicas") or raw.get("replicas") is not None:
+            continue  # a fixed size or a pin (cheap check before parsing)
+        deployment = _one(indexes.runtime_deployments, key)
+        if deployment is None:
+            continue
+        try:
+            ep = parse(key[1], key[0], snapshot.get("spec"))
+        except InvalidSpecError:
+            continue
+        if not ep.spec.scaling.autoscaled:
+            continue
+        subjects.append(
+            Subject(
+                owner=snapshot,
+                api_version=manifests.API_VERSION,
+                kind=manifests.KIND,
+                policy=ep.spec.scaling.policy(),
+                service=manifests.service_name(ep.name),
+                deployment=manifests.deployment_name(ep.name),
+                replicas=deployment.desired,
+            )
+        )
+    return subjects
+
+
+def _post_event(obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    kopf.event(obj, type=type_, reason=reason, message=message)
 
 
 # --- children's events -> the owner's status --------------------------------------------------

@@ -23,9 +23,16 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    field_validator,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
+
+from llmendpoints_operator.autoscaling.policy import (
+    ScalingPolicy,
+    ScalingTuning,
+    check_min_replicas,
+)
 
 # --- reusable field types -------------------------------------------------------------------
 
@@ -277,13 +284,29 @@ class CacheSpec(_Model):
         return self
 
 
-class ScalingSpec(_Model):
-    """Replica bounds. The autoscaler (operator/llmendpoints_operator/autoscaling) adds its
-    tuning fields here; `replicas` is the scale subresource's target (manual scaling)."""
+class ScalingSpec(ScalingTuning):
+    """Replica bounds, and the autoscaler's tuning (inherited; see docs/autoscaling.md).
+    `replicas` is the scale subresource's target (manual scaling: the autoscaler stands down)."""
 
     min_replicas: int = Field(1, ge=0)
     max_replicas: int | None = Field(None, ge=1)
     replicas: int | None = Field(None, ge=0)
+
+    @field_validator("min_replicas")
+    @classmethod
+    def _no_scale_to_zero(cls, value: int) -> int:
+        return check_min_replicas(value)
+
+    @property
+    def autoscaled(self) -> bool:
+        """Whether the autoscaler decides the size: bounds that leave a choice, and no pin."""
+        return self.replicas is None and self.min_replicas < self.upper
+
+    def policy(self) -> ScalingPolicy:
+        """What the autoscaler's decision takes."""
+        return ScalingPolicy(
+            min_replicas=self.min_replicas, max_replicas=self.upper, **self.tuning()
+        )
 
     @property
     def upper(self) -> int:

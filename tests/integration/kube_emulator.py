@@ -56,6 +56,7 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "v1/persistentvolumeclaims": {"kind": "PersistentVolumeClaim", "subresources": {"status"}},
     "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "subresources": {"status"}},
     "networking.k8s.io/v1/ingresses": {"kind": "Ingress", "subresources": {"status"}},
+    "discovery.k8s.io/v1/endpointslices": {"kind": "EndpointSlice"},  # the autoscaler reads them
 }
 
 CHILD_RESOURCES = {

@@ -237,7 +237,6 @@ def test_children_carry_the_selector_labels() -> None:
         ({"minReplicas": 2, "maxReplicas": 5}, 1, 2),  # below: raise to min
         ({"minReplicas": 1, "maxReplicas": 2}, 4, 2),  # above: lower to max
         ({"minReplicas": 3}, 1, 3),  # no max: a fixed size
-        ({"minReplicas": 0, "maxReplicas": 3}, None, 0),  # scale-to-zero endpoints start at zero
         ({"minReplicas": 1, "maxReplicas": 5, "replicas": 4}, 2, 4),  # pinned by kubectl scale
         ({"minReplicas": 1, "maxReplicas": 5, "replicas": 4}, 4, None),
     ],

@@ -122,5 +122,11 @@ def test_quantities_accept_kubernetes_forms() -> None:
 def test_unset_max_replicas_means_a_fixed_size() -> None:
     ep = parse("d", "ns", {"model": {"name": "m"}, "scaling": {"minReplicas": 3}})
     assert ep.spec.scaling.upper == 3
-    ep = parse("d", "ns", {"model": {"name": "m"}, "scaling": {"minReplicas": 0}})
-    assert ep.spec.scaling.upper == 1
+
+
+def test_scale_to_zero_is_refused_until_the_gateway_exists() -> None:
+    (problem,) = _problems(
+        {"model": {"name": "m"}, "scaling": {"minReplicas": 0, "maxReplicas": 3}}
+    )
+    assert problem.startswith("spec.scaling.minReplicas: 0 is not supported yet")
+    assert "request-holding gateway" in problem

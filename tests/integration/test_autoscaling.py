@@ -1,0 +1,248 @@
+"""The real operator autoscaling an endpoint against kmock's in-memory Kubernetes API.
+
+Stand-in runtime pods are small metrics servers on 127.0.0.N (one per replica, the same port on
+each address, as pods have), listed in the endpoint Service's EndpointSlice. A loop in the test
+plays the Deployment controller and the kubelet: it follows the Deployment's replicas with
+ready stand-ins. The load is a closed loop: `work` concurrent requests spread over the ready
+pods, each running at most CAPACITY and queueing the rest, as the runtime's admission does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from .kube_emulator import CHILD_RESOURCES, LLMEP, Cluster, Operator, endpoint, wait_for
+
+pytestmark = [pytest.mark.kube, pytest.mark.asyncio(loop_scope="module")]
+
+NS = "scaling"
+NAME = "chat"
+DEPLOYMENTS = CHILD_RESOURCES["Deployment"]
+SLICES = "discovery.k8s.io/v1/endpointslices"
+CAPACITY = 4  # requests one stand-in pod runs at once
+SCALE_DOWN_WINDOW = 8
+SCALING = {
+    "minReplicas": 1,
+    "maxReplicas": 4,
+    "targetQueueDepth": 2,
+    "intervalSeconds": 1,
+    "stableWindowSeconds": 4,
+    "panicWindowSeconds": 2,
+    "scaleDownStabilizationSeconds": SCALE_DOWN_WINDOW,
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class StandInPods:
+    """Ready 'pods' that follow the Deployment's replicas and report the load's share."""
+
+    def __init__(self, cluster: Cluster, port: int) -> None:
+        self.cluster, self.port = cluster, port
+        self.work = 0  # concurrent requests sent to the endpoint
+        self._runners: list[web.AppRunner] = []
+
+    def _share(self, index: int) -> tuple[int, int]:
+        pods = len(self._runners)
+        mine = self.work // pods + (1 if index < self.work % pods else 0)
+        return max(0, mine - CAPACITY), min(mine, CAPACITY)
+
+    async def _start_pod(self) -> None:
+        index = len(self._runners)
+
+        async def metrics(request: web.Request) -> web.Response:
+            queued, running = self._share(index)
+            return web.Response(
+                text=(
+                    "# TYPE llmendpoints_queue_depth gauge\n"
+                    f"llmendpoints_queue_depth {queued}\n"
+                    "# TYPE llmendpoints_requests_in_flight gauge\n"
+                    f"llmendpoints_requests_in_flight {running}\n"
+                ),
+                content_type="text/plain",
+            )
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, f"127.0.0.{index + 1}", self.port).start()
+        self._runners.append(runner)
+
+    async def _publish(self) -> None:
+        body = {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": f"{NAME}-x7k2p",
+                "namespace": NS,
+                "labels": {"kubernetes.io/service-name": NAME},
+            },
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": self.port, "protocol": "TCP"}],
+            "endpoints": [
+                {
+                    "addresses": [f"127.0.0.{i + 1}"],
+                    "conditions": {"ready": True},
+                    "targetRef": {"kind": "Pod", "name": f"{NAME}-pod-{i}"},
+                }
+                for i in range(len(self._runners))
+            ],
+        }
+        if self.cluster.get(SLICES, NS, body["metadata"]["name"]) is None:
+            await self.cluster.create(SLICES, NS, body)
+        else:
+            await self.cluster.patch(SLICES, NS, body["metadata"]["name"], body)
+
+    async def follow(self) -> None:
+        """Play the Deployment controller: as many ready stand-ins as spec.replicas."""
+        while True:
+            deployment = self.cluster.get(DEPLOYMENTS, NS, NAME)
+            wanted = (deployment or {}).get("spec", {}).get("replicas", 0)
+            if wanted != len(self._runners):
+                while len(self._runners) < wanted:
+                    await self._start_pod()
+                while len(self._runners) > wanted:
+                    await self._runners.pop().cleanup()
+                await self._publish()
+            await asyncio.sleep(0.1)
+
+    async def close(self) -> None:
+        for runner in self._runners:
+            await runner.cleanup()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster() -> AsyncIterator[Cluster]:
+    async with Cluster() as cluster:
+        yield cluster
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def operator(
+    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[tuple[Operator, int]]:
+    tmp = tmp_path_factory.mktemp("operator")
+    metrics_port = _free_port()
+    operator = Operator(
+        cluster.write_kubeconfig(tmp / "kubeconfig"),
+        tmp / "operator.log",
+        env={"LLMEP_OPERATOR_METRICS_PORT": str(metrics_port)},
+    )
+    await operator.start()
+    yield operator, metrics_port
+    await operator.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pods(cluster: Cluster) -> AsyncIterator[StandInPods]:
+    pods = StandInPods(cluster, _free_port())
+    task = asyncio.create_task(pods.follow())
+    yield pods
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await pods.close()
+
+
+def _epoch(rfc3339: str) -> float:
+    return (
+        datetime.datetime.strptime(rfc3339, "%Y-%m-%dT%H:%M:%SZ")
+        .replace(tzinfo=datetime.UTC)
+        .timestamp()
+    )
+
+
+def _replicas(cluster: Cluster) -> int | None:
+    return ((cluster.get(DEPLOYMENTS, NS, NAME) or {}).get("spec") or {}).get("replicas")
+
+
+def _autoscaling(cluster: Cluster) -> dict[str, Any]:
+    return ((cluster.get(LLMEP, NS, NAME) or {}).get("status") or {}).get("autoscaling") or {}
+
+
+async def _until(operator: Operator, predicate: Any, what: str, timeout: float = 30) -> Any:
+    def check() -> Any:
+        assert operator.alive, f"operator exited:\n{operator.log()[-3000:]}"
+        return predicate()
+
+    try:
+        return await wait_for(check, timeout=timeout, what=what)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}; operator log:\n{operator.log()[-4000:]}") from None
+
+
+async def test_queue_up_scales_up_fast_load_gone_holds_then_returns_to_min(
+    cluster: Cluster, operator: tuple[Operator, int], pods: StandInPods
+) -> None:
+    op, metrics_port = operator
+    await cluster.create(
+        LLMEP, NS, endpoint(NAME, NS, {"model": {"name": "org/model"}, "scaling": SCALING})
+    )
+    await _until(op, lambda: _replicas(cluster) == 1, "the Deployment with 1 replica")
+    await _until(op, lambda: _autoscaling(cluster).get("signals"), "a first autoscaler tick")
+    assert _autoscaling(cluster)["reason"].startswith("hold at 1")
+
+    # 24 concurrent requests on one pod of 4: 20 queued, 10x the target. At the known capacity
+    # the work needs 24 / (4 + 2) = 4 replicas; growth is at most x2 per decision: 1 -> 2 -> 4.
+    pods.work = 24
+    await _until(op, lambda: (_replicas(cluster) or 0) > 1, "a scale-up", timeout=10)
+    await _until(op, lambda: _replicas(cluster) == 4, "4 replicas", timeout=15)
+
+    def ups() -> list[dict[str, Any]]:
+        return [d for d in _autoscaling(cluster).get("lastDecisions", []) if d["to"] > d["from"]]
+
+    await _until(op, lambda: len(ups()) == 2, "both scale-ups recorded in status", timeout=5)
+    ups = ups()
+    assert [(d["from"], d["to"]) for d in reversed(ups)] == [(1, 2), (2, 4)]
+    assert "burst" in ups[-1]["reason"] and ups[-1]["signals"]["queueDepth"] == 20
+
+    # The load goes away: the size holds through the scale-down window, then returns to min
+    # (in one step, or two when the tick that saw the drop still averaged some load).
+    pods.work = 0
+    gone = time.time()
+    await _until(op, lambda: _replicas(cluster) == 1, "back to minReplicas", timeout=40)
+    await _until(
+        op, lambda: _autoscaling(cluster).get("desiredReplicas") == 1, "status at 1", timeout=5
+    )
+    status = _autoscaling(cluster)
+    downs = [d for d in status["lastDecisions"] if d["to"] < d["from"]]
+    assert 1 <= len(downs) <= 2 and downs[0]["to"] == 1 and downs[-1]["from"] == 4
+    assert "clamped to minReplicas 1" in downs[0]["reason"]
+    held = min(_epoch(d["time"]) for d in downs) - gone
+    # The last loaded tick may precede `gone` by a tick, and status times are whole seconds.
+    assert held >= SCALE_DOWN_WINDOW - 2
+    assert status["desiredReplicas"] == 1 and status["state"]["v"] == 1
+
+    events = [(e["reason"], e["message"]) for e in cluster.events(NS, NAME)]
+    scale_events = [reason for reason, _ in events if reason.startswith("Scale")]
+    assert scale_events == ["ScaleUp", "ScaleUp"] + ["ScaleDown"] * len(downs)
+    assert any(m.startswith("scale down") and "->1" in m for r, m in events if r == "ScaleDown")
+
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{metrics_port}/metrics") as response,
+    ):
+        text = await response.text()
+    labels = f'endpoint="{NAME}",namespace="{NS}"'
+    assert f"llmendpoints_autoscaler_desired_replicas{{{labels}}} 1.0" in text
+    assert f'llmendpoints_autoscaler_decisions_total{{direction="up",{labels}}} 2.0' in text
+    assert (
+        f'llmendpoints_autoscaler_decisions_total{{direction="down",{labels}}} {len(downs)}.0'
+        in text
+    )
