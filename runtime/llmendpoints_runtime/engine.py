@@ -253,7 +253,9 @@ class Engine:
             self._lifespan = None
         if self.client is not None:
             client, self.client = self.client, None
-            await asyncio.to_thread(client.shutdown)
+            # On the loop's own thread: AsyncLLM.shutdown() cancels its output-handler task,
+            # which is only safe from the thread running that task's loop.
+            client.shutdown()
         self.health.engine_stopped()
 
 
