@@ -232,24 +232,19 @@ def _grants(rules: list[tuple[str, dict[str, Any]]]) -> dict[tuple[str, str], se
 def test_rbac_grants_what_the_operator_does_and_nothing_else(helm: Path, tmp_path: Path) -> None:
     docs = render(helm, tmp_path)
     grants = _grants(_rbac_rules(docs))
-    manage = {"get", "list", "watch", "create", "patch", "update", "delete"}
-    read = {"get", "list", "watch"}
     assert grants == {
         ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
         ("llmendpoints.dev", "llmendpoints"): {"get", "list", "watch", "patch"},
-        ("llmendpoints.dev", "llmendpoints/status"): {"get", "patch"},
-        ("llmendpoints.dev", "llmendpoints/scale"): {"get", "patch"},
-        ("apps", "deployments"): manage,
-        ("apps", "deployments/scale"): {"get", "patch", "update"},
-        ("", "services"): manage,
-        ("", "configmaps"): manage,
-        ("", "persistentvolumeclaims"): manage,
-        ("policy", "poddisruptionbudgets"): manage,
-        ("networking.k8s.io", "ingresses"): manage,
-        ("", "pods"): read,
-        ("discovery.k8s.io", "endpointslices"): read,
-        ("", "events"): {"create", "patch"},
-        ("events.k8s.io", "events"): {"create", "patch"},
+        ("llmendpoints.dev", "llmendpoints/status"): {"patch"},
+        ("apps", "deployments"): {"list", "watch", "create", "patch"},
+        ("apps", "deployments/scale"): {"patch"},
+        ("", "persistentvolumeclaims"): {"list", "watch", "create", "patch", "delete"},
+        ("", "services"): {"create", "patch"},
+        ("", "configmaps"): {"create", "patch", "delete"},
+        ("policy", "poddisruptionbudgets"): {"create", "patch", "delete"},
+        ("networking.k8s.io", "ingresses"): {"create", "patch", "delete"},
+        ("discovery.k8s.io", "endpointslices"): {"list"},
+        ("", "events"): {"create"},
     }
     binding = only(docs, "ClusterRoleBinding")
     account = only(docs, "ServiceAccount")
@@ -551,3 +546,69 @@ def test_install_notes_tell_the_next_steps(helm: Path, tmp_path: Path, values: s
     assert "kubectl apply -f examples/minimal.yaml" in notes
     assert "/v1/chat/completions" in notes
     assert ("team-a, team-b" in notes) == (values == "namespaced")
+
+
+# Kinds of the children the operator builds, as RBAC names them.
+CHILD_RESOURCES = {
+    "Deployment": ("apps", "deployments"),
+    "Service": ("", "services"),
+    "ConfigMap": ("", "configmaps"),
+    "PersistentVolumeClaim": ("", "persistentvolumeclaims"),
+    "PodDisruptionBudget": ("policy", "poddisruptionbudgets"),
+    "Ingress": ("networking.k8s.io", "ingresses"),
+}
+
+
+@pytest.mark.parametrize("values", ["defaults", "namespaced"])
+def test_rbac_covers_what_the_operator_code_watches_and_writes(
+    helm: Path, tmp_path: Path, values: str
+) -> None:
+    """Derived from the operator itself: every resource its kopf handlers watch, every child kind
+    its builders produce (server-side apply: create + patch), every optional child it prunes
+    (delete), the EndpointSlices the autoscaler lists, and the Events it posts."""
+    import kopf
+    import llmendpoints_operator.handlers  # noqa: F401  (registers the kopf handlers)
+    from llmendpoints_operator import manifests, spec
+    from llmendpoints_operator.autoscaling import controller
+    from llmendpoints_operator.config import OperatorSettings
+
+    docs = render(helm, tmp_path, VALUE_SETS[values])
+    namespaced = [d for d in docs if d["kind"] in {"Role", "ClusterRole"}]
+    grants = _grants(_rbac_rules(namespaced))
+    needed: dict[tuple[str, str], set[str]] = {}
+
+    def need(group: str, resource: str, *verbs: str) -> None:
+        needed.setdefault((group, resource), set()).update(verbs)
+
+    registry = kopf.get_default_registry()
+    for handlers, verbs in [
+        (registry._indexing, ("list", "watch")),
+        (registry._watching, ("list", "watch")),
+        (registry._changing, ("list", "watch", "patch")),
+        (registry._spawning, ("list", "watch", "patch")),
+    ]:
+        for handler in handlers.get_all_handlers():
+            selector = handler.selector
+            need(selector.group or "", selector.plural or selector.any_name, *verbs)
+
+    every_child = {**yaml.safe_load((ROOT / "examples" / "ingress.yaml").read_text())["spec"]}
+    every_child["scaling"] = {"minReplicas": 2, "maxReplicas": 3}  # a PodDisruptionBudget too
+    endpoint = spec.parse("chat", "team-a", every_child)
+    children = [*manifests.build_children(endpoint, OperatorSettings())]
+    children.append(manifests.build_deployment(endpoint, OperatorSettings(), replicas=2))
+    built = {child["kind"] for child in children}
+    assert set(CHILD_RESOURCES) >= built, f"unknown child kinds {built - set(CHILD_RESOURCES)}"
+    assert built == set(CHILD_RESOURCES), "the example should produce every kind of child"
+    for kind in built:
+        need(*CHILD_RESOURCES[kind], "create", "patch")
+    for ref in manifests.optional_children("chat"):
+        need(*CHILD_RESOURCES[ref.kind], "delete")
+    need("apps", "deployments/scale", "patch")
+    need(manifests.GROUP, f"{manifests.PLURAL}/status", "patch")
+    group, _, _ = controller.ENDPOINTSLICE_API[0].rpartition("/")
+    need(group, "endpointslices", "list")
+    need("", "events", "create")
+
+    for (group, resource), verbs in needed.items():
+        missing = verbs - grants.get((group, resource), set())
+        assert not missing, f"RBAC lacks {sorted(missing)} on {group or 'core'}/{resource}"

@@ -14,55 +14,58 @@ resolves them for the runtime pod, so the operator never reads a Secret's data.
   verbs: [list, watch]
 {{- end }}
 
-{{/* Rules that apply within the watched namespaces (or all of them). */}}
+{{/*
+Rules that apply within the watched namespaces (or all of them). Children are written with
+server-side apply, which the API server authorizes as `patch`, and as `create` too when the object
+does not exist yet. tests/chart checks these rules against what the operator's code watches and
+writes, so a new child kind or watch cannot ship without its permission.
+*/}}
 {{- define "llmendpoints.namespacedRules" -}}
-# The resource itself: kopf lists and watches it, and patches it to keep its own bookkeeping
-# (finalizer, last-handled-configuration annotation).
+# The resource itself: kopf lists and watches it (handlers and an in-memory index) and patches it
+# for its own bookkeeping (finalizer, last-handled-configuration annotation).
 - apiGroups: [llmendpoints.dev]
   resources: [llmendpoints]
   verbs: [get, list, watch, patch]
-# Conditions, replicas, URL and scaling decisions are written to the status subresource.
+# Conditions, phase, replicas, URL and the autoscaler's decisions are written to status.
 - apiGroups: [llmendpoints.dev]
   resources: [llmendpoints/status]
-  verbs: [get, patch]
-# The scale subresource mirrors the replicas the autoscaler decided (kubectl scale, HPA-style tools).
-- apiGroups: [llmendpoints.dev]
-  resources: [llmendpoints/scale]
-  verbs: [get, patch]
-# Each endpoint's serving workload: created, updated to match the spec, removed when no longer wanted.
+  verbs: [patch]
+# Each endpoint's serving workload: watched (its rollout feeds the status), created, kept in line
+# with the spec by server-side apply; the autoscaler patches its replicas. Never deleted by the
+# operator: garbage collection removes it with its LLMEndpoint (owner reference).
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, create, patch, update, delete]
-# The autoscaler changes replicas through the Deployment's scale subresource.
+  verbs: [list, watch, create, patch]
+# Pinned replicas (spec.scaling.replicas) are written through the Deployment's scale subresource.
 - apiGroups: [apps]
   resources: [deployments/scale]
-  verbs: [get, patch, update]
-# Services (in-cluster URL), ConfigMaps (chat templates) and PersistentVolumeClaims (the shared
-# model cache) are children of an endpoint, managed the same way.
+  verbs: [patch]
+# The shared model cache: watched (its binding feeds the status's CacheReady condition), created
+# and deleted when spec.cache no longer asks for a claim the operator created.
 - apiGroups: [""]
-  resources: [services, configmaps, persistentvolumeclaims]
-  verbs: [get, list, watch, create, patch, update, delete]
-# A PodDisruptionBudget exists while an endpoint has more than one replica and is removed below that.
+  resources: [persistentvolumeclaims]
+  verbs: [list, watch, create, patch, delete]
+# The endpoint's Service (its stable in-cluster URL): created and kept in line with the spec.
+- apiGroups: [""]
+  resources: [services]
+  verbs: [create, patch]
+# Optional children, deleted when the spec stops asking for them: the chat-template ConfigMap,
+# the PodDisruptionBudget (more than one replica) and the Ingress (spec.api.ingress.enabled).
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [create, patch, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, list, watch, create, patch, update, delete]
-# An Ingress exists when spec.api.ingress.enabled is set and is removed when it is unset.
+  verbs: [create, patch, delete]
 - apiGroups: [networking.k8s.io]
   resources: [ingresses]
-  verbs: [get, list, watch, create, patch, update, delete]
-# Status explains pod problems (pending, crash-looping, unschedulable): read-only.
-- apiGroups: [""]
-  resources: [pods]
-  verbs: [get, list, watch]
-# The autoscaler finds ready runtime pods and their addresses through the Service's EndpointSlices.
+  verbs: [create, patch, delete]
+# The autoscaler finds the ready runtime pods and their addresses in the Service's EndpointSlices.
 - apiGroups: [discovery.k8s.io]
   resources: [endpointslices]
-  verbs: [get, list, watch]
+  verbs: [list]
 # Kubernetes Events on notable transitions (created, invalid spec, rolled out, scaled, degraded).
 - apiGroups: [""]
   resources: [events]
-  verbs: [create, patch]
-- apiGroups: [events.k8s.io]
-  resources: [events]
-  verbs: [create, patch]
+  verbs: [create]
 {{- end }}
