@@ -212,10 +212,20 @@ async def test_queue_up_scales_up_fast_load_gone_holds_then_returns_to_min(
     assert [(d["from"], d["to"]) for d in reversed(ups)] == [(1, 2), (2, 4)]
     assert "burst" in ups[-1]["reason"] and ups[-1]["signals"]["queueDepth"] == 20
 
-    # The load goes away: the size holds through the scale-down window, then returns to min
-    # (in one step, or two when the tick that saw the drop still averaged some load).
+    text = await _operator_metrics(metrics_port)
+    labels = f'endpoint="{NAME}",namespace="{NS}"'
+    assert f"llmendpoints_autoscaler_desired_replicas{{{labels}}} 4.0" in text
+    assert f'llmendpoints_autoscaler_decisions_total{{direction="up",{labels}}} 2.0' in text
+
+    # The load goes away and the operator restarts in the middle of the scale-down window: the
+    # size holds through the window all the same, then returns to min (in one step, or two when
+    # the tick that saw the drop still averaged some load). The restarted operator resumes the
+    # state kept in status (the decisions recorded before the restart are still listed).
     pods.work = 0
     gone = time.time()
+    await asyncio.sleep(2)
+    await op.stop()
+    await op.start()
     await _until(op, lambda: _replicas(cluster) == 1, "back to minReplicas", timeout=40)
     await _until(
         op, lambda: _autoscaling(cluster).get("desiredReplicas") == 1, "status at 1", timeout=5
@@ -224,25 +234,28 @@ async def test_queue_up_scales_up_fast_load_gone_holds_then_returns_to_min(
     downs = [d for d in status["lastDecisions"] if d["to"] < d["from"]]
     assert 1 <= len(downs) <= 2 and downs[0]["to"] == 1 and downs[-1]["from"] == 4
     assert "clamped to minReplicas 1" in downs[0]["reason"]
+    assert status["lastDecisions"][len(downs) :] == ups
     held = min(_epoch(d["time"]) for d in downs) - gone
     # The last loaded tick may precede `gone` by a tick, and status times are whole seconds.
     assert held >= SCALE_DOWN_WINDOW - 2
-    assert status["desiredReplicas"] == 1 and status["state"]["v"] == 1
+    assert status["state"]["v"] == 1
 
     events = [(e["reason"], e["message"]) for e in cluster.events(NS, NAME)]
     scale_events = [reason for reason, _ in events if reason.startswith("Scale")]
     assert scale_events == ["ScaleUp", "ScaleUp"] + ["ScaleDown"] * len(downs)
     assert any(m.startswith("scale down") and "->1" in m for r, m in events if r == "ScaleDown")
 
-    async with (
-        aiohttp.ClientSession() as session,
-        session.get(f"http://127.0.0.1:{metrics_port}/metrics") as response,
-    ):
-        text = await response.text()
-    labels = f'endpoint="{NAME}",namespace="{NS}"'
+    text = await _operator_metrics(metrics_port)  # the restarted process counts from zero
     assert f"llmendpoints_autoscaler_desired_replicas{{{labels}}} 1.0" in text
-    assert f'llmendpoints_autoscaler_decisions_total{{direction="up",{labels}}} 2.0' in text
     assert (
         f'llmendpoints_autoscaler_decisions_total{{direction="down",{labels}}} {len(downs)}.0'
         in text
     )
+
+
+async def _operator_metrics(port: int) -> str:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{port}/metrics") as response,
+    ):
+        return await response.text()
