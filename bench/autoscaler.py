@@ -190,7 +190,7 @@ async def scrape_wall(pods: int = 8, rounds: int = 20) -> float:
     return statistics.median(walls)
 
 
-def main() -> None:
+def main() -> int:
     body = runtime_like_metrics()
     rows = []
     for closed_loop in (False, True):
@@ -264,7 +264,8 @@ def main() -> None:
     )
     print(f"- decision CPU p99 {cpu_p99:.3f} ms <= 2 ms: {'yes' if cpu_p99 <= 2 else 'NO'}")
     print(f"- zero changes under steady load: {'yes' if steady_ok else 'NO'}")
+    return 0 if burst_ok and cpu_p99 <= 2 and steady_ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
