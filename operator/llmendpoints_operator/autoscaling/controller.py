@@ -86,6 +86,8 @@ class _Memory:
     history: History | None = None
     written: dict[str, Any] | None = None  # the last status.autoscaling written
     failing: frozenset[str] = frozenset()  # pods whose /metrics failed at the last tick
+    # (replicas before, replicas after) of our last patch, until the Deployment index shows it.
+    patched: tuple[int, int] | None = None
     next_due: float = 0.0
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -174,12 +176,19 @@ class Autoscaler:
             memory.history = history_from_status(status)
             memory.written = dict(status.get(STATUS_KEY) or {}) or None
         now = self._clock()
-        current = Current(subject.replicas, result.observation)
+        replicas = subject.replicas
+        if memory.patched is not None:
+            before, after = memory.patched
+            if replicas == before:
+                replicas = after  # the watch has not brought our own last patch yet
+            else:
+                memory.patched = None
+        current = Current(replicas, result.observation)
         decision = decide(memory.history, current, subject.policy, now)
         memory.history = decision.history
-        self._metrics.record(namespace, name, subject.replicas, decision)
+        self._metrics.record(namespace, name, replicas, decision)
 
-        if decision.replicas != subject.replicas:
+        if decision.replicas != replicas:
             await kube.patch(
                 "apps/v1",
                 "Deployment",
@@ -187,10 +196,11 @@ class Autoscaler:
                 subject.deployment,
                 {"spec": {"replicas": decision.replicas}},
             )
+            memory.patched = (subject.replicas, decision.replicas)
             logger.info("%s/%s: %s", namespace, name, decision.reason)
             self._post_event(subject.owner, "Normal", decision.action, decision.reason)
 
-        block = status_block(memory.written, subject.replicas, decision, now)
+        block = status_block(memory.written, replicas, decision, now)
         if _meaningful(block) != _meaningful(memory.written):
             await kube.patch(
                 subject.api_version,

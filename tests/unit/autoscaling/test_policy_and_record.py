@@ -119,3 +119,45 @@ def test_operator_metrics_per_endpoint_and_forgetting_a_deleted_endpoint():
     assert 'signal="queue_depth"} 40.0' in text
     metrics.forget("ns", "chat")
     assert 'endpoint="chat"' not in generate_latest(metrics.registry).decode()
+
+
+def test_spec_scaling_carries_the_tuning_into_the_policy():
+    from llmendpoints_operator.spec import parse
+
+    ep = parse(
+        "chat",
+        "ns",
+        {
+            "model": {"name": "m"},
+            "scaling": {
+                "minReplicas": 2,
+                "maxReplicas": 8,
+                "targetInFlight": 48,
+                "scaleDownStabilizationSeconds": 600,
+                "panicThreshold": 3,
+            },
+        },
+    )
+    scaling = ep.spec.scaling
+    assert scaling.autoscaled
+    policy = scaling.policy()
+    assert (policy.min_replicas, policy.max_replicas, policy.target_in_flight) == (2, 8, 48)
+    assert (policy.scale_down_stabilization_seconds, policy.panic_threshold) == (600, 3)
+    assert policy.target_queue_depth == 2 and policy.interval_seconds == 5  # defaults
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {},
+        {"minReplicas": 3},
+        {"minReplicas": 2, "maxReplicas": 2},
+        {"maxReplicas": 4, "replicas": 3},
+    ],
+    ids=["defaults", "min-only", "min-equals-max", "pinned"],
+)
+def test_fixed_or_pinned_endpoints_are_not_autoscaled(scaling):
+    from llmendpoints_operator.spec import parse
+
+    ep = parse("chat", "ns", {"model": {"name": "m"}, "scaling": scaling})
+    assert not ep.spec.scaling.autoscaled
