@@ -219,3 +219,19 @@ def test_every_worker_vllm_variable_keeps_a_meaning():
     )
     unhandled = sorted(seeds - handled)
     assert not unhandled, f"worker-vllm variables the runtime would silently ignore: {unhandled}"
+
+
+def test_own_settings_never_shadow_a_vllm_flag_by_accident():
+    """A runtime setting named like a vLLM flag would silently take that flag away from users."""
+    from llmendpoints_runtime.config import NOT_FROM_ENVIRONMENT, env_name_for
+
+    parser = engine.build_arg_parser()
+    vllm_names = {
+        env_name_for(flag)
+        for action in parser._actions
+        for flag in action.option_strings
+        if flag.startswith("--")
+    }
+    deliberately_owned = {env_name_for(flag) for flag in NOT_FROM_ENVIRONMENT}
+    shadowed = sorted((set(settings_variables()) & vllm_names) - deliberately_owned)
+    assert not shadowed, f"settings that hide vLLM flags: {shadowed} (prefix them with LLMEP_)"
