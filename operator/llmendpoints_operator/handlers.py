@@ -489,6 +489,7 @@ def _autoscaled() -> list[Subject]:
                 service=manifests.service_name(ep.name),
                 deployment=manifests.deployment_name(ep.name),
                 replicas=deployment.desired,
+                ready_replicas=deployment.ready,
             )
         )
     return subjects

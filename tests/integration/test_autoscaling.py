@@ -108,9 +108,17 @@ class StandInPods:
             await self.cluster.create(SLICES, NS, body)
         else:
             await self.cluster.patch(SLICES, NS, body["metadata"]["name"], body)
+        count = len(self._runners)
+        await self.cluster.patch(
+            DEPLOYMENTS,
+            NS,
+            NAME,
+            {"status": {k: count for k in ("replicas", "readyReplicas", "availableReplicas")}},
+        )
 
     async def follow(self) -> None:
-        """Play the Deployment controller: as many ready stand-ins as spec.replicas."""
+        """Play the Deployment controller and the kubelet: as many ready stand-ins as
+        spec.replicas, in the EndpointSlice and in the Deployment's status."""
         while True:
             deployment = self.cluster.get(DEPLOYMENTS, NS, NAME)
             wanted = (deployment or {}).get("spec", {}).get("replicas", 0)

@@ -68,6 +68,9 @@ class Subject:
     service: str
     deployment: str
     replicas: int  # the Deployment's spec.replicas now
+    # The Deployment's status.readyReplicas: 0 means nothing to measure (the tick is skipped,
+    # without a request: an endpoint whose pods are still loading costs no API calls).
+    ready_replicas: int | None = None
 
     @property
     def key(self) -> Key:
@@ -148,8 +151,10 @@ class Autoscaler:
         except Exception:  # one endpoint's failure must not stop the others
             logger.exception("Autoscaling tick of %s/%s failed", *subject.key)
 
-    async def tick(self, subject: Subject) -> Decision:
-        """One decision for one endpoint, with all its I/O."""
+    async def tick(self, subject: Subject) -> Decision | None:
+        """One decision for one endpoint, with all its I/O (None: nothing to measure)."""
+        if subject.ready_replicas == 0:
+            return None
         namespace, name = subject.key
         memory = self._memory.setdefault(subject.key, _Memory())
         kube = self._kube()
