@@ -52,9 +52,11 @@ class JobExecutor:
         store: JobStore | None = None,
         webhooks: WebhookSender | None = None,
         clock: Callable[[], float] = time.time,
+        concurrency_limit: Callable[[], int] | None = None,
     ) -> None:
         self._engine = engine
         self._settings = settings
+        self._concurrency_limit = concurrency_limit or (lambda: settings.max_concurrency)
         self._clock = clock
         self.store: JobStore = store or InMemoryJobStore(settings.max_stored_jobs, clock)
         self._webhooks = webhooks or WebhookSender(
@@ -119,11 +121,15 @@ class JobExecutor:
     # ---- lifecycle of the executor -------------------------------------------------------
 
     def start(self) -> None:
-        if not self._workers:
-            self._workers = [
-                asyncio.create_task(self._worker(), name=f"job-worker-{i}")
-                for i in range(self._settings.max_concurrency)
-            ]
+        """Run up to the concurrency limit's worth of workers (needs a running event loop).
+
+        The limit is read again on every submission: with MAX_CONCURRENCY unset the runtime
+        raises it to the engine's batch size once the engine is up, and workers are added then.
+        """
+        while len(self._workers) < self._concurrency_limit():
+            self._workers.append(
+                asyncio.create_task(self._worker(), name=f"job-worker-{len(self._workers)}")
+            )
 
     async def drain(self, timeout: float) -> None:
         """Start no new job; let running ones finish for up to ``timeout`` s; fail the rest."""
@@ -140,7 +146,7 @@ class JobExecutor:
     # ---- the API's verbs -----------------------------------------------------------------
 
     async def submit(self, request: JobRequest, *, sync: bool) -> Job:
-        self.start()  # lazily: the workers need the server's event loop
+        self.start()  # lazily: workers need the server's event loop, and the limit may grow
         if self._queued >= self._settings.max_queue_length:
             raise QueueFull(
                 f"the job queue is full ({self._settings.max_queue_length} jobs waiting); "

@@ -46,7 +46,9 @@ def install_job_api(runtime: Any, *, default_max_concurrency: int) -> list[APIRo
     settings = runtime.config.settings
     engine = JobEngineAdapter(runtime.engine)
     config = job_settings(settings, settings.max_concurrency or default_max_concurrency)
-    executor = JobExecutor(engine, config)
+    # The same number as the OpenAI requests' admission limit (a separate pool of that size),
+    # including the raise to the engine's batch size when MAX_CONCURRENCY is unset.
+    executor = JobExecutor(engine, config, concurrency_limit=lambda: runtime.admission.limit)
     runtime.jobs = executor
     runtime.metrics.add_queue_source(lambda: executor.queued)
     runtime.metrics.add_in_flight_source(lambda: executor.running)

@@ -120,6 +120,23 @@ async def test_at_most_max_concurrency_jobs_run_and_the_rest_queue() -> None:
     await executor.drain(1)
 
 
+async def test_workers_follow_a_growing_concurrency_limit() -> None:
+    engine = FakeEngine(step_delay=0.01)
+    limit = [1]
+    executor = JobExecutor(engine, JobSettings(), concurrency_limit=lambda: limit[0])
+    body = request('{"input": {"prompt": "x", "sampling_params": {"max_tokens": 30}}}')
+    jobs = [await executor.submit(body, sync=False) for _ in range(3)]
+    await until(lambda: executor.running == 1)
+    await asyncio.sleep(0.02)
+    assert executor.running == 1 and executor.queued == 2
+    limit[0] = 3  # e.g. raised to the engine's batch size once it is up
+    jobs.append(await executor.submit(body, sync=False))
+    await until(lambda: executor.running == 3)
+    for job in jobs:
+        await executor.wait(job, 10)
+    await executor.drain(1)
+
+
 async def test_execution_timeout_ends_timed_out_and_aborts_the_engine_request() -> None:
     engine = FakeEngine(step_delay=0.02)
     executor = make(engine)
