@@ -129,7 +129,7 @@ def decision_cpu(calls: int = 20000) -> tuple[float, float]:
         decision = decide(history, Current(replicas, obs), POLICY, now)
         status_block(None, replicas, decision, now)
         elapsed = time.process_time_ns() - started
-        if i >= 200:  # windows full: 60 recommendations, 12 samples
+        if i >= 200:  # windows full (300 s of recommendations, 60 s of samples)
             samples.append(elapsed / 1e6)
         history, now = decision.history, now + POLICY.interval_seconds
     samples.sort()

@@ -84,8 +84,12 @@ class History:
     """Everything the decision remembers; survives restarts through `to_json` / `from_json`."""
 
     samples: tuple[Sample, ...] = ()
-    # (time, scale-up recommendation, scale-down recommendation) of each tick.
-    recommendations: tuple[tuple[float, int, int], ...] = ()
+    # The recommendations of the stabilisation windows as (time, replicas), oldest first, kept
+    # as monotonic queues: `up` only holds entries that can still be the window's minimum
+    # (increasing values), `down` those that can still be its maximum (decreasing values). The
+    # window's answer is the first entry, and the state stays a handful of entries long.
+    up: tuple[tuple[float, int], ...] = ()
+    down: tuple[tuple[float, int], ...] = ()
     # Start of the uninterrupted run of measurements the windows cover (None: nothing yet).
     observing_since: float | None = None
     last_sample_at: float | None = None
@@ -104,7 +108,8 @@ class History:
             "samples": [
                 [_r(s.t), _r(s.queue_depth), _r(s.in_flight), int(s.partial)] for s in self.samples
             ],
-            "recs": [[_r(t), up, down] for t, up, down in self.recommendations],
+            "up": [[_r(t), r] for t, r in self.up],
+            "down": [[_r(t), r] for t, r in self.down],
         }
 
     @classmethod
@@ -117,9 +122,8 @@ class History:
                 samples=tuple(
                     Sample(float(t), float(q), float(f), bool(p)) for t, q, f, p in data["samples"]
                 ),
-                recommendations=tuple(
-                    (float(t), int(up), int(down)) for t, up, down in data["recs"]
-                ),
+                up=tuple((float(t), int(r)) for t, r in data["up"]),
+                down=tuple((float(t), int(r)) for t, r in data["down"]),
                 observing_since=_opt_float(data.get("since")),
                 last_sample_at=_opt_float(data.get("last")),
                 panic_until=_opt_float(data.get("panicUntil")),
@@ -169,10 +173,8 @@ def decide(history: History, current: Current, policy: ScalingPolicy, now: float
         "pendingReplicas": current.pending,
         "failedScrapes": obs.failed,
     }
-    keep_recs_for = max(
-        policy.scale_up_stabilization_seconds, policy.scale_down_stabilization_seconds
-    )
-    recs = tuple(rec for rec in history.recommendations if rec[0] >= now - keep_recs_for)
+    ups = _trim(history.up, now - policy.scale_up_stabilization_seconds)
+    downs = _trim(history.down, now - policy.scale_down_stabilization_seconds)
     panic_until = history.panic_until if history.panic_until and now < history.panic_until else None
 
     if obs.answered == 0:
@@ -184,7 +186,8 @@ def decide(history: History, current: Current, policy: ScalingPolicy, now: float
         )
         kept = History(
             samples=tuple(s for s in history.samples if s.t > now - policy.stable_window_seconds),
-            recommendations=recs,
+            up=ups,
+            down=downs,
             observing_since=history.observing_since,
             last_sample_at=history.last_sample_at,
             panic_until=panic_until,
@@ -236,16 +239,17 @@ def decide(history: History, current: Current, policy: ScalingPolicy, now: float
         # Down on the short window: the smoothed average lags a drop in load, and replaying
         # that lag through the scale-down window would step down one replica per tick.
         down_rec = _ceil(burst_demand * (1 + policy.tolerance))
-    recs = (*recs, (now, up_rec, down_rec))
+    ups = _push(ups, now, up_rec, keep_if=_smaller)
     demand = max(_ceil(stable_demand), _ceil(burst_demand) if panic_until else 0)
     signals["demandReplicas"] = round(stable_demand, 3)
 
     # 4. Stabilise, cap growth, hold scale-down when the evidence is incomplete.
-    up_to = min(u for t, u, _ in recs if t >= now - policy.scale_up_stabilization_seconds)
-    down_to = max(d for t, _, d in recs if t >= now - policy.scale_down_stabilization_seconds)
+    up_to = ups[0][1]
+    down_to = _push(downs, now, down_rec, keep_if=_larger)[0][1]
     new_history = History(
         samples=stable,
-        recommendations=recs,
+        up=ups,
+        down=_push(downs, now, down_rec, keep_if=_larger),
         observing_since=since,
         last_sample_at=now,
         panic_until=panic_until,
@@ -267,8 +271,8 @@ def decide(history: History, current: Current, policy: ScalingPolicy, now: float
             why += f"; growth capped at {cap} (x{policy.max_scale_up_rate:g} per decision)"
         up = _finish(replicas, min(up_to, cap), policy, why, new_history, signals, demand, bursting)
         # The size just scaled up to is the floor of the scale-down window from now on.
-        kept = (*recs[:-1], (now, up_rec, max(down_rec, up.replicas)))
-        return replace(up, history=replace(new_history, recommendations=kept))
+        floor = _push(downs, now, max(down_rec, up.replicas), keep_if=_larger)
+        return replace(up, history=replace(new_history, down=floor))
     if down_to < replicas:
         partial = sum(1 for s in stable if s.partial)
         if partial:
@@ -386,6 +390,32 @@ def _banded_up(demand: float, replicas: int, tolerance: float) -> int:
     if wanted > replicas and demand <= replicas * (1 + tolerance) + _EPS:
         return replicas
     return wanted
+
+
+def _trim(queue: tuple[tuple[float, int], ...], since: float) -> tuple[tuple[float, int], ...]:
+    """The entries of a window that began at `since`."""
+    start = 0
+    while start < len(queue) and queue[start][0] < since:
+        start += 1
+    return queue[start:]
+
+
+def _push(
+    queue: tuple[tuple[float, int], ...], t: float, value: int, keep_if
+) -> tuple[tuple[float, int], ...]:
+    """Append to a monotonic queue, dropping the entries the new one makes irrelevant."""
+    end = len(queue)
+    while end and not keep_if(queue[end - 1][1], value):
+        end -= 1
+    return (*queue[:end], (t, value))
+
+
+def _smaller(old: int, new: int) -> bool:
+    return old < new  # window minimum: an older entry matters only while it is smaller
+
+
+def _larger(old: int, new: int) -> bool:
+    return old > new  # window maximum: an older entry matters only while it is larger
 
 
 def _ceil(value: float) -> int:

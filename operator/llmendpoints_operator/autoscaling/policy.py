@@ -20,6 +20,10 @@ SCALE_TO_ZERO_REFUSED = (
 )
 
 
+# Samples one stable window holds at most (they are kept in status.autoscaling.state).
+MAX_SAMPLES = 120
+
+
 def check_min_replicas(value: int) -> int:
     if value == 0:
         raise ValueError(SCALE_TO_ZERO_REFUSED)
@@ -59,6 +63,12 @@ class ScalingTuning(BaseModel):
             raise ValueError(
                 f"panicWindowSeconds: must not exceed stableWindowSeconds "
                 f"({self.panic_window_seconds:g} > {self.stable_window_seconds:g})"
+            )
+        if self.stable_window_seconds > MAX_SAMPLES * self.interval_seconds:
+            raise ValueError(
+                f"stableWindowSeconds: must not exceed {MAX_SAMPLES} x intervalSeconds "
+                f"({self.stable_window_seconds:g} > {MAX_SAMPLES} x {self.interval_seconds:g}): "
+                "the window's samples are kept in status"
             )
         return self
 

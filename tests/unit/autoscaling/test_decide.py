@@ -317,9 +317,29 @@ def test_history_round_trips_through_json_and_garbage_gives_an_empty_history():
     _, history = replay(
         policy(), step(0, 0, 40, until=100), duration=400, deployment=SimulatedDeployment(1)
     )
-    assert history.samples and history.recommendations
+    assert history.samples and history.up and history.down
     assert History.from_json(json.loads(json.dumps(history.to_json()))) == history
     assert load_history({"v": 1, "samples": "nope"}) == History()
     assert load_history({"v": 99}) == History()
     assert load_history(None) == History()
     assert len(json.dumps(history.to_json())) < 4096  # small enough for status
+
+
+def test_the_stabilisation_windows_answer_like_a_full_scan():
+    # The windows keep only the entries that can still be their minimum / maximum; check the
+    # answers against a scan of every recommendation on random traces.
+    from llmendpoints_operator.autoscaling.decision import _larger, _push, _smaller, _trim
+
+    rng = random.Random(3)
+    for window in (0, 5, 60, 300):
+        ups: tuple = ()
+        downs: tuple = ()
+        seen: list[tuple[float, int]] = []
+        for i in range(500):
+            now, value = i * 5.0, rng.randint(0, 12)
+            seen.append((now, value))
+            ups = _push(_trim(ups, now - window), now, value, keep_if=_smaller)
+            downs = _push(_trim(downs, now - window), now, value, keep_if=_larger)
+            in_window = [v for t, v in seen if t >= now - window]
+            assert ups[0][1] == min(in_window) and downs[0][1] == max(in_window)
+            assert len(ups) <= 13 and len(downs) <= 13  # at most one entry per distinct value

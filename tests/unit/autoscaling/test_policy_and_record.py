@@ -48,6 +48,10 @@ def test_scale_to_zero_is_refused_with_the_reason():
         ({"panicThreshold": 1}, "panicThreshold"),
         ({"maxScaleUpRate": 1}, "maxScaleUpRate"),
         ({"intervalSeconds": 0}, "intervalSeconds"),
+        (
+            {"intervalSeconds": 1, "stableWindowSeconds": 300},
+            "stableWindowSeconds: must not exceed 120 x intervalSeconds (300 > 120 x 1)",
+        ),
         ({"targetQueDepth": 2}, "targetQueDepth"),  # a typo is an error, not a silent default
     ],
 )
