@@ -152,13 +152,7 @@ class Decision:
     action: str  # "ScaleUp" | "ScaleDown" | "Hold"
     history: History
     burst: bool = False
-    # Replicas the measured load asks for (before growth cap and clamping); None without data.
-    demand: int | None = None
-    signals: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def changed(self) -> bool:
-        return self.action != "Hold"
+    signals: dict[str, float] = field(default_factory=dict)  # what this tick measured
 
 
 def decide(history: History, current: Current, policy: ScalingPolicy, now: float) -> Decision:
@@ -193,7 +187,7 @@ def decide(history: History, current: Current, policy: ScalingPolicy, now: float
             panic_until=panic_until,
             capacity=history.capacity,
         )
-        return _finish(replicas, replicas, policy, why, kept, signals, demand=None, burst=False)
+        return _finish(replicas, replicas, policy, why, kept, signals, burst=False)
 
     # 1. Remember this tick's sample; restart the evidence after a gap.
     since = history.observing_since
@@ -239,17 +233,17 @@ def decide(history: History, current: Current, policy: ScalingPolicy, now: float
         # Down on the short window: the smoothed average lags a drop in load, and replaying
         # that lag through the scale-down window would step down one replica per tick.
         down_rec = _ceil(burst_demand * (1 + policy.tolerance))
-    ups = _push(ups, now, up_rec, keep_if=_smaller)
-    demand = max(_ceil(stable_demand), _ceil(burst_demand) if panic_until else 0)
     signals["demandReplicas"] = round(stable_demand, 3)
 
     # 4. Stabilise, cap growth, hold scale-down when the evidence is incomplete.
+    ups = _push(ups, now, up_rec, keep_if=_smaller)
     up_to = ups[0][1]
-    down_to = _push(downs, now, down_rec, keep_if=_larger)[0][1]
+    pushed_downs = _push(downs, now, down_rec, keep_if=_larger)
+    down_to = pushed_downs[0][1]
     new_history = History(
         samples=stable,
         up=ups,
-        down=_push(downs, now, down_rec, keep_if=_larger),
+        down=pushed_downs,
         observing_since=since,
         last_sample_at=now,
         panic_until=panic_until,
@@ -269,7 +263,7 @@ def decide(history: History, current: Current, policy: ScalingPolicy, now: float
         cap = max(math.ceil(replicas * policy.max_scale_up_rate - _EPS), replicas + 1)
         if up_to > cap:
             why += f"; growth capped at {cap} (x{policy.max_scale_up_rate:g} per decision)"
-        up = _finish(replicas, min(up_to, cap), policy, why, new_history, signals, demand, bursting)
+        up = _finish(replicas, min(up_to, cap), policy, why, new_history, signals, bursting)
         # The size just scaled up to is the floor of the scale-down window from now on.
         floor = _push(downs, now, max(down_rec, up.replicas), keep_if=_larger)
         return replace(up, history=replace(new_history, down=floor))
@@ -280,19 +274,19 @@ def decide(history: History, current: Current, policy: ScalingPolicy, now: float
                 f"; scale-down held: a ready pod did not answer /metrics in {partial} of the "
                 f"last {len(stable)} samples"
             )
-            return _finish(replicas, replicas, policy, why, new_history, signals, demand, False)
+            return _finish(replicas, replicas, policy, why, new_history, signals, False)
         observed_for = now - since
         if observed_for < policy.scale_down_stabilization_seconds:
             why += (
                 f"; scale-down held: {observed_for:.0f} s of uninterrupted measurements, "
                 f"{policy.scale_down_stabilization_seconds:g} s needed"
             )
-            return _finish(replicas, replicas, policy, why, new_history, signals, demand, False)
+            return _finish(replicas, replicas, policy, why, new_history, signals, False)
         why += (
             f"; the busiest {policy.panic_window_seconds:g} s of the last "
             f"{policy.scale_down_stabilization_seconds:g} s fit in {down_to}"
         )
-        return _finish(replicas, down_to, policy, why, new_history, signals, demand, False)
+        return _finish(replicas, down_to, policy, why, new_history, signals, False)
     if up_rec == replicas < _banded_up(stable_demand, replicas, policy.tolerance):
         why += f"; scale-up waits for a full {policy.stable_window_seconds:g} s window (bursts excepted)"
     elif up_rec > replicas:
@@ -302,7 +296,7 @@ def decide(history: History, current: Current, policy: ScalingPolicy, now: float
             f"; waiting for {policy.scale_down_stabilization_seconds:g} s of lower load "
             "before scaling down"
         )
-    return _finish(replicas, replicas, policy, why, new_history, signals, demand, bursting)
+    return _finish(replicas, replicas, policy, why, new_history, signals, bursting)
 
 
 def _finish(
@@ -312,7 +306,6 @@ def _finish(
     why: str,
     history: History,
     signals: dict[str, float],
-    demand: int | None,
     burst: bool,
 ) -> Decision:
     """Clamp to the user's bounds and phrase the outcome."""
@@ -332,7 +325,6 @@ def _finish(
         action=action,
         history=history,
         burst=burst,
-        demand=demand,
         signals=signals,
     )
 
