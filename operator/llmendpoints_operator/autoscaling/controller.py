@@ -122,7 +122,13 @@ class Autoscaler:
         while True:
             now = self._clock()
             seen: set[Key] = set()
-            for subject in subjects():
+            try:
+                current = list(subjects())
+            except Exception:  # a bug in listing must not stop autoscaling for good
+                logger.exception("Listing the autoscaled endpoints failed")
+                await asyncio.sleep(1.0)
+                continue
+            for subject in current:
                 seen.add(subject.key)
                 memory = self._memory.setdefault(subject.key, _Memory())
                 busy = memory.task is not None and not memory.task.done()
