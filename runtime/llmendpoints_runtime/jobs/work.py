@@ -104,7 +104,7 @@ async def run_openai_route(
         chunks.append(chunk)
         pending.clear()
 
-    async def take(events: list[SSEEvent]) -> None:
+    def take(events: list[SSEEvent]) -> None:
         nonlocal target
         for event in events:
             if (error := event.error) is not None:
@@ -112,13 +112,14 @@ async def run_openai_route(
             if not raw_output and event.json() is None:
                 continue  # [DONE] and comments carry nothing once parsed
             pending.append(event)
-            if len(pending) >= target:
+            # Only events with data count towards a batch: keep-alive comments ride along.
+            if sum(e.data is not None for e in pending) >= target:
                 emit()
                 target = next(sizes)
 
     async for piece in response.body:
-        await take(cutter.feed(piece))
-    await take(cutter.finish())
+        take(cutter.feed(piece))
+    take(cutter.finish())
     if pending:
         emit()
     return chunks

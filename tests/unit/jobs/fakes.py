@@ -149,7 +149,7 @@ def fake_openai_app(chunk_split: int | None = None) -> FastAPI:
             return JSONResponse({"object": "echo", "route": f"/v1/{route}", "body": body})
 
         async def events() -> AsyncIterator[bytes]:
-            text = b""
+            text = b": keep-alive\n\n" if body.get("keep_alive") else b""
             for i in range(body.get("events", 3)):
                 text += f'data: {{"i": {i}, "text": "é✓{i}"}}\n\n'.encode()
             if body.get("error_midway"):

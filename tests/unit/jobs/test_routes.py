@@ -193,15 +193,17 @@ async def test_streamed_openai_job_is_cut_at_event_boundaries() -> None:
         job = await executor.submit(
             parse_job_request(
                 b'{"input": {"openai_route": "/v1/completions", "openai_input": '
-                b'{"stream": true, "events": 5}}}'
+                b'{"stream": true, "events": 5, "keep_alive": true}}}'
             ),
             sync=True,
         )
         job = await executor.wait(job, 5)
         assert job.status.value == "COMPLETED"
         if raw:
-            # batches of 1, 3, then the rest (2 events + [DONE]), each a run of whole events
+            # batches of 1, 3, then the rest (2 events + [DONE]), each a run of whole events;
+            # the keep-alive comment rides along without counting
             assert [c.count("data: ") for c in job.output] == [1, 3, 2]
+            assert job.output[0].startswith(": keep-alive\n\n")
             assert all(c.endswith("\n\n") for c in job.output)
             assert "".join(job.output).endswith("data: [DONE]\n\n")
             assert "é✓4" in "".join(job.output)
