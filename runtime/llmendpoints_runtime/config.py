@@ -501,7 +501,7 @@ class RuntimeConfig:
 
 def _load_settings(env: Mapping[str, str]) -> RuntimeSettings:
     try:
-        return RuntimeSettings.model_validate(dict(env))
+        return RuntimeSettings.model_validate({k: v for k, v in env.items() if v.strip()})
     except ValidationError as exc:
         first = exc.errors()[0]
         variable = str(first["loc"][0]) if first["loc"] else "environment"
@@ -531,6 +531,9 @@ def _collect_flag_args(
 
     for name in sorted(env):
         value = env[name]
+        if not value.strip():
+            # Empty means "not set", as in worker-vllm: images declare ENV MODEL_REVISION= etc.
+            continue
         if name in WORKER_VLLM_ALIASES:
             translate, _ = WORKER_VLLM_ALIASES[name]
             args = translate(name, value)

@@ -235,3 +235,18 @@ def test_own_settings_never_shadow_a_vllm_flag_by_accident():
     deliberately_owned = {env_name_for(flag) for flag in NOT_FROM_ENVIRONMENT}
     shadowed = sorted((set(settings_variables()) & vllm_names) - deliberately_owned)
     assert not shadowed, f"settings that hide vLLM flags: {shadowed} (prefix them with LLMEP_)"
+
+
+def test_empty_values_mean_not_set():
+    """Images declare `ENV MODEL_REVISION=` and friends; an empty value must not reach vLLM."""
+    cfg = config(
+        MODEL_REVISION="",
+        TOKENIZER_NAME="",
+        MAX_MODEL_LEN=" ",
+        PORT="",
+        API_KEYS="",
+        SM_VLLM_DTYPE="",
+    )
+    assert cfg.vllm_argv == ["--model", "org/model"]
+    assert cfg.settings.port == 8000
+    assert cfg.settings.static_api_keys() == ()
