@@ -81,6 +81,18 @@ def wait_for(predicate, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
+def assert_batches_follow(batches: list[dict], schedule: list[int], total: int) -> None:
+    """Batch i holds schedule[i] tokens. vLLM merges engine steps when its reader lags, so a
+    batch may run past its size (then there are fewer batches) but never ends short of it."""
+    outputs = [b["usage"]["output"] for b in batches]
+    sizes = [b - a for a, b in zip([0, *outputs], outputs, strict=False)]
+    assert sum(sizes) == total and all(size > 0 for size in sizes)
+    assert len(sizes) <= len(schedule)
+    assert all(size >= target for size, target in zip(sizes[:-1], schedule, strict=False))
+    for batch, size in zip(batches, sizes, strict=True):
+        assert 1 <= len(batch["choices"][0]["tokens"]) <= size  # one text piece per step
+
+
 def health(http: httpx.Client) -> dict:
     return http.get(f"/v2/{ENDPOINT_ID}/health").json()
 
@@ -151,8 +163,7 @@ def test_run_status_and_stream_with_the_runpod_sdk(endpoint, http) -> None:
     assert job.status() in {"IN_QUEUE", "IN_PROGRESS", "COMPLETED"}
     chunks = list(job.stream())
     # DEFAULT_MIN_BATCH_SIZE=2, growth 2, DEFAULT_BATCH_SIZE=8: 2, 4, 8, 8, then the rest (8)
-    assert [len(c["choices"][0]["tokens"]) for c in chunks] == [2, 4, 8, 8, 8]
-    assert [c["usage"]["output"] for c in chunks] == [2, 6, 14, 22, 30]
+    assert_batches_follow(chunks, [2, 4, 8, 8, 8], total=30)
     assert job.status() == "COMPLETED"
     assert job.output() == chunks  # a streamed job's output is the list of its batches
     streamed_text = "".join(t for c in chunks for t in c["choices"][0]["tokens"])
@@ -175,7 +186,7 @@ def test_per_request_batch_sizes_override_the_environment(http) -> None:
         },
     ).json()
     final = wait_final(http, job["id"])
-    assert [len(c["choices"][0]["tokens"]) for c in final["output"]] == [1, 3, 3, 3]
+    assert_batches_follow(final["output"], [1, 3, 3, 3], total=10)
     stream = http.get(f"/stream/{job['id']}").json()
     assert stream["status"] == "COMPLETED" and stream["stream"] == [
         {"output": c} for c in final["output"]

@@ -3,7 +3,9 @@
 A streamed job publishes its tokens in batches whose size grows geometrically,
 ``min_batch_size * growth^k`` capped at ``max_batch_size`` (defaults 1, 3, 50: 1, 3, 9, 27, 50,
 50, ...): the first token reaches the client at once, later ones in fewer, larger chunks.
-A batch of size k holds k engine steps (usually one token each) of every choice.
+A batch of size k holds k tokens of every choice. vLLM hands over one text piece per engine step,
+usually one token; when the reader falls behind it merges steps, and a batch may then end a few
+tokens past its size (never before it).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class TokenBatcher:
         self._n = n_choices
         self._sizes = schedule.sizes()
         self._target = next(self._sizes)
-        self._steps = 0
+        self._batch_tokens = 0  # tokens per choice in the open batch
         self._tokens: list[list[str]] = [[] for _ in range(n_choices)]
         self._input_tokens = 0
         self._output_tokens = 0
@@ -84,8 +86,8 @@ class TokenBatcher:
             self._grow(delta.index)
             self._tokens[delta.index].append(delta.text)
             self._output_tokens += delta.token_count
-        self._steps += 1
-        if self._steps < self._target:
+        self._batch_tokens += max((d.token_count for d in step.choices), default=0)
+        if self._batch_tokens < self._target:
             return None
         batch = self._take()
         self._target = next(self._sizes)
@@ -93,7 +95,7 @@ class TokenBatcher:
 
     def flush(self) -> dict[str, Any] | None:
         """What is left at the end of the generation, if anything."""
-        return self._take() if self._steps else None
+        return self._take() if any(self._tokens) else None
 
     def _grow(self, index: int) -> None:
         while index >= len(self._tokens):  # n is known up front; this only guards bad input
@@ -104,7 +106,7 @@ class TokenBatcher:
             "choices": [{"tokens": tokens} for tokens in self._tokens],
             "usage": {"input": self._input_tokens, "output": self._output_tokens},
         }
-        self._steps = 0
+        self._batch_tokens = 0
         self._tokens = [[] for _ in range(max(self._n, len(self._tokens)))]
         return batch
 

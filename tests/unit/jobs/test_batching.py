@@ -83,6 +83,18 @@ def test_batches_hold_every_choice() -> None:
     assert batches[-1]["usage"]["output"] == 14
 
 
+def test_merged_steps_count_their_tokens() -> None:
+    # vLLM merges steps when the reader lags: one piece may carry several tokens
+    merged = [
+        GenerationStep(prompt_tokens=4, choices=(ChoiceDelta(0, f"p{i}", count),))
+        for i, count in enumerate([1, 2, 2, 5, 1])
+    ]
+    batches = run_batcher(TokenBatcher(1, BatchSchedule(1, 3, 50)), merged)
+    # sizes 1, 3, 9: a batch ends once it holds at least its size, never before
+    assert [b["choices"][0]["tokens"] for b in batches] == [["p0"], ["p1", "p2"], ["p3", "p4"]]
+    assert [b["usage"]["output"] for b in batches] == [1, 5, 11]
+
+
 def test_nothing_left_means_no_empty_batch() -> None:
     batcher = TokenBatcher(1, BatchSchedule())
     assert batcher.add(steps(1)[0]) is not None
