@@ -69,6 +69,7 @@ class JobExecutor:
         self._running: dict[str, _Running] = {}
         self._done: dict[str, asyncio.Event] = {}
         self._queued = 0
+        self._queued_low_priority = 0
         self._retried = 0
         self._draining = False
 
@@ -78,6 +79,12 @@ class JobExecutor:
     def queued(self) -> int:
         """Jobs accepted but not started (part of llmendpoints_queue_depth)."""
         return self._queued
+
+    @property
+    def queued_for_scaling(self) -> int:
+        """Queued jobs that should make the autoscaler add replicas: all but those sent with
+        ``policy.lowPriority`` (RunPod's meaning: "does not trigger worker scaling")."""
+        return self._queued - self._queued_low_priority
 
     @property
     def running(self) -> int:
@@ -191,7 +198,7 @@ class JobExecutor:
     async def cancel(self, job_id: str) -> Job:
         job = await self.get(job_id)
         if job.status is JobStatus.IN_QUEUE:
-            self._queued -= 1  # its queue entry is skipped when a worker reaches it
+            self._leave_queue(job)  # its queue entry is skipped when a worker reaches it
             await self._finish(job, JobStatus.CANCELLED)
         elif job.status is JobStatus.IN_PROGRESS:
             await self._finish(job, JobStatus.CANCELLED)
@@ -223,7 +230,7 @@ class JobExecutor:
         """Cancel every job still waiting in the queue; return how many."""
         queued = await self.store.in_state(JobStatus.IN_QUEUE)
         for job in queued:
-            self._queued -= 1
+            self._leave_queue(job)
             await self._finish(job, JobStatus.CANCELLED)
         return len(queued)
 
@@ -232,7 +239,12 @@ class JobExecutor:
     def _enqueue(self, job: Job) -> None:
         self._done[job.id] = asyncio.Event()
         self._queued += 1
+        self._queued_low_priority += job.request.policy.lowPriority
         self._queue.put_nowait(job.id)
+
+    def _leave_queue(self, job: Job) -> None:
+        self._queued -= 1
+        self._queued_low_priority -= job.request.policy.lowPriority
 
     async def _worker(self) -> None:
         while True:
@@ -246,12 +258,12 @@ class JobExecutor:
                 await self._engine.wait_ready()
             except JobAPIError as exc:
                 if job.status is JobStatus.IN_QUEUE:
-                    self._queued -= 1
+                    self._leave_queue(job)
                     await self._finish(job, JobStatus.FAILED, error=exc.to_error())
                 continue
             if job.status is not JobStatus.IN_QUEUE:
                 continue  # cancelled while waiting for the engine
-            self._queued -= 1
+            self._leave_queue(job)
             await self._execute(job)
 
     async def _execute(self, job: Job) -> None:

@@ -128,6 +128,9 @@ class Policy(BaseModel):
 
     executionTimeout: StrictInt | None = Field(default=None, ge=1)
     ttl: StrictInt | None = Field(default=None, ge=1)
+    # RunPod: a low-priority job does not trigger scaling. Here: it is not counted in
+    # llmendpoints_queue_depth, so the autoscaler does not add replicas for it.
+    lowPriority: StrictBool = False  # RunPod's spelling
 
 
 class JobRequest(BaseModel):

@@ -3,7 +3,7 @@
 Routes: ``/run`` ... at the root and under ``/v2/{endpoint_id}`` (RunPod's layout). The root
 ``/health`` stays the process's liveness probe; RunPod's job-count ``/health`` answers under
 ``/v2/{endpoint_id}/health``, where ``runpod.Endpoint.health()`` asks for it.
-Queued jobs count in ``llmendpoints_queue_depth``, running ones in
+Queued jobs count in ``llmendpoints_queue_depth`` (except ``policy.lowPriority`` ones), running ones in
 ``llmendpoints_requests_in_flight``, and a draining pod waits for both to reach zero.
 """
 
@@ -50,7 +50,7 @@ def install_job_api(runtime: Any, *, default_max_concurrency: int) -> list[APIRo
     # including the raise to the engine's batch size when MAX_CONCURRENCY is unset.
     executor = JobExecutor(engine, config, concurrency_limit=lambda: runtime.admission.limit)
     runtime.jobs = executor
-    runtime.metrics.add_queue_source(lambda: executor.queued)
+    runtime.metrics.add_queue_source(lambda: executor.queued_for_scaling)
     runtime.metrics.add_in_flight_source(lambda: executor.running)
     runtime.busy_sources.append(lambda: executor.running + executor.queued)
 

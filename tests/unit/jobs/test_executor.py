@@ -187,6 +187,22 @@ async def test_cancelled_queued_job_never_starts_and_purge_counts() -> None:
     await executor.drain(1)
 
 
+async def test_low_priority_jobs_queue_without_asking_for_scale() -> None:
+    engine = FakeEngine(ready=False)
+    executor = make(engine)
+    low = request('{"input": {"prompt": "x"}, "policy": {"lowPriority": true}}')
+    normal = request('{"input": {"prompt": "x"}}')
+    jobs = [await executor.submit(body, sync=False) for body in (low, low, normal)]
+    assert executor.queued == 3 and executor.queued_for_scaling == 1
+    await executor.cancel(jobs[0].id)
+    assert executor.queued == 2 and executor.queued_for_scaling == 1
+    engine.become_ready()
+    for job in jobs[1:]:
+        await executor.wait(job, 5)
+    assert executor.queued == 0 and executor.queued_for_scaling == 0
+    await executor.drain(1)
+
+
 async def test_jobs_wait_for_the_engine_then_run() -> None:
     engine = FakeEngine(ready=False)
     executor = make(engine)
