@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -404,3 +405,25 @@ def test_the_job_api_needs_the_api_key(server) -> None:
     with server.client() as anonymous:
         answer = anonymous.post("/run", json={"input": {"prompt": "x"}})
         assert answer.status_code == 401 and "error" in answer.json()
+
+
+def test_sigterm_finishes_accepted_jobs_and_refuses_new_ones(server, http) -> None:
+    """Last in the module: it stops the server."""
+    result: dict = {}
+    job = {"prompt": "x", "sampling_params": {"max_tokens": 300, "ignore_eos": True, "n": 16}}
+
+    def runsync() -> None:
+        with server.client(headers={"Authorization": f"Bearer {API_KEY}"}) as own:
+            result.update(own.post("/runsync", json={"input": job}).json())
+
+    thread = threading.Thread(target=runsync)
+    thread.start()
+    wait_for(lambda: health(http)["jobs"]["inProgress"] == 1)
+    server.process.send_signal(signal.SIGTERM)
+    wait_for(lambda: http.get("/ready").status_code == 503)
+    refused = http.post("/run", json={"input": {"prompt": "x"}})
+    assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+    thread.join(120)
+    assert result["status"] == "COMPLETED"  # the accepted job ran to the end
+    assert result["output"][0]["usage"]["output"] == 300 * 16
+    assert server.process.wait(60) == 0
