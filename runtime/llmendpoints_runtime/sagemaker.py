@@ -23,11 +23,9 @@ from fastapi.responses import Response
 
 from llmendpoints_runtime.jobs.asgi import ForwardedRequest
 from llmendpoints_runtime.jobs.errors import InvalidRequest, JobAPIError
-from llmendpoints_runtime.jobs.models import parse_json_object
+from llmendpoints_runtime.jobs.models import parse_json_object, refuse_images_for_text_only
 from llmendpoints_runtime.jobs.port import ASGIApp, JobEngine, ServedModels
 from llmendpoints_runtime.jobs.routes import error_response, read_body
-
-_IMAGE_PART_TYPES = {"image_url", "input_image", "image", "image_pil", "image_embeds"}
 
 
 def invocation_route(payload: dict[str, Any]) -> str:
@@ -65,19 +63,6 @@ def map_model(payload: dict[str, Any], served: ServedModels) -> dict[str, Any]:
     return {**payload, "model": served.base[0]}
 
 
-def image_parts(messages: list[Any]) -> list[str]:
-    """Where the messages carry images, as field paths (``messages[1].content[1]``)."""
-    found = []
-    for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):
-            continue
-        for j, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") in _IMAGE_PART_TYPES:
-                found.append(f"messages[{i}].content[{j}]")
-    return found
-
-
 _ROUTE_TASKS = {
     "/v1/chat/completions": ("generate", "chat completion (messages)"),
     "/v1/completions": ("generate", "completion (prompt)"),
@@ -96,14 +81,8 @@ def check_task(route: str, served: ServedModels) -> None:
 
 
 def check_modalities(payload: dict[str, Any], served: ServedModels) -> None:
-    if served.multimodal or not isinstance(payload.get("messages"), list):
-        return
-    if images := image_parts(payload["messages"]):
-        raise InvalidRequest(
-            f"model {served.base[0]!r} is text-only and cannot take images "
-            f"(image content at {', '.join(images)}); send text, or serve a multimodal model",
-            param=images[0],
-        )
+    if isinstance(payload.get("messages"), list):
+        refuse_images_for_text_only(payload["messages"], served, field="messages")
 
 
 def build_sagemaker_router(

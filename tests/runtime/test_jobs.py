@@ -372,6 +372,12 @@ BAD_INPUTS = [
         "input.openai_input.max_tokens",
     ),
     (b'{"input": {"prompt": "x"}, "policy": {"ttl": 0}}', 400, "policy.ttl"),
+    (
+        b'{"input": {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, '
+        b'{"type": "image_url", "image_url": {"url": "https://example.com/x.jpg"}}]}]}}',
+        400,
+        "text-only and cannot take images (image content at input.messages[0].content[1])",
+    ),
     (b'{"input": {"prompt": "caf\xe9"}}', 400, "UTF-8"),
     (b'{"input": {"prompt": "' + b"x" * 70_000 + b'"}}', 413, "limit"),
 ]

@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from llmendpoints_runtime.jobs.errors import InvalidRequest
+from llmendpoints_runtime.jobs.port import ServedModels
 
 
 class JobStatus(enum.StrEnum):
@@ -227,3 +228,34 @@ def _json_type(value: Any) -> str:
             return "an array"
         case _:
             return type(value).__name__
+
+
+_IMAGE_PART_TYPES = {"image_url", "input_image", "image", "image_pil", "image_embeds"}
+
+
+def image_parts(messages: list[Any], field: str = "messages") -> list[str]:
+    """Where chat messages carry images, as field paths (``messages[1].content[1]``)."""
+    found = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in _IMAGE_PART_TYPES:
+                found.append(f"{field}[{i}].content[{j}]")
+    return found
+
+
+def refuse_images_for_text_only(
+    messages: list[Any], served: ServedModels, *, field: str = "messages"
+) -> None:
+    """A text-only model answers images with a 400 saying so -- before anything downloads
+    the image (vLLM would fetch an https:// image first and fail later, or hang offline)."""
+    if served.multimodal:
+        return
+    if images := image_parts(messages, field):
+        raise InvalidRequest(
+            f"model {served.base[0]!r} is text-only and cannot take images "
+            f"(image content at {', '.join(images)}); send text, or serve a multimodal model",
+            param=images[0],
+        )

@@ -26,6 +26,7 @@ from llmendpoints_runtime.jobs.executor import JobExecutor, status_body
 from llmendpoints_runtime.jobs.models import JobRequest, parse_job_request
 from llmendpoints_runtime.jobs.port import ASGIApp, JobEngine
 from llmendpoints_runtime.jobs.settings import JobSettings
+from llmendpoints_runtime.jobs.work import check_images
 
 
 @dataclass
@@ -181,3 +182,5 @@ def _check_input(engine: JobEngine, job_request: JobRequest) -> None:
         engine.check_openai_input(job_input.openai_route, job_input.openai_input)
     else:
         engine.check_sampling_params(job_input.sampling_params)
+    if engine.is_ready():  # the model's modalities are known (else: checked when it runs)
+        check_images(engine, job_input)

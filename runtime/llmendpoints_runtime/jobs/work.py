@@ -13,7 +13,7 @@ from typing import Any
 from llmendpoints_runtime.jobs.asgi import call_app
 from llmendpoints_runtime.jobs.batching import BatchSchedule, TextCollector, TokenBatcher
 from llmendpoints_runtime.jobs.errors import JobFailed
-from llmendpoints_runtime.jobs.models import OPENAI_ROUTES, JobInput
+from llmendpoints_runtime.jobs.models import OPENAI_ROUTES, JobInput, refuse_images_for_text_only
 from llmendpoints_runtime.jobs.port import GenerationRequest, JobEngine
 from llmendpoints_runtime.jobs.sse import SSECutter, SSEEvent
 
@@ -30,6 +30,7 @@ async def run_generation(
     publish: Publish,
 ) -> list[dict[str, Any]]:
     """A prompt/messages job: token batches when streamed, one batch of full texts if not."""
+    check_images(engine, job_input)
     request = GenerationRequest(
         request_id=request_id,
         prompt=job_input.prompt,
@@ -76,6 +77,7 @@ async def run_openai_route(
     """An ``openai_route`` job: the OpenAI JSON, or the streamed events in growing batches."""
     route = job_input.openai_route
     assert route is not None  # validated by JobInput
+    check_images(engine, job_input)
     method = OPENAI_ROUTES[route]
     body = job_input.openai_input if method == "POST" else None
     response = await call_app(engine.openai_app(), method, route, body)
@@ -123,6 +125,20 @@ async def run_openai_route(
     if pending:
         emit()
     return chunks
+
+
+def check_images(engine: JobEngine, job_input: JobInput) -> None:
+    """Images in a job's chat messages need a multimodal model (a 400 / FAILED otherwise)."""
+    if job_input.messages is not None:
+        messages = [m.model_dump(exclude_none=True) for m in job_input.messages]
+        field = "input.messages"
+    elif job_input.openai_input is not None and isinstance(
+        job_input.openai_input.get("messages"), list
+    ):
+        messages, field = job_input.openai_input["messages"], "input.openai_input.messages"
+    else:
+        return
+    refuse_images_for_text_only(messages, engine.served_models(), field=field)
 
 
 def _json_or_text(raw: bytes) -> Any:

@@ -98,6 +98,12 @@ async def test_runsync_returns_the_id_when_the_wait_runs_out(setup) -> None:
             "input.openai_input.messages",
         ),
         (b"\xc3\x28", 400, "UTF-8"),
+        (
+            b'{"input": {"messages": [{"role": "user", "content": [{"type": "image_url", '
+            b'"image_url": {"url": "https://example.com/x.jpg"}}]}]}}',
+            400,
+            "text-only and cannot take images (image content at input.messages[0].content[0])",
+        ),
         (b'{"input": {"prompt": "' + b"x" * 3000 + b'"}}', 413, "limit"),
     ],
 )
