@@ -31,6 +31,7 @@ import jsonpatch
 import kmock
 import yaml
 from kmock._internal import dicts as kmock_dicts
+from kmock._internal import dsl, rendering
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 LLMEP = "llmendpoints.dev/v1alpha1/llmendpoints"
@@ -69,12 +70,55 @@ CHILD_RESOURCES = {
 }
 
 
-class Emulator(kmock.KubernetesEmulator):
+def _passes(view: dsl.View, request: kmock.Request) -> bool:
+    """Whether a new request belongs to a view, judged on the request alone.
+
+    kmock answers `request in view` by iterating the view over the whole request history, so its
+    cost per request grows with every request served. For the chains the emulator's own
+    reactions use (root -> priority -> filter), looking at the request itself is equivalent."""
+    match view:
+        case dsl.Root():
+            return True
+        case dsl.Filter():
+            return _passes(view._source, request) and bool(view.criteria(request))
+        case dsl.Priority():
+            return _passes(view._source, request)
+        case _:
+            return request in view  # slices, groups, exclusions: kmock's own answer
+
+
+class _FastMatching(kmock.RawHandler):
+    """RawHandler._handle with `_passes` for membership (same reaction order and semantics)."""
+
+    __slots__ = ()
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        # Highest priority first; shorter priority tuples padded with zeros (as kmock does).
+        width = max((len(p.priorities) for p in self._payloads), default=0)
+        payloads = sorted(
+            self._payloads,
+            key=lambda p: tuple(-x for x in p.priorities) + (0,) * (width - len(p.priorities)),
+        )
+        for payload in payloads:
+            if _passes(payload._source, request) and not payload._disabled.is_set():
+                try:
+                    return await payload(request)
+                except rendering.ReactionMismatchError:
+                    payload._disabled.set()
+                except NotImplementedError:
+                    pass
+        raise NotImplementedError("no reaction matches the request")
+
+
+class Emulator(kmock.KubernetesEmulator, _FastMatching):
     """KubernetesEmulator plus uid, resourceVersion and generation bookkeeping."""
 
     _versions = itertools.count(1)
 
     async def _handle(self, request: kmock.Request) -> Any:
+        # Nothing here asserts on past requests: do not let the history grow without bound.
+        if len(self._requests) > 1024:
+            del self._requests[:-512]
         if request.resource is None:
             pass  # discovery and other non-object requests
         elif request.action == kmock.action.CREATE and isinstance(request.data, dict):
