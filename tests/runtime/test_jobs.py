@@ -220,6 +220,12 @@ def test_queue_limit_purge_and_queue_depth(endpoint, http) -> None:
     assert float(depth.split()[1]) >= 4
     assert endpoint.purge_queue() == {"removed": 4, "status": "completed"}
     assert [http.get(f"/status/{i}").json()["status"] for i in queued] == ["CANCELLED"] * 4
+    cancelled = next(
+        line
+        for line in http.get("/metrics").text.splitlines()
+        if line.startswith('llmendpoints_jobs_finished_total{status="CANCELLED"}')
+    )
+    assert float(cancelled.split()[1]) >= 4
     for job_id in running:
         http.post(f"/cancel/{job_id}")
     stats = endpoint.health()

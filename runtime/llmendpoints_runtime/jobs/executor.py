@@ -53,10 +53,12 @@ class JobExecutor:
         webhooks: WebhookSender | None = None,
         clock: Callable[[], float] = time.time,
         concurrency_limit: Callable[[], int] | None = None,
+        on_finish: Callable[[Job], None] | None = None,
     ) -> None:
         self._engine = engine
         self._settings = settings
         self._concurrency_limit = concurrency_limit or (lambda: settings.max_concurrency)
+        self._on_finish = on_finish  # e.g. a metrics counter by final status
         self._clock = clock
         self.store: JobStore = store or InMemoryJobStore(settings.max_stored_jobs, clock)
         self._webhooks = webhooks or WebhookSender(
@@ -366,6 +368,8 @@ class JobExecutor:
         await self.store.save(job)
         if (event := self._done.pop(job.id, None)) is not None:
             event.set()
+        if self._on_finish is not None:
+            self._on_finish(job)
         if job.request.webhook is not None:
             self._webhooks.send(str(job.request.webhook), status_body(job))
 

@@ -4,7 +4,8 @@ Routes: ``/run`` ... at the root and under ``/v2/{endpoint_id}`` (RunPod's layou
 ``/health`` stays the process's liveness probe; RunPod's job-count ``/health`` answers under
 ``/v2/{endpoint_id}/health``, where ``runpod.Endpoint.health()`` asks for it.
 Queued jobs count in ``llmendpoints_queue_depth`` (except ``policy.lowPriority`` ones), running ones in
-``llmendpoints_requests_in_flight``, and a draining pod waits for both to reach zero.
+``llmendpoints_requests_in_flight``, and a draining pod waits for both to reach zero;
+``llmendpoints_jobs_finished_total{status}`` counts the jobs that ended.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
+from prometheus_client import Counter
 
 from llmendpoints_runtime.engine import JobEngineAdapter
 from llmendpoints_runtime.jobs.executor import JobExecutor
@@ -48,7 +50,18 @@ def install_job_api(runtime: Any, *, default_max_concurrency: int) -> list[APIRo
     config = job_settings(settings, settings.max_concurrency or default_max_concurrency)
     # The same number as the OpenAI requests' admission limit (a separate pool of that size),
     # including the raise to the engine's batch size when MAX_CONCURRENCY is unset.
-    executor = JobExecutor(engine, config, concurrency_limit=lambda: runtime.admission.limit)
+    finished = Counter(
+        "llmendpoints_jobs_finished",
+        "Jobs that reached a final state, by that state (COMPLETED, FAILED, CANCELLED, TIMED_OUT).",
+        ["status"],
+        registry=runtime.metrics.registry,
+    )
+    executor = JobExecutor(
+        engine,
+        config,
+        concurrency_limit=lambda: runtime.admission.limit,
+        on_finish=lambda job: finished.labels(status=job.status.value).inc(),
+    )
     runtime.jobs = executor
     runtime.metrics.add_queue_source(lambda: executor.queued_for_scaling)
     runtime.metrics.add_in_flight_source(lambda: executor.running)

@@ -274,6 +274,32 @@ async def test_retry_requeues_failed_job_under_the_same_id() -> None:
     await executor.drain(1)
 
 
+async def test_every_final_state_is_reported_once() -> None:
+    finished: list[str] = []
+    engine = FakeEngine(step_delay=0.01)
+    executor = JobExecutor(
+        engine, JobSettings(), on_finish=lambda job: finished.append(job.status.value)
+    )
+    ok = await executor.submit(
+        request('{"input": {"prompt": "x", "sampling_params": {"max_tokens": 1}}}'), sync=True
+    )
+    await executor.wait(ok, 5)
+    slow = await executor.submit(
+        request('{"input": {"prompt": "x", "sampling_params": {"max_tokens": 500}}}'), sync=False
+    )
+    await until(lambda: slow.status is JobStatus.IN_PROGRESS)
+    await executor.cancel(slow.id)
+    timed = await executor.submit(
+        request(
+            '{"input": {"prompt": "x", "sampling_params": {"max_tokens": 500}}, "policy": {"executionTimeout": 30}}'
+        ),
+        sync=False,
+    )
+    await executor.wait(timed, 5)
+    assert finished == ["COMPLETED", "CANCELLED", "TIMED_OUT"]
+    await executor.drain(1)
+
+
 async def test_unknown_job_is_404() -> None:
     executor = make(FakeEngine())
     for verb in (executor.get, executor.cancel, executor.retry):
