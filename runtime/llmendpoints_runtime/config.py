@@ -149,7 +149,7 @@ class RuntimeSettings(BaseSettings):
     max_stored_jobs: int = Field(
         10_000,
         ge=1,
-        validation_alias="LLMEP_MAX_STORED_JOBS",
+        validation_alias="MAX_STORED_JOBS",
         description="Jobs this pod keeps; finished ones expire after policy.ttl, oldest first when full.",
     )
 

@@ -87,7 +87,7 @@ class InMemoryJobStore:
         if len(self._jobs) >= self._max_jobs:
             raise QueueFull(
                 f"this replica holds {self._max_jobs} unfinished jobs, its limit; "
-                "retry later (LLMEP_MAX_STORED_JOBS raises the limit)"
+                "retry later (MAX_STORED_JOBS raises the limit)"
             )
         self._jobs[job.id] = job
 
