@@ -8,7 +8,7 @@ import json
 import re
 from pathlib import Path
 
-from .helm_kit import CHART
+from .helm_kit import CHART, ROOT
 
 DASHBOARD = json.loads((CHART / "dashboards" / "llmendpoints.json").read_text())
 METRIC = re.compile(r"\b(vllm:[a-z_:]+|llmendpoints_[a-z_]+)")
@@ -33,11 +33,17 @@ def vllm_series() -> set[str]:
 
 
 def runtime_series() -> set[str]:
+    """The runtime's collectors: those RuntimeMetrics registers, plus any other metric the runtime
+    package defines (the job API registers its own when it is wired in)."""
     from llmendpoints_runtime.metrics import RuntimeMetrics
 
     series: set[str] = set()
     for family in RuntimeMetrics().registry.collect():
         series |= exposed(family.name, family.type)
+    defined = re.compile(r'\b(Counter|Gauge|Histogram)\(\s*"(llmendpoints_[a-z_]+)"')
+    for path in (ROOT / "runtime" / "llmendpoints_runtime").rglob("*.py"):
+        for kind, name in defined.findall(path.read_text()):
+            series |= exposed(name, kind.lower())
     return series
 
 
