@@ -13,8 +13,11 @@ Reported:
   own cost - tens of milliseconds a request - is in this process and excluded). Two numbers:
   until every endpoint is reconciled, and after the operator has gone quiet (children's watch
   events and Kubernetes Events included);
+- the operator's steady CPU use afterwards, with N endpoints and nothing changing (the
+  autoscaler's ticks; the resync is pushed out of the window);
 - apply-to-status latency p50/p99 (wall time; dominated by the emulator's queueing);
-- peak RSS of the operator process (VmHWM).
+- peak RSS of the operator process (VmHWM);
+- the machine's load average: other work on the same cores slows the wall-clock numbers.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -132,6 +136,11 @@ async def run(count: int) -> dict[str, Any]:
                 finished = time.monotonic()
                 cpu_reconciled = _cpu_seconds(process)
                 cpu_quiet = await _quiet(process)
+                steady_from, steady_cpu = time.monotonic(), _cpu_seconds(process)
+                await asyncio.sleep(10)
+                steady_ms_per_s = (
+                    (_cpu_seconds(process) - steady_cpu) * 1000 / (time.monotonic() - steady_from)
+                )
                 assert operator.alive, operator.log()[-3000:]
                 peak_rss = _peak_rss_mib(proc.pid)
             finally:
@@ -149,7 +158,9 @@ async def run(count: int) -> dict[str, Any]:
         "latency_p50_s": round(statistics.median(latencies), 2),
         "latency_p99_s": round(_percentile(latencies, 99), 2),
         "latency_max_s": round(max(latencies), 2),
+        "steady_cpu_ms_per_s": round(steady_ms_per_s, 1),
         "operator_peak_rss_mib": round(peak_rss, 1),
+        "load_average_1m": round(os.getloadavg()[0], 2),
     }
 
 

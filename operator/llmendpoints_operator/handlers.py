@@ -54,6 +54,7 @@ class Indexes:
     llmendpoints: kopf.Index[Key, dict[str, Any]]
     runtime_deployments: kopf.Index[Key, status.DeploymentState]
     claim_phases: kopf.Index[Key, str]
+    claim_users: kopf.Index[Key, str]
 
     @classmethod
     def of(cls, kwargs: Mapping[str, Any]) -> Indexes:
@@ -61,6 +62,7 @@ class Indexes:
             llmendpoints=kwargs["llmendpoints"],
             runtime_deployments=kwargs["runtime_deployments"],
             claim_phases=kwargs["claim_phases"],
+            claim_users=kwargs["claim_users"],
         )
         STATE.indexes = indexes
         _start_autoscaler()
@@ -164,6 +166,13 @@ async def llmendpoints(
     namespace: str, name: str, body: kopf.Body, **_: Any
 ) -> dict[Key, dict[str, Any]]:
     return {(namespace, name): _snapshot(body)}
+
+
+@kopf.index(*LLMEP)
+async def claim_users(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Key, str]:
+    """(namespace, claim) -> the endpoint mounting it: a claim's events find their endpoints."""
+    claim = _cache_state(name, body.get("spec") or {}, {}).claim_name
+    return {(namespace, claim): name} if claim else {}
 
 
 @kopf.index("apps", "v1", "deployments", labels=CHILD_LABELS)
@@ -532,14 +541,11 @@ async def deployment_changed(
 @kopf.on.event("", "v1", "persistentvolumeclaims")
 async def claim_changed(namespace: str, name: str, **kwargs: Any) -> None:
     indexes = Indexes.of(kwargs)
-    for (ns, _endpoint), store in list(indexes.llmendpoints.items()):
-        if ns != namespace:
-            continue
-        for snapshot in list(store):
-            meta = snapshot["metadata"]
-            claim = _cache_state(meta["name"], snapshot.get("spec") or {}, {}).claim_name
-            if claim == name and not _reconciling((ns, meta["name"])):
-                await publish_status(snapshot, indexes=indexes)
+    for endpoint_name in list(indexes.claim_users.get((namespace, name), ())):
+        key = (namespace, endpoint_name)
+        snapshot = _one(indexes.llmendpoints, key)
+        if snapshot is not None and not _reconciling(key):
+            await publish_status(snapshot, indexes=indexes)
 
 
 def _reconciling(key: Key) -> bool:

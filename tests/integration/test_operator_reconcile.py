@@ -126,6 +126,16 @@ async def test_create_builds_every_child_with_owner_and_reports_status(
         "a Created event",
     )
 
+    # A provisioner binds the claim: the claim's watch event updates the endpoint's status.
+    claims = CHILD_RESOURCES["PersistentVolumeClaim"]
+    await cluster.patch(claims, NS, "full-model-cache", {"status": {"phase": "Bound"}})
+    await _until(
+        operator,
+        lambda: _condition(cluster, "full", "CacheReady").get("reason") == "Bound",
+        "CacheReady=True",
+    )
+    assert _status(cluster, "full")["phase"] == "Starting"
+
 
 async def test_children_becoming_ready_make_the_endpoint_ready(
     cluster: Cluster, operator: Operator
