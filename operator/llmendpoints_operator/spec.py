@@ -85,7 +85,7 @@ def _int_or_percent(value: Any) -> int | str:
         return value
     if isinstance(value, str) and re.fullmatch(r"[0-9]+%", value):
         return value
-    raise ValueError("must be a non-negative integer or a percentage such as 25%")
+    raise ValueError(f"{value!r} is not a non-negative integer or a percentage such as 25%")
 
 
 IntOrPercent = Annotated[int | str, BeforeValidator(_int_or_percent)]
@@ -469,7 +469,7 @@ def _problem(error: Mapping[str, Any], prefix: str) -> Problem:
         inner, rest = message.split(": ", 1)
         if re.fullmatch(r"[A-Za-z0-9_.\[\]-]+", inner):
             field, message = f"{field}.{inner}", rest
-    elif "input" in error and error["type"] not in ("missing", "extra_forbidden"):
+    elif "input" in error and error["type"] not in ("missing", "extra_forbidden", "value_error"):
         value = error["input"]
         if isinstance(value, str | int | float | bool) and len(repr(value)) <= 60:
             message = f"{message} (got {value!r})"
