@@ -175,3 +175,100 @@ def test_cel_rules_have_messages(schema: dict[str, Any]) -> None:
     rules = [rule for _, node in _walk(schema) for rule in node.get("x-kubernetes-validations", [])]
     assert len(rules) >= 6
     assert all(rule.get("message") for rule in rules)
+
+
+# --- the CEL rules, evaluated with a CEL implementation (the API server is not available here) ---
+
+
+def _rules(schema: dict[str, Any]) -> list[tuple[str, str]]:
+    """(schema path, rule) for every x-kubernetes-validations rule."""
+    return [
+        (path, rule["rule"])
+        for path, node in _walk(schema)
+        for rule in node.get("x-kubernetes-validations", [])
+    ]
+
+
+def _at(doc: Any, path: str) -> Any:
+    """The value a rule at `path` sees as `self`, or None when the path is absent."""
+    for part in [p for p in path.split(".") if p]:
+        if not isinstance(doc, dict) or part not in doc:
+            return None
+        doc = doc[part]
+    return doc
+
+
+def _violations(schema: dict[str, Any], doc: dict[str, Any]) -> list[str]:
+    import celpy  # cel-python: the test group's CEL runtime
+
+    env = celpy.Environment()
+    failed = []
+    for path, rule in _rules(schema):
+        value = _at(doc, path)
+        if value is None:
+            continue  # the API server runs a rule only where its field is present
+        program = env.program(env.compile(rule))
+        if not program.evaluate({"self": celpy.json_to_cel(value)}):
+            failed.append(f"{path or '<root>'}: {rule}")
+    return failed
+
+
+def test_cel_rules_compile(schema: dict[str, Any]) -> None:
+    import celpy
+
+    env = celpy.Environment()
+    for _, rule in _rules(schema):
+        env.compile(rule)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_examples_pass_every_cel_rule(example: pathlib.Path, schema: dict[str, Any]) -> None:
+    assert _violations(schema, yaml.safe_load(example.read_text())) == []
+
+
+def _doc(spec: dict[str, Any], name: str = "demo") -> dict[str, Any]:
+    return {"metadata": {"name": name}, "spec": {"model": {"name": "m"}, **spec}}
+
+
+@pytest.mark.parametrize(
+    ("doc", "rule_path"),
+    [
+        (_doc({"scaling": {"minReplicas": 3, "maxReplicas": 2}}), ".spec.scaling"),
+        (_doc({"scaling": {"minReplicas": 1, "maxReplicas": 2, "replicas": 3}}), ".spec.scaling"),
+        (_doc({"scaling": {"minReplicas": 2, "replicas": 1}}), ".spec.scaling"),
+        (_doc({"scaling": {"replicas": 2}}), ".spec.scaling"),  # no max: fixed size 1
+        (_doc({"cache": {"size": "1Gi", "existingClaim": "c"}}), ".spec.cache"),
+        (_doc({"cache": {"accessModes": ["ReadWriteOnce"]}}), ".spec.cache"),
+        (
+            _doc({"api": {"ingress": {"enabled": True, "tls": {"secretName": "t"}}}}),
+            ".spec.api.ingress",
+        ),
+        (_doc({"engine": {"tensorParallelSize": 4}, "resources": {"gpus": 2}}), ".spec"),
+        (_doc({}, name="Upper"), "<root>"),
+        (_doc({}, name="a" * 50), "<root>"),
+    ],
+)
+def test_cel_rules_reject_what_the_operator_rejects(
+    doc: dict[str, Any], rule_path: str, schema: dict[str, Any]
+) -> None:
+    violations = _violations(schema, doc)
+    assert [v.split(":")[0] for v in violations] == [rule_path]
+    # The operator refuses the same spec (the CRD may be older than the operator, or absent).
+    with pytest.raises(spec.InvalidSpecError):
+        spec.parse(doc["metadata"]["name"], "ns", doc["spec"])
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        _doc({"scaling": {"minReplicas": 1, "maxReplicas": 4, "replicas": 4}}),
+        _doc({"scaling": {"minReplicas": 3, "replicas": 3}}),
+        _doc({"scaling": {"maxReplicas": 2}}),
+        _doc({"engine": {"tensorParallelSize": 2}, "resources": {"gpus": 2}}),
+        _doc({"engine": {"tensorParallelSize": 2}, "resources": {"gpus": 0}}),
+        _doc({"cache": {"existingClaim": "c"}}),
+    ],
+)
+def test_cel_rules_accept_valid_specs(doc: dict[str, Any], schema: dict[str, Any]) -> None:
+    assert _violations(schema, doc) == []
+    spec.parse(doc["metadata"]["name"], "ns", doc["spec"])
