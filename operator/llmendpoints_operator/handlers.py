@@ -65,6 +65,7 @@ class Indexes:
             claim_users=kwargs["claim_users"],
         )
         STATE.indexes = indexes
+        _start_resync()
         _start_autoscaler()
         return indexes
 
@@ -112,7 +113,6 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     )
     # Only our explicit events (kopf.event is not subject to this level).
     settings.posting.level = logging.CRITICAL
-    STATE.resync_task = asyncio.create_task(_resync_loop(), name="llmendpoints-resync")
 
 
 def _login(**kwargs: Any) -> kopf.ConnectionInfo:
@@ -235,6 +235,13 @@ async def reconcile_endpoint(
         raise kopf.TemporaryError(str(exc), delay=30) from exc
 
 
+def _start_resync() -> None:
+    """Start the resync loop once, from a handler: kopf.event works only in tasks that inherit
+    the handlers' context (startup handlers run before it exists)."""
+    if STATE.resync_task is None:
+        STATE.resync_task = asyncio.create_task(_resync_loop(), name="llmendpoints-resync")
+
+
 async def _resync_loop() -> None:
     """Reconcile every endpoint once per LLMEP_OPERATOR_RESYNC_SECONDS, spread over the period.
 
@@ -245,6 +252,7 @@ async def _resync_loop() -> None:
     while True:
         indexes = STATE.indexes
         snapshots = [s for store in indexes.llmendpoints.values() for s in store] if indexes else []
+        _forget_deleted(indexes)
         if not snapshots:
             await asyncio.sleep(period)
             continue
@@ -254,6 +262,8 @@ async def _resync_loop() -> None:
             current = _one(indexes.llmendpoints, key)
             if current is None or current["metadata"].get("deletionTimestamp"):
                 continue  # deleted meanwhile
+            # Compare with the status as stored, not as last written: repairs edits by others.
+            STATE.published.pop(key, None)
             try:
                 await reconcile(current, indexes=indexes, prune=True, logger=logger)
             except InvalidSpecError:
@@ -261,6 +271,18 @@ async def _resync_loop() -> None:
             except Exception as exc:  # one endpoint's failure must not stop the others' resync
                 logger.exception("Resync of %s/%s failed", *key)
                 kopf.event(current, type="Warning", reason="ReconcileFailed", message=str(exc))
+
+
+def _forget_deleted(indexes: Indexes | None) -> None:
+    """Drop per-endpoint state of endpoints that no longer exist."""
+    if indexes is None:
+        return
+    for key in [k for k in STATE.published if k not in indexes.llmendpoints]:
+        STATE.published.pop(key, None)
+    for locks in (STATE.reconcile_locks, STATE.status_locks):
+        for key in [k for k, lock in locks.items() if k not in indexes.llmendpoints]:
+            if not locks[key].locked():
+                del locks[key]
 
 
 async def reconcile(
@@ -428,7 +450,8 @@ async def publish_status(
             now=_now(),
             observed_generation=observed_generation,
         )
-        if status.without_times(new) == status.without_times(previous):
+        others = {k: v for k, v in previous.items() if k != AUTOSCALING_KEY}
+        if status.without_times(new) == status.without_times(others):
             return
         # A merge patch: keys we no longer report must be nulled explicitly (but never the
         # autoscaler's block, which only the autoscaler writes).

@@ -22,6 +22,8 @@ NS = "models"
 DEPLOYMENTS = CHILD_RESOURCES["Deployment"]
 # Every endpoint is reconciled again every few seconds (the default is 300 s).
 RESYNC = {"LLMEP_OPERATOR_RESYNC_SECONDS": "3"}
+# What the Deployment controller reports once one pod passes its readiness probe.
+AVAILABLE = {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1, "updatedReplicas": 1}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -147,18 +149,7 @@ async def test_children_becoming_ready_make_the_endpoint_ready(
     # What the Deployment controller would report once the pod passes its readiness probe.
     generation = cluster.get(DEPLOYMENTS, NS, "ready")["metadata"]["generation"]
     await cluster.patch(
-        DEPLOYMENTS,
-        NS,
-        "ready",
-        {
-            "status": {
-                "observedGeneration": generation,
-                "replicas": 1,
-                "readyReplicas": 1,
-                "availableReplicas": 1,
-                "updatedReplicas": 1,
-            }
-        },
+        DEPLOYMENTS, NS, "ready", {"status": {**AVAILABLE, "observedGeneration": generation}}
     )
     await _until(operator, lambda: _status(cluster, "ready").get("phase") == "Ready", "Ready")
     ready = _condition(cluster, "ready", "Ready")
@@ -276,6 +267,17 @@ async def test_resync_repairs_drift_nothing_watches(cluster: Cluster, operator: 
     # The operator does not watch Services: only the periodic resync notices this.
     await cluster.delete(services, NS, "resync")
     await _until(operator, lambda: cluster.get(services, NS, "resync"), "the service back")
+
+    # A status someone else overwrote is repaired too (and the resync can post events).
+    await cluster.patch(DEPLOYMENTS, NS, "resync", {"status": AVAILABLE})
+    await _until(operator, lambda: _status(cluster, "resync").get("phase") == "Ready", "Ready")
+    await cluster.patch(LLMEP, NS, "resync", {"status": {"phase": "Starting"}})
+    await _until(
+        operator,
+        lambda: [e["reason"] for e in cluster.events(NS, "resync")].count("Ready") == 2,
+        "the resync's status repair and its Ready event",
+    )
+    assert _status(cluster, "resync")["phase"] == "Ready"
 
 
 async def test_restarted_operator_resumes_and_repairs_drift(
