@@ -23,12 +23,14 @@ import contextlib
 import datetime
 import logging
 import os
+import time
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import kopf
+import prometheus_client
 
 from llmendpoints_operator import kube, manifests, status
 from llmendpoints_operator.autoscaling.controller import STATUS_KEY as AUTOSCALING_KEY
@@ -38,6 +40,17 @@ from llmendpoints_operator.config import OperatorSettings
 from llmendpoints_operator.spec import Endpoint, InvalidSpecError, parse
 
 LLMEP = (manifests.GROUP, manifests.VERSION, manifests.PLURAL)
+# In prometheus_client's default registry, which the CLI serves on LLMEP_OPERATOR_METRICS_PORT.
+RECONCILES = prometheus_client.Counter(
+    "llmendpoints_operator_reconciles_total",
+    "Reconciles of LLMEndpoints, by trigger and result (ok, invalid, error).",
+    ["trigger", "result"],
+)
+RECONCILE_SECONDS = prometheus_client.Histogram(
+    "llmendpoints_operator_reconcile_duration_seconds",
+    "Wall time of one reconcile, including its API requests.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
 SETTINGS = OperatorSettings()
 CHILD_LABELS = {
     manifests.LABEL_MANAGED_BY: manifests.MANAGED_BY,
@@ -226,6 +239,7 @@ async def reconcile_endpoint(
             indexes=Indexes.of(kwargs),
             prune=reason != "create",  # nothing to prune on a fresh endpoint
             logger=logger,
+            trigger=reason,
         )
     except InvalidSpecError as exc:
         kopf.event(snapshot, type="Warning", reason="InvalidSpec", message=str(exc))
@@ -265,7 +279,9 @@ async def _resync_loop() -> None:
             # Compare with the status as stored, not as last written: repairs edits by others.
             STATE.published.pop(key, None)
             try:
-                await reconcile(current, indexes=indexes, prune=True, logger=logger)
+                await reconcile(
+                    current, indexes=indexes, prune=True, logger=logger, trigger="resync"
+                )
             except InvalidSpecError:
                 pass  # reported when the spec was written; the status still says it
             except Exception as exc:  # one endpoint's failure must not stop the others' resync
@@ -286,9 +302,32 @@ def _forget_deleted(indexes: Indexes | None) -> None:
 
 
 async def reconcile(
+    endpoint: Mapping[str, Any],
+    *,
+    indexes: Indexes,
+    prune: bool,
+    logger: logging.Logger,
+    trigger: str,
+) -> None:
+    """Make the children match the spec, then publish the status. Raises InvalidSpecError.
+
+    `trigger` (create, update, resume, resync, deployment-deleted) labels the metrics."""
+    started = time.perf_counter()
+    result = "error"
+    try:
+        await _reconcile(endpoint, indexes=indexes, prune=prune, logger=logger)
+        result = "ok"
+    except InvalidSpecError:
+        result = "invalid"
+        raise
+    finally:
+        RECONCILES.labels(trigger, result).inc()
+        RECONCILE_SECONDS.observe(time.perf_counter() - started)
+
+
+async def _reconcile(
     endpoint: Mapping[str, Any], *, indexes: Indexes, prune: bool, logger: logging.Logger
 ) -> None:
-    """Make the children match the spec, then publish the status. Raises InvalidSpecError."""
     meta = endpoint["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     key = (namespace, name)
@@ -555,7 +594,13 @@ async def deployment_changed(
         # Someone deleted a serving workload: put it back now rather than at the next resync.
         logger.warning("Deployment of %s/%s was deleted; recreating it", *key)
         with contextlib.suppress(InvalidSpecError):
-            await reconcile(snapshot, indexes=indexes, prune=False, logger=logger)
+            await reconcile(
+                snapshot,
+                indexes=indexes,
+                prune=False,
+                logger=logger,
+                trigger="deployment-deleted",
+            )
         return
     if not _reconciling(key):
         await publish_status(snapshot, indexes=indexes)

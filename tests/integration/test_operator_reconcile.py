@@ -8,9 +8,11 @@ for the restart test, which replaces the operator process and runs last.
 from __future__ import annotations
 
 import pathlib
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import pytest
 import pytest_asyncio
 
@@ -18,10 +20,18 @@ from .kube_emulator import CHILD_RESOURCES, LLMEP, Cluster, Operator, endpoint, 
 
 pytestmark = [pytest.mark.kube, pytest.mark.asyncio(loop_scope="module")]
 
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 NS = "models"
 DEPLOYMENTS = CHILD_RESOURCES["Deployment"]
 # Every endpoint is reconciled again every few seconds (the default is 300 s).
 RESYNC = {"LLMEP_OPERATOR_RESYNC_SECONDS": "3"}
+METRICS_PORT = _free_port()
 # What the Deployment controller reports once one pod passes its readiness probe.
 AVAILABLE = {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1, "updatedReplicas": 1}
 
@@ -37,7 +47,8 @@ async def operator(
     cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Operator]:
     tmp = tmp_path_factory.mktemp("operator")
-    operator = Operator(cluster.write_kubeconfig(tmp / "kubeconfig"), tmp / "operator.log", RESYNC)
+    env = {**RESYNC, "LLMEP_OPERATOR_METRICS_PORT": str(METRICS_PORT)}
+    operator = Operator(cluster.write_kubeconfig(tmp / "kubeconfig"), tmp / "operator.log", env)
     await operator.start()
     yield operator
     await operator.stop()
@@ -278,6 +289,22 @@ async def test_resync_repairs_drift_nothing_watches(cluster: Cluster, operator: 
         "the resync's status repair and its Ready event",
     )
     assert _status(cluster, "resync")["phase"] == "Ready"
+
+
+async def test_operator_metrics_count_reconciles_by_result(operator: Operator) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{METRICS_PORT}/metrics") as response,
+    ):
+        text = await response.text()
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("llmendpoints_operator_reconciles_total{")
+    }
+    assert samples['llmendpoints_operator_reconciles_total{result="ok",trigger="create"}'] >= 1
+    assert samples['llmendpoints_operator_reconciles_total{result="invalid",trigger="create"}'] == 1
+    assert "llmendpoints_operator_reconcile_duration_seconds_count" in text
 
 
 async def test_restarted_operator_resumes_and_repairs_drift(
