@@ -3,7 +3,7 @@
 same model with the same engine settings, alternating A B A B so that drift in what else runs on
 the machine hits both sides alike.
 
-    .venv/bin/python bench/runtime_vs_vllm.py              # 10 rounds, ~5 minutes on 2 cores
+    .venv/bin/python bench/runtime_vs_vllm.py              # 12 rounds, ~5 minutes on 2 cores
     .venv/bin/python bench/runtime_vs_vllm.py --rounds 2 --num-prompts 200
     .venv/bin/python bench/runtime_vs_vllm.py --restart    # a fresh server for every run
 
@@ -168,7 +168,8 @@ def markdown(
         "",
         f"Command: `{command}`  ",
         f"Machine: {facts['cpus']} CPU cores ({facts['cpu_model']}), {facts['memory_gib']} GiB, "
-        f"shared with other work (load average {facts['load_before']} before the run); "
+        f"shared with other work (load average {facts['load_before']} before the run, "
+        f"{facts.get('load_after', '?')} after); "
         f"vLLM {facts['vllm']} CPU build, Python {facts['python']}; the demo model "
         "(tiny random-weight Llama written by `llmendpoints-runtime demo-model`), "
         "`MAX_MODEL_LEN=512`, `VLLM_CPU_KVCACHE_SPACE=1`, vLLM's other engine defaults on both sides.  ",
@@ -443,7 +444,7 @@ def run_rounds(args, model: Path, load: Load, run_dir: Path) -> list[RunResult]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=10, help="A B pairs (default 10)")
+    parser.add_argument("--rounds", type=int, default=12, help="A B pairs (default 12)")
     parser.add_argument("--num-prompts", type=int, default=300)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
