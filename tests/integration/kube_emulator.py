@@ -17,6 +17,7 @@ is a recursive merge of whatever is sent).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import datetime
 import itertools
@@ -306,11 +307,13 @@ class Operator:
 
     async def stop(self) -> int | None:
         if self.process is not None and self.process.returncode is None:
-            self.process.terminate()
+            with contextlib.suppress(ProcessLookupError):  # it may exit on its own meanwhile
+                self.process.terminate()
             try:
                 await asyncio.wait_for(self.process.wait(), timeout=20)
             except TimeoutError:
-                self.process.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    self.process.kill()
                 await self.process.wait()
         self._log.close()
         return self.process.returncode if self.process else None
