@@ -17,7 +17,19 @@ SUFFIXES = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "
 
 def exposed(name: str, kind: str) -> set[str]:
     """The series names Prometheus scrapes for one metric."""
+    if kind == "counter":
+        name = name.removesuffix("_total")  # prometheus_client adds it back
     return {name + suffix for suffix in SUFFIXES[kind]}
+
+
+def defined_in(package: Path) -> set[str]:
+    """Series of every Counter/Gauge/Histogram a package's source defines with a literal name."""
+    definition = re.compile(r'\b(Counter|Gauge|Histogram)\(\s*"(llmendpoints_[a-z_]+)"')
+    series: set[str] = set()
+    for path in package.rglob("*.py"):
+        for kind, name in definition.findall(path.read_text()):
+            series |= exposed(name, kind.lower())
+    return series
 
 
 def vllm_series() -> set[str]:
@@ -40,11 +52,7 @@ def runtime_series() -> set[str]:
     series: set[str] = set()
     for family in RuntimeMetrics().registry.collect():
         series |= exposed(family.name, family.type)
-    defined = re.compile(r'\b(Counter|Gauge|Histogram)\(\s*"(llmendpoints_[a-z_]+)"')
-    for path in (ROOT / "runtime" / "llmendpoints_runtime").rglob("*.py"):
-        for kind, name in defined.findall(path.read_text()):
-            series |= exposed(name, kind.lower())
-    return series
+    return series | defined_in(ROOT / "runtime" / "llmendpoints_runtime")
 
 
 def operator_series() -> set[str]:
@@ -53,7 +61,10 @@ def operator_series() -> set[str]:
     series: set[str] = set()
     for family in AutoscalerMetrics().registry.collect():
         series |= exposed(family.name, family.type)
-    return series
+    return series | defined_in(ROOT / "operator" / "llmendpoints_operator")
+
+
+OPERATOR_PREFIXES = ("llmendpoints_autoscaler_", "llmendpoints_operator_")
 
 
 def queries() -> list[tuple[str, str]]:
@@ -97,7 +108,7 @@ def test_runtime_and_vllm_series_in_queries_exist() -> None:
     known = vllm_series() | runtime_series()
     for title, expr in queries():
         for name in METRIC.findall(expr):
-            if not name.startswith("llmendpoints_autoscaler_"):
+            if not name.startswith(OPERATOR_PREFIXES):
                 assert name in known, f"{title}: {name} is not exported by vLLM or the runtime"
 
 
@@ -105,7 +116,7 @@ def test_operator_series_in_queries_exist() -> None:
     known = operator_series()
     for title, expr in queries():
         for name in METRIC.findall(expr):
-            if name.startswith("llmendpoints_autoscaler_"):
+            if name.startswith(OPERATOR_PREFIXES):
                 assert name in known, f"{title}: the operator exports no {name}"
 
 
@@ -114,7 +125,7 @@ def test_queries_group_by_the_label_the_pod_monitor_sets() -> None:
     (target_label,) = re.findall(r"targetLabel: (\w+)", template)
     assert target_label == "llmendpoint"
     runtime_queries = [
-        e for _, e in queries() if re.search(r"vllm:|llmendpoints_(?!autoscaler_)", e)
+        e for _, e in queries() if re.search(r"vllm:|llmendpoints_(?!autoscaler_|operator_)", e)
     ]
     for expr in runtime_queries:
         assert f'{target_label}=~"$llmendpoint"' in expr, expr

@@ -22,24 +22,21 @@ writes, so a new child kind or watch cannot ship without its permission.
 */}}
 {{- define "llmendpoints.namespacedRules" -}}
 # The resource itself: kopf lists and watches it (handlers and an in-memory index) and patches it
-# for its own bookkeeping (finalizer, last-handled-configuration annotation).
+# for its own bookkeeping (finalizer, last-handled-configuration annotation). Never a single GET.
 - apiGroups: [llmendpoints.dev]
   resources: [llmendpoints]
-  verbs: [get, list, watch, patch]
+  verbs: [list, watch, patch]
 # Conditions, phase, replicas, URL and the autoscaler's decisions are written to status.
 - apiGroups: [llmendpoints.dev]
   resources: [llmendpoints/status]
   verbs: [patch]
 # Each endpoint's serving workload: watched (its rollout feeds the status), created, kept in line
-# with the spec by server-side apply; the autoscaler patches its replicas. Never deleted by the
-# operator: garbage collection removes it with its LLMEndpoint (owner reference).
+# with the spec by server-side apply; replica changes (autoscaler, bounds, pins) are merge patches.
+# Never deleted by the operator: garbage collection removes it with its LLMEndpoint (owner
+# reference).
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [list, watch, create, patch]
-# Pinned replicas (spec.scaling.replicas) are written through the Deployment's scale subresource.
-- apiGroups: [apps]
-  resources: [deployments/scale]
-  verbs: [patch]
 # The shared model cache: watched (its binding feeds the status's CacheReady condition), created
 # and deleted when spec.cache no longer asks for a claim the operator created.
 - apiGroups: [""]
