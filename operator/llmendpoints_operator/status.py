@@ -9,7 +9,7 @@ Conditions, in the order a user reads them:
 - Ready       the endpoint answers requests: the spec is valid and a replica is available.
 
 `phase` summarises them in one word for `kubectl get`: Pending, Starting, Ready, Updating,
-Degraded, ScaledToZero, Failed. Transition events come from `transition_events`.
+Scaling, Degraded, ScaledToZero, Failed. Transition events come from `transition_events`.
 """
 
 from __future__ import annotations
@@ -36,18 +36,21 @@ class DeploymentState:
     generation: int | None = None
     observed_generation: int | None = None
     deadline_exceeded_message: str | None = None
+    replica_failure_message: str | None = None  # pods cannot be created (quota, admission)
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> DeploymentState:
         spec = obj.get("spec") or {}
         status = obj.get("status") or {}
-        stuck = None
+        stuck = failure = None
         for cond in status.get("conditions") or []:
             if (
                 cond.get("type") == "Progressing"
                 and cond.get("reason") == "ProgressDeadlineExceeded"
             ):
                 stuck = cond.get("message") or "the rollout made no progress within its deadline"
+            if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
+                failure = cond.get("message") or "pods cannot be created"
         return cls(
             desired=int(spec.get("replicas", 1)),
             replicas=int(status.get("replicas") or 0),
@@ -57,7 +60,13 @@ class DeploymentState:
             generation=(obj.get("metadata") or {}).get("generation"),
             observed_generation=status.get("observedGeneration"),
             deadline_exceeded_message=stuck,
+            replica_failure_message=failure,
         )
+
+    @property
+    def trouble(self) -> str | None:
+        """Why the Deployment cannot reach its replica count, when its controller says so."""
+        return self.replica_failure_message or self.deadline_exceeded_message
 
     @property
     def rolling_out(self) -> bool:
@@ -213,12 +222,24 @@ def compute(
         progressing = _condition(
             "Progressing", False, "ProgressDeadlineExceeded", dep.deadline_exceeded_message
         )
+    elif dep.replica_failure_message is not None:
+        progressing = _condition(
+            "Progressing", False, "ReplicaFailure", dep.replica_failure_message
+        )
     elif dep.rolling_out:
         progressing = _condition(
             "Progressing",
             True,
             "RollingOut",
             f"{dep.updated}/{dep.desired} replicas updated, {dep.available} available",
+        )
+    elif dep.available < dep.desired:
+        # New replicas (a scale-up, or replacements) download and load the model first.
+        progressing = _condition(
+            "Progressing",
+            True,
+            "ScalingUp",
+            f"{dep.available}/{dep.desired} replicas available, the others are starting",
         )
     else:
         progressing = _condition(
@@ -233,10 +254,12 @@ def compute(
     elif is_available:
         ready = _condition("Ready", True, "Serving", available["message"])
         assert dep is not None
-        if progressing["status"] == "True":
-            phase = "Updating"
-        elif dep.deadline_exceeded_message is not None or dep.available < dep.desired:
+        if dep.trouble is not None:
             phase = "Degraded"
+        elif progressing["reason"] == "RollingOut":
+            phase = "Updating"
+        elif progressing["reason"] == "ScalingUp":
+            phase = "Scaling"
         else:
             phase = "Ready"
     elif dep is not None and dep.desired == 0:
@@ -248,8 +271,8 @@ def compute(
     elif dep is None:
         ready = _condition("Ready", False, "Creating", available["message"])
         phase = "Pending"
-    elif dep.deadline_exceeded_message is not None:
-        ready = _condition("Ready", False, "ProgressDeadlineExceeded", progressing["message"])
+    elif dep.trouble is not None:
+        ready = _condition("Ready", False, progressing["reason"], progressing["message"])
         phase = "Failed"
     else:
         ready = _condition("Ready", False, "Starting", available["message"])
@@ -329,10 +352,12 @@ def transition_events(
     if after == "Ready":
         if before == "Updating":
             return [Event("Normal", "RolledOut", f"rollout complete: {message}")]
+        if before == "Scaling":
+            return []  # the autoscaler reports its own decisions
         url = current.get("url", "")
         return [Event("Normal", "Ready", f"{message}; serving at {url}")]
     if after == "Degraded":
-        return [Event("Warning", "Degraded", message)]
+        return [Event("Warning", "Degraded", f"{message}: {_trouble(current)}")]
     if after == "Failed" and (ready or {}).get("reason") != "InvalidSpec":
         return [Event("Warning", "RolloutFailed", (progressing or {}).get("message", message))]
     if after == "ScaledToZero":
@@ -340,6 +365,11 @@ def transition_events(
     if after == "Updating" and before == "Ready":
         return [Event("Normal", "RollingOut", (progressing or {}).get("message", ""))]
     return []
+
+
+def _trouble(current: Mapping[str, Any]) -> str:
+    progressing = _find(current.get("conditions") or [], "Progressing") or {}
+    return str(progressing.get("message", ""))
 
 
 def _find(conditions: Sequence[Mapping[str, Any]], type_: str) -> Mapping[str, Any] | None:

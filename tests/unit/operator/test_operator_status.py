@@ -43,6 +43,12 @@ def _deployment(desired: int = 1, **status_fields: Any) -> DeploymentState:
     return DeploymentState.from_object({"spec": {"replicas": desired}, "status": status_fields})
 
 
+QUOTA_FAILURE = {
+    "type": "ReplicaFailure",
+    "status": "True",
+    "reason": "FailedCreate",
+    "message": 'pods "demo-7d9" is forbidden: exceeded quota: gpu, requested: nvidia.com/gpu=1',
+}
 AVAILABLE = {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1, "updatedReplicas": 1}
 
 
@@ -109,13 +115,23 @@ def test_golden_ready_status() -> None:
         (_deployment(1), CacheState("c", None, existing=True), "Pending", "WaitingForCache"),
         (_deployment(1, **AVAILABLE), CacheState("c", "Bound"), "Ready", "Serving"),
         (_deployment(0), CacheState(), "ScaledToZero", "ScaledToZero"),
-        # 2 wanted, 1 serving, nothing rolling out: a replica is lost.
+        # 2 wanted, 1 serving, nothing rolling out: the other one is starting (a scale-up).
         (
             _deployment(2, replicas=2, readyReplicas=1, availableReplicas=1, updatedReplicas=2),
+            CacheState(),
+            "Scaling",
+            "Serving",
+        ),
+        # ...and when the Deployment controller says pods cannot be created, it is degraded.
+        (
+            _deployment(
+                2, replicas=1, availableReplicas=1, updatedReplicas=1, conditions=[QUOTA_FAILURE]
+            ),
             CacheState(),
             "Degraded",
             "Serving",
         ),
+        (_deployment(1, conditions=[QUOTA_FAILURE]), CacheState(), "Failed", "ReplicaFailure"),
         # A rollout while the old replica still serves.
         (
             _deployment(1, replicas=2, readyReplicas=1, availableReplicas=1, updatedReplicas=1),
@@ -151,7 +167,7 @@ def test_phase_and_ready_reason(
     st = _compute(deployment, cache)
     assert (st["phase"], _conditions(st)["Ready"][1]) == (phase, ready_reason)
     assert _conditions(st)["Ready"][0] == (
-        "True" if phase in {"Ready", "Updating", "Degraded"} else "False"
+        "True" if phase in {"Ready", "Updating", "Scaling", "Degraded"} else "False"
     )
 
 
@@ -244,16 +260,26 @@ def test_transition_events() -> None:
         _deployment(1, replicas=2, readyReplicas=1, availableReplicas=1, updatedReplicas=1),
         previous=ready,
     )
-    degraded = _compute(
+    scaling = _compute(
         _deployment(2, replicas=2, readyReplicas=1, availableReplicas=1, updatedReplicas=2),
         previous=ready,
+    )
+    degraded = _compute(
+        _deployment(
+            2, replicas=1, availableReplicas=1, updatedReplicas=1, conditions=[QUOTA_FAILURE]
+        ),
+        previous=scaling,
     )
     assert _events(None, starting) == []
     assert _events(starting, ready) == [("Normal", "Ready")]
     assert _events(ready, ready) == []
     assert _events(ready, updating) == [("Normal", "RollingOut")]
     assert _events(updating, ready) == [("Normal", "RolledOut")]
-    assert _events(ready, degraded) == [("Warning", "Degraded")]
+    # A scale-up is the autoscaler's business (it posts its own events), not a degradation.
+    assert _events(ready, scaling) == []
+    assert _events(scaling, ready) == []
+    assert _events(scaling, degraded) == [("Warning", "Degraded")]
+    assert "exceeded quota" in status.transition_events(scaling, degraded)[0].message
     invalid = _compute(_deployment(1), endpoint=None, invalid_message="spec.x: bad")
     assert _events(ready, invalid) == []  # the reconcile reports invalid specs itself
     assert (
