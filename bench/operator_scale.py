@@ -11,8 +11,8 @@ status carries the reconcile's observedGeneration.
 Reported:
 - operator CPU time per endpoint (user + system of the operator process only; the emulator's
   own cost - tens of milliseconds a request - is in this process and excluded). Two numbers:
-  until every endpoint is reconciled, and after the operator has gone quiet (children's watch
-  events and Kubernetes Events included);
+  until every endpoint is reconciled, and once the operator has gone quiet (under 5 % of a core
+  for 3 s: children's watch events and Kubernetes Events included);
 - the operator's steady CPU use afterwards, with N endpoints and nothing changing (the
   autoscaler's ticks; the resync is pushed out of the window);
 - apply-to-status latency p50/p99 (wall time; dominated by the emulator's queueing);
@@ -79,13 +79,14 @@ def _reconciled(cluster: Cluster, name: str) -> bool:
 
 
 async def _quiet(process: psutil.Process, idle_seconds: float = 3.0, timeout: float = 120) -> float:
-    """Wait until the operator burns no CPU for idle_seconds; return its CPU time then."""
+    """Wait until the operator uses under 5 % of a core for idle_seconds (its periodic work,
+    the autoscaler's ticks, never stops entirely); return its CPU time then."""
     deadline = time.monotonic() + timeout
     last, since = _cpu_seconds(process), time.monotonic()
     while time.monotonic() < deadline:
         await asyncio.sleep(0.5)
         now = _cpu_seconds(process)
-        if now - last > 0.01:
+        if now - last > 0.025:
             last, since = now, time.monotonic()
         elif time.monotonic() - since >= idle_seconds:
             break
