@@ -173,6 +173,33 @@ async def test_children_becoming_ready_make_the_endpoint_ready(
     )
 
 
+async def test_an_existing_claim_is_reported_until_it_exists_and_is_bound(
+    cluster: Cluster, operator: Operator
+) -> None:
+    spec = {"model": {"name": "org/m"}, "cache": {"existingClaim": "shared-weights"}}
+    await cluster.create(LLMEP, NS, endpoint("shared", NS, spec))
+    await _until(
+        operator,
+        lambda: _condition(cluster, "shared", "CacheReady").get("reason") == "ClaimNotFound",
+        "ClaimNotFound",
+    )
+    claims = CHILD_RESOURCES["PersistentVolumeClaim"]
+    assert cluster.get(claims, NS, "shared-model-cache") is None  # not created: it is the user's
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "shared-weights", "namespace": NS},
+        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Ti"}}},
+        "status": {"phase": "Bound"},
+    }
+    await cluster.create(claims, NS, claim)
+    await _until(
+        operator,
+        lambda: _condition(cluster, "shared", "CacheReady").get("reason") == "Bound",
+        "CacheReady=True once the user's claim exists",
+    )
+
+
 async def test_spec_change_updates_the_deployment_and_observed_generation(
     cluster: Cluster, operator: Operator
 ) -> None:
