@@ -128,7 +128,8 @@ def build_env(ep: Endpoint) -> list[dict[str, Any]]:
             "ENABLE_PREFIX_CACHING",
             None if engine.enable_prefix_caching is None else _bool(engine.enable_prefix_caching),
         ),
-        ("BASE_PATH", MODEL_CACHE_PATH),
+        # A baked image keeps its own BASE_PATH (where its weights are) and HF_HUB_OFFLINE=1.
+        ("BASE_PATH", None if model.baked_into_image else MODEL_CACHE_PATH),
         ("API_KEYS_FILE", f"{API_KEYS_DIR}/{API_KEYS_FILE}" if api.api_keys_secret_ref else None),
         ("MAX_CONCURRENCY", _opt(api.max_concurrency)),
         ("MAX_QUEUE_LENGTH", _opt(api.max_queue_length)),
@@ -195,13 +196,16 @@ def _volumes(ep: Endpoint) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": shm}]
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
 
-    if spec.cache is None:
+    if spec.model.baked_into_image:
+        pass  # the weights are in the image, under its own BASE_PATH: mount nothing over them
+    elif spec.cache is None:
         # No shared cache: every pod downloads into its own scratch volume.
         volumes.append({"name": "model-cache", "emptyDir": {}})
+        mounts.append({"name": "model-cache", "mountPath": MODEL_CACHE_PATH})
     else:
         claim = spec.cache.existing_claim or cache_claim_name(ep.name)
         volumes.append({"name": "model-cache", "persistentVolumeClaim": {"claimName": claim}})
-    mounts.append({"name": "model-cache", "mountPath": MODEL_CACHE_PATH})
+        mounts.append({"name": "model-cache", "mountPath": MODEL_CACHE_PATH})
 
     if spec.model.chat_template is not None:
         volumes.append(

@@ -129,6 +129,8 @@ class ModelSpec(_Model):
     chat_template: str | None = Field(None, min_length=1)
     hf_token_secret_ref: SecretKeyRef | None = None
     trust_remote_code: bool = False
+    # The weights live inside engine.image (see Dockerfile.runtime): no cache, no download.
+    baked_into_image: bool = False
 
 
 class EnvVar(_Model):
@@ -405,6 +407,20 @@ class EndpointSpec(_Model):
                 f"engine.tensorParallelSize: {tp} needs {tp} GPUs but resources.gpus is "
                 f"{self.resources.gpus}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _baked_image_is_complete(self) -> EndpointSpec:
+        if self.model.baked_into_image:
+            if self.engine.image is None:
+                raise ValueError(
+                    "model.bakedIntoImage: set engine.image to the image the weights were baked into"
+                )
+            if self.cache is not None:
+                raise ValueError(
+                    "model.bakedIntoImage: remove cache (the weights are in the image; a cache "
+                    "volume would hide them)"
+                )
         return self
 
 

@@ -244,6 +244,17 @@ def _doc(spec: dict[str, Any], name: str = "demo") -> dict[str, Any]:
             ".spec.api.ingress",
         ),
         (_doc({"engine": {"tensorParallelSize": 4}, "resources": {"gpus": 2}}), ".spec"),
+        (_doc({"model": {"name": "m", "bakedIntoImage": True}}), ".spec"),
+        (
+            _doc(
+                {
+                    "model": {"name": "m", "bakedIntoImage": True},
+                    "engine": {"image": "r/i:1"},
+                    "cache": {"size": "1Gi"},
+                }
+            ),
+            ".spec",
+        ),
         (_doc({}, name="Upper"), "<root>"),
         (_doc({}, name="a" * 50), "<root>"),
     ],
@@ -267,6 +278,7 @@ def test_cel_rules_reject_what_the_operator_rejects(
         _doc({"engine": {"tensorParallelSize": 2}, "resources": {"gpus": 2}}),
         _doc({"engine": {"tensorParallelSize": 2}, "resources": {"gpus": 0}}),
         _doc({"cache": {"existingClaim": "c"}}),
+        _doc({"model": {"name": "m", "bakedIntoImage": True}, "engine": {"image": "r/i:1"}}),
     ],
 )
 def test_cel_rules_accept_valid_specs(doc: dict[str, Any], schema: dict[str, Any]) -> None:

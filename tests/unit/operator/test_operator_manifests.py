@@ -100,6 +100,21 @@ def test_pod_follows_the_runtime_contract() -> None:
     assert "subPath" not in mounts[manifests.API_KEYS_DIR]  # subPath mounts never refresh
 
 
+def test_a_baked_image_gets_no_cache_volume_and_keeps_its_own_base_path() -> None:
+    ep = _endpoint(
+        {"model": {"name": "org/m", "bakedIntoImage": True}, "engine": {"image": "r/llm:1"}}
+    )
+    deployment = manifests.build_deployment(ep, SETTINGS, replicas=1)
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "r/llm:1"
+    env = _env(ep)
+    assert "BASE_PATH" not in env and "HF_HUB_OFFLINE" not in env  # the image's own ENV wins
+    assert env["MODEL_NAME"] == "org/m"
+    assert "/models" not in {m["mountPath"] for m in container["volumeMounts"]}
+    names = {v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert "model-cache" not in names
+
+
 def test_engine_fields_and_args_become_upper_snake_variables() -> None:
     ep = _endpoint(
         {

@@ -75,6 +75,18 @@ def test_minimal_spec_gets_the_documented_defaults() -> None:
             "spec.engine.tensorParallelSize:",
         ),
         (
+            {"model": {"name": "m", "bakedIntoImage": True}},
+            "spec.model.bakedIntoImage: set engine.image",
+        ),
+        (
+            {
+                "model": {"name": "m", "bakedIntoImage": True},
+                "engine": {"image": "r/i:1"},
+                "cache": {"size": "10Gi"},
+            },
+            "spec.model.bakedIntoImage: remove cache",
+        ),
+        (
             {"model": {"name": "m"}, "engine": {"gpuMemoryUtilization": 1.5}},
             "spec.engine.gpuMemoryUtilization:",
         ),
