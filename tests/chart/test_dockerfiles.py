@@ -379,3 +379,28 @@ def test_the_runtime_install_recipe_changes_no_installed_distribution(tmp_path: 
         if name in installed and name != "llmendpoints"
     }
     assert not changed, f"the recipe would change installed distributions: {changed}"
+
+
+def test_a_baked_image_serves_its_own_weights_offline_in_an_operator_pod() -> None:
+    """Dockerfile.runtime -> operator -> runtime: the pod the operator builds for
+    examples/baked-image.yaml, on top of the environment a baked image declares, makes the runtime
+    serve the baked model from the image's BASE_PATH, offline, with nothing mounted over it."""
+    from llmendpoints_operator import manifests, spec
+    from llmendpoints_operator.config import OperatorSettings
+    from llmendpoints_runtime.config import load_config
+
+    example = yaml.safe_load((ROOT / "examples" / "baked-image.yaml").read_text())
+    endpoint = spec.parse(example["metadata"]["name"], "team-a", example["spec"])
+    pod = manifests.build_deployment(endpoint, OperatorSettings(), replicas=1)["spec"]["template"]
+    (container,) = [c for c in pod["spec"]["containers"] if c["name"] == manifests.CONTAINER_NAME]
+    assert container["image"] == example["spec"]["engine"]["image"]
+    mounted = {m["mountPath"] for m in container.get("volumeMounts", [])}
+    image_env = image_environment({"MODEL_NAME": example["spec"]["model"]["name"]})
+    assert image_env["BASE_PATH"] not in mounted, "a volume would hide the baked weights"
+
+    pod_env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    env = {**image_env, **pod_env}  # the pod's variables override the image's
+    assert env["HF_HUB_OFFLINE"] == "1"
+    config = load_config(env)
+    assert config.engine_args.model == example["spec"]["model"]["name"]
+    assert config.settings.base_path == "/models"
