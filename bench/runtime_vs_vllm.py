@@ -15,9 +15,11 @@ busy 2-core machine) would otherwise dominate the wall time. `--restart` starts 
 for every run instead, so only one engine is in memory at a time. Each run: warm-up requests,
 then the measured load: the `random` dataset (fixed seed, so both sides get the same prompts),
 streamed /v1/completions, `--ignore-eos` so every request generates exactly the requested
-tokens. Results: one JSON per run from vLLM's client in bench/out/runtime_vs_vllm/ (with
-both servers' logs), the comparison in bench/out/runtime_vs_vllm.json, and a Markdown section
-(for bench/RESULTS.md) in bench/out/runtime_vs_vllm.md and on stdout. Last, with the servers
+tokens; the CPU time the server's processes use during each run is recorded per request
+(API process and engine apart). Results: one JSON per run from vLLM's client in
+bench/out/runtime_vs_vllm/ (with both servers' logs), the comparison in
+bench/out/runtime_vs_vllm.json, and a Markdown section (for bench/RESULTS.md) in
+bench/out/runtime_vs_vllm.md and on stdout. Last, with the servers
 down, it measures in-process what our middleware costs per request (see
 bench/_middleware_overhead.py): the part of any difference that is ours.
 
@@ -46,6 +48,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _middleware_overhead as middleware_overhead
@@ -85,9 +88,15 @@ class RunResult:
     mean_ttft_ms: float
     median_tpot_ms: float
     median_e2el_ms: float
+    # CPU time the server's processes used during the run (warm-ups included), per request:
+    # the HTTP/API process (ours: the runtime with vLLM's app inside) and the engine's processes.
+    api_cpu_ms_per_request: float
+    engine_cpu_ms_per_request: float
 
     @classmethod
-    def from_vllm_json(cls, server: str, round_: int, data: dict) -> RunResult:
+    def from_vllm_json(
+        cls, server: str, round_: int, data: dict, cpu: CpuUse, requests: int
+    ) -> RunResult:
         return cls(
             server=server,
             round=round_,
@@ -101,6 +110,19 @@ class RunResult:
             mean_ttft_ms=float(data["mean_ttft_ms"]),
             median_tpot_ms=float(data["median_tpot_ms"]),
             median_e2el_ms=float(data["median_e2el_ms"]),
+            api_cpu_ms_per_request=cpu.api_seconds * 1000 / requests,
+            engine_cpu_ms_per_request=cpu.engine_seconds * 1000 / requests,
+        )
+
+
+@dataclass(frozen=True)
+class CpuUse:
+    api_seconds: float
+    engine_seconds: float
+
+    def __sub__(self, other: CpuUse) -> CpuUse:
+        return CpuUse(
+            self.api_seconds - other.api_seconds, self.engine_seconds - other.engine_seconds
         )
 
 
@@ -113,6 +135,8 @@ RATIOS = {
     "output_throughput_ratio": "output_throughput",
     "median_ttft_ratio": "median_ttft_ms",
     "p99_ttft_ratio": "p99_ttft_ms",
+    "api_cpu_per_request_ratio": "api_cpu_ms_per_request",
+    "engine_cpu_per_request_ratio": "engine_cpu_ms_per_request",
 }
 
 
@@ -180,14 +204,15 @@ def markdown(
         + " ".join("A" if r.server == OURS else "B" for r in runs)
         + " (A = `llmendpoints-runtime serve`, B = `python -m vllm.entrypoints.openai.api_server`).",
         "",
-        "| run | server | req/s | output tok/s | median TTFT ms | p99 TTFT ms | median TPOT ms | median E2E ms | failed |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| run | server | req/s | output tok/s | median TTFT ms | p99 TTFT ms | median TPOT ms | median E2E ms | API CPU ms/req | engine CPU ms/req | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for i, r in enumerate(runs, 1):
         lines.append(
             f"| {i} (round {r.round}) | {'A runtime' if r.server == OURS else 'B plain vLLM'} "
             f"| {r.request_throughput:.2f} | {r.output_throughput:.1f} | {r.median_ttft_ms:.1f} "
-            f"| {r.p99_ttft_ms:.1f} | {r.median_tpot_ms:.1f} | {r.median_e2el_ms:.1f} | {r.failed} |"
+            f"| {r.p99_ttft_ms:.1f} | {r.median_tpot_ms:.1f} | {r.median_e2el_ms:.1f} "
+            f"| {r.api_cpu_ms_per_request:.2f} | {r.engine_cpu_ms_per_request:.2f} | {r.failed} |"
         )
     c = comparison
     rounds = ", ".join(
@@ -205,6 +230,8 @@ def markdown(
         "median_ttft_ratio": f"median TTFT (target <= {TARGET_TTFT_RATIO})",
         "p99_ttft_ratio": "p99 TTFT",
         "output_throughput_ratio": "output token throughput",
+        "api_cpu_per_request_ratio": "CPU per request of the HTTP/API process",
+        "engine_cpu_per_request_ratio": "CPU per request of the engine's processes",
     }
     verdicts = {
         "request_throughput_ratio": c["throughput_target_met"],
@@ -290,8 +317,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Server:
+    url: str
+    pid: int
+
+    def cpu(self) -> CpuUse:
+        """CPU seconds so far: the server process (HTTP + API) and its children (the engine)."""
+        main = psutil.Process(self.pid)
+        children = main.children(recursive=True)
+
+        def used(process: psutil.Process) -> float:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                times = process.cpu_times()
+                return times.user + times.system
+            return 0.0
+
+        return CpuUse(used(main), sum(used(child) for child in children))
+
+
 @contextlib.contextmanager
-def running_server(server: str, model: Path, log_path: Path) -> Iterator[str]:
+def running_server(server: str, model: Path, log_path: Path) -> Iterator[Server]:
     port = free_port()
     argv, env = server_command(server, model, port)
     url = f"http://127.0.0.1:{port}"
@@ -316,7 +362,7 @@ def running_server(server: str, model: Path, log_path: Path) -> Iterator[str]:
                         break
                 time.sleep(0.5)
             print(f"  {server} ready in {time.monotonic() - started:.0f} s", flush=True)
-            yield url
+            yield Server(url, process.pid)
         finally:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -412,12 +458,12 @@ def run_rounds(args, model: Path, load: Load, run_dir: Path) -> list[RunResult]:
     """A B A B ...: both servers up for all rounds, or (--restart) a fresh server per run."""
     runs: list[RunResult] = []
     with contextlib.ExitStack() as stack:
-        urls: dict[str, str] = {}
+        servers: dict[str, Server] = {}
         if not args.restart:
             # One after the other, so neither start-up competes with the other for the CPU.
             for server in (OURS, PLAIN):
                 print(f"starting {server}", flush=True)
-                urls[server] = stack.enter_context(
+                servers[server] = stack.enter_context(
                     running_server(server, model, run_dir / f"{server}.server.log")
                 )
         for round_ in range(1, args.rounds + 1):
@@ -425,18 +471,26 @@ def run_rounds(args, model: Path, load: Load, run_dir: Path) -> list[RunResult]:
                 name = f"round{round_}-{server}"
                 print(f"round {round_}: {server}", flush=True)
                 with contextlib.ExitStack() as fresh:
-                    url = urls.get(server) or fresh.enter_context(
+                    running = servers.get(server) or fresh.enter_context(
                         running_server(server, model, run_dir / f"{name}.server.log")
                     )
+                    before = running.cpu()
                     data = run_client(
-                        url, model, load, run_dir, f"{name}.json", run_dir / f"{name}.client.log"
+                        running.url,
+                        model,
+                        load,
+                        run_dir,
+                        f"{name}.json",
+                        run_dir / f"{name}.client.log",
                     )
-                result = RunResult.from_vllm_json(server, round_, data)
+                    cpu = running.cpu() - before
+                requests = load.num_prompts + load.warmups
+                result = RunResult.from_vllm_json(server, round_, data, cpu, requests)
                 runs.append(result)
                 print(
                     f"  {result.request_throughput:.2f} req/s, median TTFT "
                     f"{result.median_ttft_ms:.1f} ms, p99 TTFT {result.p99_ttft_ms:.1f} ms, "
-                    f"{result.failed} failed",
+                    f"API CPU {result.api_cpu_ms_per_request:.2f} ms/req, {result.failed} failed",
                     flush=True,
                 )
     return runs

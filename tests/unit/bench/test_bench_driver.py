@@ -77,6 +77,8 @@ def _run(server: str, round_: int, rps: float, ttft: float, failed: int = 0):
         mean_ttft_ms=ttft,
         median_tpot_ms=5.0,
         median_e2el_ms=300.0,
+        api_cpu_ms_per_request=2.0,
+        engine_cpu_ms_per_request=20.0,
     )
 
 
@@ -111,3 +113,53 @@ def test_a_round_without_both_sides_is_not_compared():
     assert result["request_throughput_ratio"] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="at least one round with a run of each server"):
         runtime_vs_vllm.compare([_run(ours, 1, 50.0, 100.0), _run(plain, 2, 50.0, 100.0)])
+
+
+def test_server_cpu_over_a_run_is_reported_per_request():
+    before = runtime_vs_vllm.CpuUse(api_seconds=10.0, engine_seconds=100.0)
+    after = runtime_vs_vllm.CpuUse(api_seconds=10.6, engine_seconds=106.0)
+    data = {
+        "completed": 300,
+        "duration": 6.0,
+        "request_throughput": 50.0,
+        "output_throughput": 1600.0,
+        "median_ttft_ms": 100.0,
+        "p99_ttft_ms": 150.0,
+        "mean_ttft_ms": 105.0,
+        "median_tpot_ms": 6.0,
+        "median_e2el_ms": 300.0,
+    }
+    run = runtime_vs_vllm.RunResult.from_vllm_json("runtime", 1, data, after - before, 300)
+    assert run.api_cpu_ms_per_request == pytest.approx(2.0)
+    assert run.engine_cpu_ms_per_request == pytest.approx(20.0)
+    assert run.failed == 0
+
+
+def test_summary_names_every_ratio_and_the_verdicts():
+    ours, plain = runtime_vs_vllm.OURS, runtime_vs_vllm.PLAIN
+    runs = [_run(ours, 1, 49.0, 100.0), _run(plain, 1, 50.0, 100.0)]
+    load = runtime_vs_vllm.Load(200, 64, 32, 16, 16, 0)
+    facts = {
+        "cpus": 2,
+        "cpu_model": "test CPU",
+        "memory_gib": 24,
+        "load_before": "1.00 1.00 1.00",
+        "load_after": "2.00 1.00 1.00",
+        "python": "3.11",
+        "vllm": "0.32.0",
+        "servers": "both up for all rounds",
+    }
+    overhead = {
+        "chunks_per_request": 34,
+        "direct_us": 10.0,
+        "runtime_stack_us": 100.0,
+        "overhead_us": 90.0,
+    }
+    text = runtime_vs_vllm.markdown(
+        runs, runtime_vs_vllm.compare(runs), load, facts, "cmd", overhead
+    )
+    assert "request throughput (target >= 0.97): **0.980**" in text
+    assert "median TTFT (target <= 1.05): **1.000**" in text
+    assert "CPU per request of the HTTP/API process: **1.000**" in text
+    assert "**90 µs** added per request" in text
+    assert "order A B (A = " in text
