@@ -70,6 +70,8 @@ class Load:
     concurrency: int
     warmups: int
     seed: int
+    # Requests per second, Poisson arrivals; inf sends as fast as the concurrency allows.
+    request_rate: float = float("inf")
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,13 @@ def markdown(
         "`MAX_MODEL_LEN=512`, `VLLM_CPU_KVCACHE_SPACE=1`, vLLM's other engine defaults on both sides.  ",
         f"Load: vLLM's client (`vllm.benchmarks.serve`), random dataset, {load.num_prompts} prompts "
         f"of {load.input_len} tokens in / {load.output_len} out (`--ignore-eos`), "
-        f"max concurrency {load.concurrency}, seed {load.seed}, {load.warmups} warm-up requests, "
+        f"max concurrency {load.concurrency}"
+        + (
+            ""
+            if load.request_rate == float("inf")
+            else f", Poisson arrivals at {load.request_rate:g}/s"
+        )
+        + f", seed {load.seed}, {load.warmups} warm-up requests, "
         f"streamed `/v1/completions`. Servers: {facts['servers']}; order "
         + " ".join("A" if r.server == OURS else "B" for r in runs)
         + " (A = `llmendpoints-runtime serve`, B = `python -m vllm.entrypoints.openai.api_server`).",
@@ -387,6 +395,7 @@ def client_argv(url: str, model: Path, load: Load, result_dir: Path, name: str) 
         "--random-output-len", str(load.output_len),
         "--num-prompts", str(load.num_prompts),
         "--max-concurrency", str(load.concurrency),
+        "--request-rate", str(load.request_rate),
         "--ignore-eos",
         "--seed", str(load.seed),
         "--num-warmups", str(load.warmups),
@@ -466,8 +475,9 @@ def run_rounds(args, model: Path, load: Load, run_dir: Path) -> list[RunResult]:
                 servers[server] = stack.enter_context(
                     running_server(server, model, run_dir / f"{server}.server.log")
                 )
+        order = (PLAIN, OURS) if args.plain_first else (OURS, PLAIN)
         for round_ in range(1, args.rounds + 1):
-            for server in (OURS, PLAIN):
+            for server in order:
                 name = f"round{round_}-{server}"
                 print(f"round {round_}: {server}", flush=True)
                 with contextlib.ExitStack() as fresh:
@@ -505,12 +515,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--warmups", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests/s with Poisson arrivals (default: as fast as --concurrency allows)",
+    )
     parser.add_argument("--model", type=Path, default=REPO / ".cache" / "demo-model")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "out")
     parser.add_argument(
         "--restart",
         action="store_true",
         help="start a fresh server for every run (one engine in memory at a time; slower)",
+    )
+    parser.add_argument(
+        "--plain-first",
+        action="store_true",
+        help="B A B A ...: plain vLLM first in every round (to see what the position costs)",
     )
     parser.add_argument(
         "--fail-on-miss", action="store_true", help="exit 1 when a target is missed"
@@ -520,7 +541,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds must be at least 1")
 
     load = Load(
-        args.num_prompts, args.input_len, args.output_len, args.concurrency, args.warmups, args.seed
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.concurrency,
+        args.warmups,
+        args.seed,
+        args.request_rate,
     )
     model = ensure_demo_model(args.model.resolve())
     run_dir = args.out / "runtime_vs_vllm"
