@@ -95,6 +95,35 @@ class EngineDelegate:
             runtime.admission.release()
 
 
+OPENAI_PREFIX = "/v1/"
+
+
+class OpenAIFastPath:
+    """Send /v1/... straight to the engine delegate, around our FastAPI app.
+
+    Every OpenAI request would otherwise try each of our routes before the catch-all mount and
+    pass every streamed chunk through two more Starlette middleware layers; /v1/ is vLLM's alone
+    (create_app refuses a router of ours there), so the detour buys nothing.
+    """
+
+    def __init__(self, app: ASGIApp, delegate: EngineDelegate):
+        self.app = app
+        self.delegate = delegate
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(OPENAI_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        try:
+            await self.delegate(scope, receive, send)
+        except Exception:
+            # What our FastAPI app's exception handler would do: log it, answer in OpenAI's
+            # shape (impossible once a response has started: then the server closes it).
+            logger.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            with contextlib.suppress(Exception):
+                await send_error(send, APIError(500, "internal server error; see the server log"))
+
+
 def _not_ready_error(health: Health) -> APIError:
     if health.state is EngineState.INITIALIZING:
         return APIError(
@@ -183,13 +212,20 @@ def create_app(runtime: Runtime, *, start_engine: bool = True) -> ASGIApp:
     for router in extra_routers(runtime):
         app.include_router(router)
     # Last: everything no router above claims goes to vLLM's own app.
-    app.router.routes.append(Mount("/", app=EngineDelegate(runtime)))
+    delegate = EngineDelegate(runtime)
+    app.router.routes.append(Mount("/", app=delegate))
+    claimed = [
+        r.path for r in app.router.routes if getattr(r, "path", "").startswith(OPENAI_PREFIX)
+    ]
+    if claimed:
+        raise RuntimeError(f"routes under {OPENAI_PREFIX} belong to vLLM's app: {claimed}")
 
     if not runtime.keys.enabled:
         logger.warning(
             "no API keys configured (API_KEYS / API_KEYS_FILE): the server is open to anyone who can reach it"
         )
-    guarded = APIKeyMiddleware(app, runtime.keys, settings.unauthenticated_path_set)
+    routed = OpenAIFastPath(app, delegate)
+    guarded = APIKeyMiddleware(routed, runtime.keys, settings.unauthenticated_path_set)
     guarded = BodyGuard(guarded, settings.max_request_body_bytes, runtime.metrics)
     context = RequestContext(guarded, runtime.metrics)
     runtime.context = context

@@ -242,3 +242,25 @@ def test_demo_model_is_deterministic_and_complete(tmp_path):
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(
         first
     )
+
+
+# -- the OpenAI fast path ----------------------------------------------------------------------
+
+
+def test_no_router_of_ours_may_claim_vllms_openai_paths(monkeypatch):
+    """/v1/... goes straight to vLLM's app; a router of ours there would be silently bypassed."""
+    from fastapi import APIRouter
+
+    from llmendpoints_runtime import app as app_module
+    from llmendpoints_runtime.config import load_config
+
+    router = APIRouter()
+
+    @router.get("/v1/shadow")
+    async def shadow() -> dict:
+        return {}
+
+    monkeypatch.setattr(app_module, "extra_routers", lambda runtime: [router])
+    runtime = app_module.build_runtime(load_config({"MODEL_NAME": "org/m"}))
+    with pytest.raises(RuntimeError, match="/v1/shadow"):
+        app_module.create_app(runtime, start_engine=False)
