@@ -250,7 +250,6 @@ def test_demo_model_is_deterministic_and_complete(tmp_path):
 def test_no_router_of_ours_may_claim_vllms_openai_paths(monkeypatch):
     """/v1/... goes straight to vLLM's app; a router of ours there would be silently bypassed."""
     from fastapi import APIRouter
-
     from llmendpoints_runtime import app as app_module
     from llmendpoints_runtime.config import load_config
 
