@@ -1,10 +1,11 @@
 """create_app(): our routes and middleware in front of vLLM's own OpenAI application.
 
 Request path, outermost first: RequestContext (request id, HTTP metrics, in-flight count) ->
-BodyGuard (413, non-UTF-8 / non-object JSON -> 400) -> API keys -> FastAPI router:
-our probes and /metrics (and the job and SageMaker routers), then everything else falls through
-to `EngineDelegate`, which waits for an admission slot and hands the request to vLLM's app,
-in-process. Until the engine is ready that fallback answers 503 with the start-up phase.
+BodyGuard (413, non-UTF-8 / non-object JSON -> 400) -> API keys -> then `/v1/...` goes straight
+to `EngineDelegate`, and everything else to our FastAPI router: probes and /metrics, the job and
+SageMaker routers, and a catch-all that falls through to the same delegate. The delegate waits for
+an admission slot and hands the request to vLLM's app, in-process. Until the engine is ready it
+answers 503 with the start-up phase.
 """
 
 from __future__ import annotations
