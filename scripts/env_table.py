@@ -34,10 +34,7 @@ def render() -> str:
         "| --- | --- | --- |",
     ]
     for info in RuntimeSettings.model_fields.values():
-        alias = info.validation_alias
-        names = getattr(alias, "choices", None) or [alias]
-        for name in names:
-            lines.append(f"| `{name}` | {_default(info)} | {info.description} |")
+        lines.append(f"| `{info.validation_alias}` | {_default(info)} | {info.description} |")
     lines += [
         "",
         "#### worker-vllm names translated to vLLM flags",

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llmendpoints_runtime import engine as engine_module
@@ -58,7 +58,7 @@ class RuntimeSettings(BaseSettings):
     )
     api_keys: str | None = Field(
         None,
-        validation_alias=AliasChoices("API_KEYS"),
+        validation_alias="API_KEYS",
         description="Comma-separated API keys. Clients send `Authorization: Bearer <key>` or `x-api-key`.",
     )
     api_key: SecretStr | None = Field(
@@ -179,13 +179,10 @@ class RuntimeSettings(BaseSettings):
 
 def settings_variables() -> dict[str, str]:
     """Environment variable name -> description, for every RuntimeSettings field."""
-    out = {}
-    for info in RuntimeSettings.model_fields.values():
-        alias = info.validation_alias
-        names = alias.choices if isinstance(alias, AliasChoices) else [alias]
-        for name in names:
-            out[str(name)] = info.description or ""
-    return out
+    return {
+        str(info.validation_alias): info.description or ""
+        for info in RuntimeSettings.model_fields.values()
+    }
 
 
 # ---------------------------------------------------------------------------------------------
