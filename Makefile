@@ -7,20 +7,23 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-complete
 DEMO_MODEL := .cache/demo-model
+VISION_MODEL := .cache/demo-model-vision
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-# What the engine needs on a machine without a GPU (see DESIGN.md).
+# What the engine needs on a machine without a GPU: a KV cache size for the CPU build (GiB),
+# no Hugging Face hub access, no usage reporting.
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export HF_HUB_OFFLINE ?= 1
 export VLLM_NO_USAGE_STATS ?= 1
 export DO_NOT_TRACK ?= 1
 
-.PHONY: help setup serve test test-unit test-runtime test-operator test-chart bench lint demo-model clean
+.PHONY: help setup serve serve-vision test test-unit test-runtime test-operator test-chart bench lint demo-model clean
 
 help:
 	@echo "make serve   set up, write the demo model, serve it on http://$(HOST):$(PORT)"
+	@echo "make serve-vision   the same with the image+text demo model (send it images)"
 	@echo "make test    set up and run the whole test suite"
 	@echo "make bench   run the benchmarks under bench/ (results in bench/RESULTS.md)"
 	@echo "make lint    ruff and the import-layering contracts"
@@ -44,6 +47,17 @@ serve: $(STAMP) $(DEMO_MODEL)/config.json
 	MODEL_NAME=$(abspath $(DEMO_MODEL)) OPENAI_SERVED_MODEL_NAME_OVERRIDE=$${OPENAI_SERVED_MODEL_NAME_OVERRIDE:-demo} \
 	  MAX_MODEL_LEN=$${MAX_MODEL_LEN:-512} HOST=$(HOST) PORT=$(PORT) \
 	  $(BIN)/llmendpoints-runtime serve
+
+$(VISION_MODEL)/config.json: | $(STAMP)
+	$(BIN)/llmendpoints-runtime demo-model --vision $(VISION_MODEL)
+
+# The image+text demo model (Idefics3, random weights), served as "demo-vision": up to 4 images
+# per prompt (LIMIT_MM_PER_PROMPT). See docs/images.md.
+serve-vision: $(STAMP) $(VISION_MODEL)/config.json
+	@echo "llmendpoints: serving the VISION DEMO model ($(VISION_MODEL)): random weights, gibberish answers, real image handling."
+	MODEL_NAME=$(abspath $(VISION_MODEL)) OPENAI_SERVED_MODEL_NAME_OVERRIDE=$${OPENAI_SERVED_MODEL_NAME_OVERRIDE:-demo-vision} \
+	  MAX_MODEL_LEN=$${MAX_MODEL_LEN:-1024} LIMIT_MM_PER_PROMPT=$${LIMIT_MM_PER_PROMPT:-'{"image": 4}'} \
+	  HOST=$(HOST) PORT=$(PORT) $(BIN)/llmendpoints-runtime serve
 
 test: $(STAMP)
 	$(BIN)/lint-imports

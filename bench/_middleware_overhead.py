@@ -89,7 +89,7 @@ async def _drive(app, requests: int) -> float:
 
 def runtime_stack(model: Path, inner):
     """The runtime's ASGI app as `serve` builds it, with `inner` as vLLM's app."""
-    from llmendpoints_runtime.app import build_runtime, create_app
+    from llmendpoints_runtime.compose import build_runtime, create_app
     from llmendpoints_runtime.config import load_config
 
     config = load_config({"MODEL_NAME": str(model), "OPENAI_SERVED_MODEL_NAME_OVERRIDE": "demo"})

@@ -3,7 +3,7 @@
     .venv/bin/python bench/runsync_vs_completions.py              # ~2 minutes on 2 cores
     .venv/bin/python bench/runsync_vs_completions.py --rounds 3 --num-prompts 400 --concurrency 32
 
-Target (DESIGN.md): request throughput of /runsync / /v1/completions >= 0.95.
+Target (bench/README.md): request throughput of /runsync / /v1/completions >= 0.95.
 
 One `llmendpoints-runtime serve` on the demo model (written to a temporary folder) serves both
 sides, so the engine, the model and the machine are the same. The client sends the same prompts
@@ -34,6 +34,11 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# The same launcher as the runtime tests: a clean environment, whatever the caller's shell holds.
+sys.path.insert(0, str(REPO / "tests" / "runtime"))
+
+from runtime_process import launch_runtime  # noqa: E402
+
 TARGET = 0.95
 WORDS = [
     "the",
@@ -203,51 +208,6 @@ async def one_run(url: str, api: str, round_: int, load: Load, texts: list[str])
     )
 
 
-def start_server(model: Path, port: int, log: Path) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("API_KEY", "MAX_", "LLMEP_"))}
-    env.update(
-        MODEL_NAME=str(model),
-        OPENAI_SERVED_MODEL_NAME_OVERRIDE="demo",
-        MAX_MODEL_LEN="512",
-        HOST="127.0.0.1",
-        PORT=str(port),
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-        DISABLE_UVICORN_ACCESS_LOG="true",
-    )
-    handle = log.open("wb")
-    return subprocess.Popen(
-        [str(BIN / "llmendpoints-runtime"), "serve"],
-        env=env,
-        stdout=handle,
-        stderr=subprocess.STDOUT,
-    )
-
-
-def wait_ready(url: str, process: subprocess.Popen, log: Path, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"server not ready:\n{log.read_text()[-3000:]}")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def summarize(runs: list[Run], load: Load, command: str) -> tuple[dict, str]:
     def median(api: str, field: str) -> float:
         return statistics.median(getattr(r, field) for r in runs if r.api == api)
@@ -332,12 +292,13 @@ def main() -> int:
             check=True,
             capture_output=True,
         )
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        log = out / "runsync_vs_completions-server.log"
-        process = start_server(model, port, log)
+        log_dir = out / "runsync_vs_completions-logs"
+        log_dir.mkdir(exist_ok=True)
+        server = launch_runtime(model, log_dir, DISABLE_UVICORN_ACCESS_LOG="true")
+        url = server.url
         try:
-            wait_ready(url, process, log)
+            server.wait_listening()
+            server.wait_ready(timeout=300)
             runs = []
             for round_ in range(1, args.rounds + 1):
                 order = ("completions", "runsync") if round_ % 2 else ("runsync", "completions")
@@ -346,8 +307,7 @@ def main() -> int:
                     print(f"round {round_} {api}: {run.request_throughput} req/s", file=sys.stderr)
                     runs.append(run)
         finally:
-            process.terminate()
-            process.wait(60)
+            server.stop()
 
     summary, markdown = summarize(runs, load, command)
     (out / "runsync_vs_completions.json").write_text(json.dumps(summary, indent=2) + "\n")

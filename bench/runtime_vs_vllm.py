@@ -7,7 +7,7 @@ the machine hits both sides alike.
     .venv/bin/python bench/runtime_vs_vllm.py --rounds 2 --num-prompts 200
     .venv/bin/python bench/runtime_vs_vllm.py --restart    # a fresh server for every run
 
-Targets (DESIGN.md): request throughput ours/plain >= 0.97, median TTFT ours/plain <= 1.05.
+Targets (bench/README.md): request throughput ours/plain >= 0.97, median TTFT ours/plain <= 1.05.
 
 Both servers start once, one after the other, and stay up for all rounds: an idle engine uses
 next to no CPU (measured: ~0.3 % of one core), each takes ~2-3 GB, and start-ups (40-160 s on a

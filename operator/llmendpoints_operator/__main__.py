@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             clusterwide=clusterwide,
             namespaces=args.namespaces,
             liveness_endpoint=args.liveness,
+            # What the startup handler builds the operator's state from (handlers.start).
+            memo=kopf.Memo(settings=settings, registry=prometheus_client.REGISTRY),
         )
     return 0
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llmendpoints_operator import __version__
@@ -70,8 +70,103 @@ class OperatorSettings(BaseSettings):
         le=65535,
         description="Port of the operator's own Prometheus /metrics; 0 serves no metrics.",
     )
+    cluster_domain: str = Field(
+        "cluster.local",
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+        description="DNS domain of this cluster (the kubelet's clusterDomain): endpoints' "
+        "status URLs are http://<service>.<namespace>.svc.<cluster domain>.",
+    )
     field_manager: str = Field(
         "llmendpoints-operator",
         min_length=1,
         description="Field manager name the operator writes children with (server-side apply).",
     )
+    jobs_queue_url: str | None = Field(
+        None,
+        description="NATS URL of the shared job queue (nats://user:pass@host:4222). Runtime pods "
+        "get it as JOBS_QUEUE_URL (and ENDPOINT_ID), so every replica and the gateway share one "
+        "queue; the autoscaler reads each endpoint's queued jobs there. Unset: each pod keeps its "
+        "jobs in memory.",
+    )
+    jobs_queue_replicas: int | None = Field(
+        None,
+        ge=1,
+        le=5,
+        description="Replicas of each JetStream stream the runtime pods create in the shared job "
+        "queue (passed as LLMEP_JOBS_QUEUE_REPLICAS; the chart sets its NATS cluster's size). "
+        "Unset: the runtime's default, 1.",
+    )
+    gateway_url: str | None = Field(
+        None,
+        description="URL of the gateway in front of all endpoints (the chart sets it when it "
+        "installs the gateway). When set, endpoints' status URLs point there and "
+        "spec.scaling.minReplicas: 0 is allowed (the gateway holds requests while an endpoint "
+        "has no replica).",
+    )
+
+    # -- cluster-admin policy (policy.py; docs/security.md). Lists are comma-separated; unset
+    # means no restriction, an empty value allows nothing. Globs: `*` any run of characters,
+    # `?` one character.
+    allowed_images: str | None = Field(
+        None,
+        description="Images endpoints may run (spec.engine.image), comma-separated globs such as "
+        "`registry.example.com/llm/*`. The operator's own runtime image is always allowed. "
+        "Unset: any image.",
+    )
+    allowed_service_types: str | None = Field(
+        None,
+        description="Service types endpoints may ask for (spec.api.service.type), comma-separated "
+        "from ClusterIP, NodePort, LoadBalancer. Unset: all three.",
+    )
+    allow_env_value_from: bool = Field(
+        True,
+        description="Whether spec.engine.env may read Secrets and ConfigMaps (valueFrom "
+        "secretKeyRef / configMapKeyRef) beyond the ones the spec declares in its own fields.",
+    )
+    allow_trust_remote_code: bool = Field(
+        True,
+        description="Whether spec.model.trustRemoteCode may be true (runs the model repository's "
+        "Python code in the pod).",
+    )
+    allowed_priority_classes: str | None = Field(
+        None,
+        description="PriorityClasses endpoints may use (spec.resources.priorityClassName), "
+        "comma-separated globs. Unset: any.",
+    )
+    allowed_ingress_annotations: str | None = Field(
+        None,
+        description="Annotation keys an endpoint's Ingress may carry (spec.api.ingress.annotations), "
+        "comma-separated globs such as `nginx.ingress.kubernetes.io/proxy-*`. Unset: any.",
+    )
+    allowed_existing_claims: str | None = Field(
+        None,
+        description="PersistentVolumeClaims endpoints may mount (spec.cache.existingClaim), "
+        "comma-separated globs. Unset: any claim of the endpoint's namespace.",
+    )
+
+    @field_validator("allowed_service_types")
+    @classmethod
+    def _known_service_types(cls, value: str | None) -> str | None:
+        unknown = sorted(set(split_list(value) or ()) - set(SERVICE_TYPES))
+        if unknown:
+            raise ValueError(
+                f"unknown Service types {unknown}; choose from {', '.join(SERVICE_TYPES)}"
+            )
+        return value
+
+    @property
+    def scales_to_zero(self) -> bool:
+        """Whether endpoints may have minReplicas 0: a gateway holds their requests while no
+        replica runs, and the autoscaler reads those held requests (and queued jobs) in the
+        shared queue, so it can bring the first replica back."""
+        return self.gateway_url is not None and self.jobs_queue_url is not None
+
+
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+
+
+def split_list(value: str | None) -> tuple[str, ...] | None:
+    """A comma-separated setting: None stays None (no restriction), "" is the empty list."""
+    if value is None:
+        return None
+    return tuple(item.strip() for item in value.split(",") if item.strip())

@@ -8,9 +8,10 @@ operator writes, and offers the verbs the reconcile needs:
   that fields other controllers own (the autoscaler's replicas, a mutating webhook's sidecars)
   are never clobbered;
 - `create`: POST, used for the first write of a Deployment so that `replicas` is owned by an
-  Update operation and later applies that omit it do not remove it (see manifests.replicas_to_write);
+  Update operation and later applies that omit it do not remove it (see manifests.replicas_to_write),
+  and for Events (events.py);
 - `patch`: JSON merge patch, e.g. of `status` or the `scale` subresource;
-- `get`, `list` (by label selector) and `delete` (a missing object is not an error).
+- `list` (by label selector) and `delete` (a missing object is not an error).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("networking.k8s.io/v1", "Ingress"): "ingresses",
     ("llmendpoints.dev/v1alpha1", "LLMEndpoint"): "llmendpoints",
+    ("v1", "Event"): "events",  # posted by events.py
     # Read only: where the autoscaler finds the ready pods to scrape.
     ("v1", "Pod"): "pods",
     ("discovery.k8s.io/v1", "EndpointSlice"): "endpointslices",
@@ -144,14 +146,6 @@ class KubeClient:
                 raise _error(response.status, text)
             return json.loads(text) if text else {}
 
-    async def get(
-        self, api_version: str, kind: str, namespace: str, name: str
-    ) -> dict[str, Any] | None:
-        try:
-            return await self._request("GET", object_path(api_version, kind, namespace, name))
-        except NotFound:
-            return None
-
     async def list(
         self, api_version: str, kind: str, namespace: str, *, label_selector: str
     ) -> list[dict[str, Any]]:
@@ -170,22 +164,16 @@ class KubeClient:
         )
 
     async def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
-        """Server-side apply `obj` (the full intent for the fields we own)."""
+        """Server-side apply `obj` (the full intent for the fields we own); creates it if missing."""
         meta = obj["metadata"]
         path = object_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-        try:
-            return await self._request(
-                "PATCH",
-                path,
-                body=obj,
-                content_type="application/apply-patch+yaml",  # JSON is YAML
-                params={"fieldManager": self._field_manager, "force": "true"},
-            )
-        except NotFound:
-            # A real API server creates on apply. Servers without apply-create (the in-memory
-            # emulator the tests use) answer 404; then create it. On a real cluster a 404 here
-            # means the namespace is gone, and the create fails with the same error.
-            return await self.create(obj)
+        return await self._request(
+            "PATCH",
+            path,
+            body=obj,
+            content_type="application/apply-patch+yaml",  # JSON is YAML
+            params={"fieldManager": self._field_manager, "force": "true"},
+        )
 
     async def patch(
         self,

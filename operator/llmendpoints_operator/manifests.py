@@ -2,9 +2,9 @@
 
 No I/O, no clock, no randomness: the same input always gives the same dicts, which is what makes
 the reconcile idempotent and these builders golden-testable. Owner references are added by the
-handlers (kopf.adopt), because they need the live object's uid.
+reconcile (kopf.adopt), because they need the live object's uid.
 
-The pod spec implements the runtime's environment contract (.coord/CONTRACTS.md): MODEL_NAME and
+The pod spec implements the runtime's environment contract (docs/contracts.md): MODEL_NAME and
 friends, engine flags as UPPER_SNAKE variables, BASE_PATH on the model-cache volume,
 API_KEYS_FILE and CUSTOM_CHAT_TEMPLATE as mounted files, probes on /ready?strict=1 and /health.
 """
@@ -12,12 +12,13 @@ API_KEYS_FILE and CUSTOM_CHAT_TEMPLATE as mounted files, probes on /ready?strict
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from llmendpoints_operator.config import OperatorSettings
-from llmendpoints_operator.spec import Endpoint, flag_env_name
+from llmendpoints_operator.spec import LORA_RANKS, Endpoint, flag_env_name
 
 GROUP = "llmendpoints.dev"
 VERSION = "v1alpha1"
@@ -40,6 +41,8 @@ CHAT_TEMPLATE_DIR = "/etc/llmendpoints/chat-template"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 API_KEYS_DIR = "/etc/llmendpoints/api-keys"
 API_KEYS_FILE = "api-keys"
+ADAPTERS_DIR = "/etc/llmendpoints/adapters"
+ADAPTERS_FILE = "adapters.json"
 # Extra grace after the runtime's drain timeout: SIGKILL must never cut a drain short.
 TERMINATION_GRACE_MARGIN_SECONDS = 15
 STARTUP_PROBE_PERIOD_SECONDS = 10
@@ -58,6 +61,10 @@ def service_name(endpoint_name: str) -> str:
 
 def chat_template_configmap_name(endpoint_name: str) -> str:
     return f"{endpoint_name}-chat-template"
+
+
+def adapters_configmap_name(endpoint_name: str) -> str:
+    return f"{endpoint_name}-adapters"
 
 
 def cache_claim_name(endpoint_name: str) -> str:
@@ -153,10 +160,72 @@ def build_env(ep: Endpoint) -> list[dict[str, Any]]:
         env.append(
             {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
         )
+    env.extend(lora_env(ep))
     for flag in sorted(engine.args):
         env.append({"name": flag_env_name(flag), "value": _arg_value(engine.args[flag])})
     for var in engine.env:
         env.append(var.model_dump(by_alias=True, exclude_none=True))
+    return env
+
+
+# --- LoRA adapters ------------------------------------------------------------------------------
+
+
+def lora_settings(ep: Endpoint) -> dict[str, str]:
+    """The engine settings that spec.adapters needs, minus those engine.args/env set themselves.
+
+    They are fixed at engine start, so they change in steps (a new value rolls the pods): LoRA on
+    at the first adapter; MAX_LORAS (adapters in one batch) 4, then 8 beyond four adapters (more
+    adapters still serve, just not all in the same batch); MAX_LORA_RANK the smallest value vLLM
+    accepts that covers the largest declared rank (unset: vLLM's default, 16).
+    """
+    adapters = ep.spec.adapters
+    if not adapters:
+        return {}
+    settings = {"ENABLE_LORA": "true", "MAX_LORAS": "4" if len(adapters) <= 4 else "8"}
+    ranks = [a.rank for a in adapters if a.rank is not None]
+    if ranks:
+        settings["MAX_LORA_RANK"] = str(next(r for r in LORA_RANKS if r >= max(ranks)))
+    engine = ep.spec.engine
+    taken = {flag_env_name(flag) for flag in engine.args} | {var.name for var in engine.env}
+    return {name: value for name, value in settings.items() if name not in taken}
+
+
+def lora_env(ep: Endpoint) -> list[dict[str, Any]]:
+    if not ep.spec.adapters:
+        return []
+    env = [{"name": "LLMEP_ADAPTERS_FILE", "value": f"{ADAPTERS_DIR}/{ADAPTERS_FILE}"}]
+    env.extend({"name": name, "value": value} for name, value in lora_settings(ep).items())
+    return env
+
+
+def adapters_document(ep: Endpoint) -> str:
+    """The file the runtime reconciles its adapters to (runtime: adapters/declared.py)."""
+    adapters = [a.model_dump(exclude_none=True) for a in ep.spec.adapters]
+    return json.dumps({"adapters": adapters}, indent=2, sort_keys=True) + "\n"
+
+
+def build_adapters_configmap(ep: Endpoint) -> dict[str, Any] | None:
+    if not ep.spec.adapters:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(ep, adapters_configmap_name(ep.name)),
+        "data": {ADAPTERS_FILE: adapters_document(ep)},
+    }
+
+
+def queue_env(ep: Endpoint, settings: OperatorSettings) -> list[dict[str, Any]]:
+    """Which endpoint's jobs the pod serves (``/v2/{ENDPOINT_ID}/...``) and, when the operator
+    knows the shared job queue, where it is: then the pod is one of the endpoint's workers."""
+    env = [{"name": "ENDPOINT_ID", "value": ep.name}]
+    if settings.jobs_queue_url:
+        env.append({"name": "JOBS_QUEUE_URL", "value": settings.jobs_queue_url})
+        if settings.jobs_queue_replicas is not None:
+            env.append(
+                {"name": "LLMEP_JOBS_QUEUE_REPLICAS", "value": str(settings.jobs_queue_replicas)}
+            )
     return env
 
 
@@ -213,6 +282,14 @@ def _volumes(ep: Endpoint) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         )
         mounts.append({"name": "chat-template", "mountPath": CHAT_TEMPLATE_DIR, "readOnly": True})
 
+    if spec.adapters:
+        # A whole-directory mount (no subPath), no hash annotation: the kubelet refreshes the
+        # file in running pods and the runtime loads and unloads adapters to match, no rollout.
+        volumes.append(
+            {"name": "adapters", "configMap": {"name": adapters_configmap_name(ep.name)}}
+        )
+        mounts.append({"name": "adapters", "mountPath": ADAPTERS_DIR, "readOnly": True})
+
     if spec.api.api_keys_secret_ref is not None:
         ref = spec.api.api_keys_secret_ref
         # A whole-directory mount (no subPath): the kubelet refreshes the file when the Secret
@@ -244,7 +321,7 @@ def build_pod_template(ep: Endpoint, settings: OperatorSettings) -> dict[str, An
         "command": ["llmendpoints-runtime"],
         "args": ["serve"],
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        "env": build_env(ep),
+        "env": [*build_env(ep), *queue_env(ep, settings)],
         "resources": _resources(ep, settings),
         "volumeMounts": mounts,
         # The HTTP server answers from the first second; the startup probe's budget covers the
@@ -269,6 +346,10 @@ def build_pod_template(ep: Endpoint, settings: OperatorSettings) -> dict[str, An
         + TERMINATION_GRACE_MARGIN_SECONDS,
         "securityContext": dict(settings.runtime_pod_security_context),
         "enableServiceLinks": False,  # hundreds of *_SERVICE_HOST variables help nobody here
+        # The runtime never calls the Kubernetes API: no token in the pod, so code running in it
+        # (a model's remote code, a compromised dependency) cannot act as the namespace's
+        # default ServiceAccount. The pod needs no ServiceAccount of its own for the same reason.
+        "automountServiceAccountToken": False,
     }
     if engine.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": ref.name} for ref in engine.image_pull_secrets]
@@ -448,6 +529,7 @@ def optional_children(ep_name: str) -> list[ChildRef]:
     """Children that exist only for some specs; a reconcile deletes those the spec no longer asks for."""
     return [
         ChildRef("v1", "ConfigMap", chat_template_configmap_name(ep_name)),
+        ChildRef("v1", "ConfigMap", adapters_configmap_name(ep_name)),
         ChildRef("v1", "PersistentVolumeClaim", cache_claim_name(ep_name)),
         ChildRef("policy/v1", "PodDisruptionBudget", ep_name),
         ChildRef("networking.k8s.io/v1", "Ingress", ep_name),
@@ -459,6 +541,7 @@ def build_children(ep: Endpoint, settings: OperatorSettings) -> list[dict[str, A
     what the pods mount first, so that a new pod never waits for a missing volume source."""
     built = [
         build_chat_template_configmap(ep),
+        build_adapters_configmap(ep),
         build_cache_claim(ep),
         build_service(ep),
         build_pdb(ep),

@@ -23,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -33,6 +34,9 @@ from llmendpoints_operator.autoscaling.policy import (
     ScalingTuning,
     check_min_replicas,
 )
+
+# Validation context key: the operator has a request-holding gateway (minReplicas 0 allowed).
+SCALE_TO_ZERO = "scale_to_zero"
 
 # --- reusable field types -------------------------------------------------------------------
 
@@ -180,6 +184,7 @@ MANAGED_VARIABLES: dict[str, str] = {
     "DEFAULT_BATCH_SIZE": "spec.api.streaming.batchSize",
     "DEFAULT_MIN_BATCH_SIZE": "spec.api.streaming.minBatchSize",
     "DEFAULT_BATCH_SIZE_GROWTH_FACTOR": "spec.api.streaming.batchSizeGrowthFactor",
+    "LLMEP_ADAPTERS_FILE": "spec.adapters",
     "HOST": "(fixed by the operator: 0.0.0.0)",
     "PORT": "(fixed by the operator: 8000)",
 }
@@ -296,8 +301,10 @@ class ScalingSpec(ScalingTuning):
 
     @field_validator("min_replicas")
     @classmethod
-    def _no_scale_to_zero(cls, value: int) -> int:
-        return check_min_replicas(value)
+    def _scale_to_zero_needs_the_gateway(cls, value: int, info: ValidationInfo) -> int:
+        return check_min_replicas(
+            value, scale_to_zero=bool((info.context or {}).get(SCALE_TO_ZERO))
+        )
 
     @property
     def autoscaled(self) -> bool:
@@ -380,12 +387,60 @@ class IngressSpec(_Model):
 
 class ApiSpec(_Model):
     api_keys_secret_ref: SecretKeyRef | None = None
+    allow_unauthenticated: bool = False
     max_concurrency: int | None = Field(None, ge=1)
     max_queue_length: int | None = Field(None, ge=0)
     default_max_tokens: int | None = Field(None, ge=1)
     streaming: StreamingSpec | None = None
     service: ServiceSpec = Field(default_factory=ServiceSpec)
     ingress: IngressSpec = Field(default_factory=IngressSpec)
+
+    def published_outside_cluster(self) -> list[str]:
+        """How clients outside the cluster reach the endpoint (empty: only from inside it)."""
+        ways = []
+        if self.service.type != "ClusterIP":
+            ways.append(f"service.type {self.service.type}")
+        if self.ingress.enabled:
+            ways.append("an Ingress")
+        return ways
+
+    @model_validator(mode="after")
+    def _no_accidental_exposure(self) -> ApiSpec:
+        # Publishing a GPU endpoint to the world without keys is refused unless asked for in so
+        # many words; the CRD holds the same rule in CEL (docs/security.md).
+        ways = self.published_outside_cluster()
+        if ways and self.api_keys_secret_ref is None and not self.allow_unauthenticated:
+            raise ValueError(
+                f"apiKeysSecretRef: is required when the endpoint is published outside the "
+                f"cluster ({' and '.join(ways)}); set it to a Secret of API keys, or set "
+                f"spec.api.allowUnauthenticated: true to publish it without keys"
+            )
+        return self
+
+
+# A LoRA adapter's name is a `model` value clients send and a Prometheus label: a DNS label.
+_ADAPTER_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# vLLM 0.32's accepted --max-lora-rank values.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class AdapterSpec(_Model):
+    """One LoRA adapter served next to the base model."""
+
+    name: str = Field(min_length=1, max_length=63)
+    source: str = Field(min_length=1)
+    revision: str | None = Field(None, min_length=1)
+    rank: int | None = Field(None, ge=1, le=512)
+
+    @field_validator("name")
+    @classmethod
+    def _dns_label(cls, value: str) -> str:
+        if not _ADAPTER_NAME.match(value):
+            raise ValueError(
+                f"{value!r} must be a lowercase DNS label (letters, digits and '-'; clients send "
+                "it as model)"
+            )
+        return value
 
 
 class EndpointSpec(_Model):
@@ -398,6 +453,18 @@ class EndpointSpec(_Model):
     scaling: ScalingSpec = Field(default_factory=ScalingSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     api: ApiSpec = Field(default_factory=ApiSpec)
+    adapters: tuple[AdapterSpec, ...] = Field((), max_length=100)
+    # Read by the gateway (llmendpoints_gateway.routing.Strategy), not by the operator.
+    routing: Literal["prefix-aware", "least-loaded", "round-robin"] = "prefix-aware"
+
+    @model_validator(mode="after")
+    def _adapter_names_unique(self) -> EndpointSpec:
+        seen: set[str] = set()
+        for index, adapter in enumerate(self.adapters):
+            if adapter.name in seen:
+                raise ValueError(f"adapters[{index}].name: {adapter.name!r} is declared twice")
+            seen.add(adapter.name)
+        return self
 
     @model_validator(mode="after")
     def _parallelism_fits(self) -> EndpointSpec:
@@ -458,6 +525,14 @@ class Endpoint:
     def served_model_name(self) -> str:
         return self.spec.model.served_model_name or self.name
 
+    def check_adapters(self) -> list[Problem]:
+        """What the spec alone cannot see: an adapter named like the base model."""
+        return [
+            Problem(f"spec.adapters[{i}].name", f"{a.name!r} is the base model's served name")
+            for i, a in enumerate(self.spec.adapters)
+            if a.name == self.served_model_name
+        ]
+
 
 _MESSAGES = {
     "missing": "is required",
@@ -492,8 +567,12 @@ def _problem(error: Mapping[str, Any], prefix: str) -> Problem:
     return Problem(field, message)
 
 
-def parse(name: str, namespace: str, spec: Mapping[str, Any] | None) -> Endpoint:
-    """Validate an LLMEndpoint's metadata.name and spec; raise InvalidSpecError naming every field."""
+def parse(
+    name: str, namespace: str, spec: Mapping[str, Any] | None, *, scale_to_zero: bool = False
+) -> Endpoint:
+    """Validate an LLMEndpoint's metadata.name and spec; raise InvalidSpecError naming every field.
+    `scale_to_zero`: the operator has a request-holding gateway (LLMEP_OPERATOR_GATEWAY_URL), so
+    spec.scaling.minReplicas 0 is allowed."""
     problems: list[Problem] = []
     if not _ENDPOINT_NAME.match(name) or len(name) > MAX_ENDPOINT_NAME_LENGTH:
         problems.append(
@@ -505,9 +584,14 @@ def parse(name: str, namespace: str, spec: Mapping[str, Any] | None) -> Endpoint
         )
     parsed: EndpointSpec | None = None
     try:
-        parsed = EndpointSpec.model_validate(dict(spec or {}))
+        parsed = EndpointSpec.model_validate(
+            dict(spec or {}), context={SCALE_TO_ZERO: scale_to_zero}
+        )
     except ValidationError as exc:
         problems.extend(_problem(error, "spec") for error in exc.errors())
     if problems or parsed is None:
         raise InvalidSpecError(problems)
-    return Endpoint(name=name, namespace=namespace, spec=parsed)
+    endpoint = Endpoint(name=name, namespace=namespace, spec=parsed)
+    if problems := endpoint.check_adapters():
+        raise InvalidSpecError(problems)
+    return endpoint

@@ -6,7 +6,10 @@ Conditions, in the order a user reads them:
 - CacheReady  the model-cache volume is bound (or no shared cache is configured);
 - Available   at least one replica serves requests;
 - Progressing a rollout is under way (False with ProgressDeadlineExceeded when it is stuck);
-- Ready       the endpoint answers requests: the spec is valid and a replica is available.
+- Ready       the endpoint answers requests: the spec is valid and a replica is available;
+- Authenticated  requests need an API key (False, a warning, when anyone who can reach the
+              endpoint may use it: in the cluster without keys, or published with
+              spec.api.allowUnauthenticated).
 
 `phase` summarises them in one word for `kubectl get`: Pending, Starting, Ready, Updating,
 Scaling, Degraded, ScaledToZero, Failed. Transition events come from `transition_events`.
@@ -19,9 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmendpoints_operator import manifests
+from llmendpoints_operator.autoscaling.record import SCALED_TO_ZERO_ANNOTATION
 from llmendpoints_operator.spec import Endpoint
-
-CONDITION_TYPES = ("SpecValid", "CacheReady", "Available", "Progressing", "Ready")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class DeploymentState:
     observed_generation: int | None = None
     deadline_exceeded_message: str | None = None
     replica_failure_message: str | None = None  # pods cannot be created (quota, admission)
+    # Why the autoscaler scaled it to zero (its annotation, written with replicas: 0).
+    scaled_to_zero_reason: str | None = None
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> DeploymentState:
@@ -61,6 +65,11 @@ class DeploymentState:
             observed_generation=status.get("observedGeneration"),
             deadline_exceeded_message=stuck,
             replica_failure_message=failure,
+            scaled_to_zero_reason=(
+                ((obj.get("metadata") or {}).get("annotations") or {}).get(
+                    SCALED_TO_ZERO_ANNOTATION
+                )
+            ),
         )
 
     @property
@@ -160,6 +169,46 @@ def _cache_condition(cache: CacheState) -> dict[str, Any]:
     )
 
 
+def _authenticated_condition(ep: Endpoint) -> dict[str, Any]:
+    api = ep.spec.api
+    if api.api_keys_secret_ref is not None:
+        ref = api.api_keys_secret_ref
+        return _condition(
+            "Authenticated",
+            True,
+            "APIKeys",
+            f"requests need an API key from Secret {ref.name} (key {ref.key})",
+        )
+    ways = api.published_outside_cluster()
+    if ways:
+        return _condition(
+            "Authenticated",
+            False,
+            "UnauthenticatedAllowed",
+            f"published outside the cluster ({' and '.join(ways)}) without API keys, as "
+            "spec.api.allowUnauthenticated allows: anyone who can reach it can use it",
+        )
+    return _condition(
+        "Authenticated",
+        False,
+        "NoAPIKeys",
+        f"spec.api.apiKeysSecretRef is not set: any client that can reach Service "
+        f"{manifests.service_name(ep.name)} inside the cluster can use the endpoint without a key",
+    )
+
+
+def _authenticated_condition_or_last(
+    ep: Endpoint | None, previous: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    if ep is not None:
+        return _authenticated_condition(ep)
+    # An invalid spec: the last good workload keeps running, and so does its authentication.
+    kept = _find(previous.get("conditions") or [], "Authenticated")
+    if kept is None:
+        return None
+    return _condition("Authenticated", kept["status"] == "True", kept["reason"], kept["message"])
+
+
 def compute(
     *,
     name: str,
@@ -171,6 +220,7 @@ def compute(
     now: str,
     observed_generation: int | None = None,
     cluster_domain: str = "cluster.local",
+    gateway_url: str | None = None,
 ) -> dict[str, Any]:
     """The full `.status` (a merge-patch replaces it wholesale, conditions included).
 
@@ -178,120 +228,30 @@ def compute(
     previous valid spec created keep running and are still reported.
     `previous` is the current status: transition times and fields this call cannot know
     (observedGeneration when not given, url of the last valid spec) carry over from it.
+    `gateway_url` (the operator's LLMEP_OPERATOR_GATEWAY_URL): clients reach every endpoint
+    through the gateway, so the status URL is the gateway's.
     """
     previous = previous or {}
     dep = observed.deployment
-    conditions: list[dict[str, Any]] = []
-
-    if endpoint is None:
-        conditions.append(_condition("SpecValid", False, "InvalidSpec", invalid_message or ""))
-    else:
-        conditions.append(_condition("SpecValid", True, "Valid", "the spec is valid"))
-
-    cache_cond = _cache_condition(observed.cache)
-    conditions.append(cache_cond)
-    cache_ready = cache_cond["status"] == "True"
-
-    if dep is None:
-        available = _condition(
-            "Available", False, "DeploymentNotFound", "the runtime Deployment does not exist yet"
-        )
-    elif dep.desired == 0:
-        available = _condition("Available", False, "ScaledToZero", "the endpoint has 0 replicas")
-    elif dep.available >= 1:
-        available = _condition(
-            "Available",
-            True,
-            "ReplicasAvailable",
-            f"{dep.available}/{dep.desired} replicas available",
-        )
-    else:
-        available = _condition(
-            "Available",
-            False,
-            "NoReplicasAvailable",
-            f"0/{dep.desired} replicas available (pods download and load the model before "
-            "they report ready)",
-        )
-    conditions.append(available)
-    is_available = available["status"] == "True"
-
-    if dep is None:
-        progressing = _condition("Progressing", False, "DeploymentNotFound", "no rollout yet")
-    elif dep.deadline_exceeded_message is not None:
-        progressing = _condition(
-            "Progressing", False, "ProgressDeadlineExceeded", dep.deadline_exceeded_message
-        )
-    elif dep.replica_failure_message is not None:
-        progressing = _condition(
-            "Progressing", False, "ReplicaFailure", dep.replica_failure_message
-        )
-    elif dep.rolling_out:
-        progressing = _condition(
-            "Progressing",
-            True,
-            "RollingOut",
-            f"{dep.updated}/{dep.desired} replicas updated, {dep.available} available",
-        )
-    elif dep.available < dep.desired:
-        # New replicas (a scale-up, or replacements) download and load the model first.
-        progressing = _condition(
-            "Progressing",
-            True,
-            "ScalingUp",
-            f"{dep.available}/{dep.desired} replicas available, the others are starting",
-        )
-    else:
-        progressing = _condition(
-            "Progressing", False, "RolloutComplete", f"all {dep.desired} replicas are up to date"
-        )
-    conditions.append(progressing)
-
-    # Ready and phase: the most important problem wins.
-    if endpoint is None:
-        ready = _condition("Ready", False, "InvalidSpec", invalid_message or "")
-        phase = "Failed"
-    elif is_available:
-        ready = _condition("Ready", True, "Serving", available["message"])
-        assert dep is not None
-        if dep.trouble is not None:
-            phase = "Degraded"
-        elif progressing["reason"] == "RollingOut":
-            phase = "Updating"
-        elif progressing["reason"] == "ScalingUp":
-            phase = "Scaling"
-        else:
-            phase = "Ready"
-    elif dep is not None and dep.desired == 0:
-        ready = _condition("Ready", False, "ScaledToZero", available["message"])
-        phase = "ScaledToZero"
-    elif not cache_ready:
-        ready = _condition("Ready", False, "WaitingForCache", cache_cond["message"])
-        phase = "Pending"
-    elif dep is None:
-        ready = _condition("Ready", False, "Creating", available["message"])
-        phase = "Pending"
-    elif dep.trouble is not None:
-        ready = _condition("Ready", False, progressing["reason"], progressing["message"])
-        phase = "Failed"
-    else:
-        ready = _condition("Ready", False, "Starting", available["message"])
-        phase = "Starting"
-    conditions.append(ready)
-
-    # Keep lastTransitionTime when a condition's status did not change (Kubernetes convention).
-    before = {c.get("type"): c for c in previous.get("conditions") or []}
+    spec_valid = (
+        _condition("SpecValid", True, "Valid", "the spec is valid")
+        if endpoint is not None
+        else _condition("SpecValid", False, "InvalidSpec", invalid_message or "")
+    )
+    cache = _cache_condition(observed.cache)
+    available = _available_condition(dep)
+    progressing = _progressing_condition(dep)
+    ready, phase = _ready_and_phase(endpoint, invalid_message, dep, cache, available, progressing)
+    conditions = [spec_valid, cache, available, progressing, ready]
+    authenticated = _authenticated_condition_or_last(endpoint, previous)
+    if authenticated is not None:
+        conditions.append(authenticated)
     generation = (
         observed_generation
         if observed_generation is not None
         else previous.get("observedGeneration")
     )
-    for cond in conditions:
-        old = before.get(cond["type"])
-        same = old is not None and old.get("status") == cond["status"]
-        cond["lastTransitionTime"] = old.get("lastTransitionTime", now) if same else now
-        if generation is not None:
-            cond["observedGeneration"] = generation
+    _stamp(conditions, previous, now, generation)
 
     status: dict[str, Any] = {
         "phase": phase,
@@ -305,18 +265,131 @@ def compute(
     }
     if generation is not None:
         status["observedGeneration"] = generation
-    if endpoint is not None:
-        status["url"] = endpoint_url(endpoint, cluster_domain)
-        status["servedModelName"] = endpoint.served_model_name
-        ing = ingress_url(endpoint)
-        if ing is not None:
-            status["ingressUrl"] = ing
-    else:
-        # Keep telling where the still-running last good workload answers.
-        for key in ("url", "servedModelName", "ingressUrl"):
-            if key in previous:
-                status[key] = previous[key]
+    status.update(_addresses(endpoint, previous, cluster_domain, gateway_url))
     return status
+
+
+def _available_condition(dep: DeploymentState | None) -> dict[str, Any]:
+    if dep is None:
+        return _condition(
+            "Available", False, "DeploymentNotFound", "the runtime Deployment does not exist yet"
+        )
+    if dep.desired == 0:
+        message = "the endpoint has 0 replicas"
+        if dep.scaled_to_zero_reason:
+            # The gateway holds requests meanwhile and the next one scales it up again.
+            message += (
+                f" (autoscaler: {dep.scaled_to_zero_reason}); the next request or job starts one"
+            )
+        return _condition("Available", False, "ScaledToZero", message)
+    if dep.available >= 1:
+        return _condition(
+            "Available",
+            True,
+            "ReplicasAvailable",
+            f"{dep.available}/{dep.desired} replicas available",
+        )
+    return _condition(
+        "Available",
+        False,
+        "NoReplicasAvailable",
+        f"0/{dep.desired} replicas available (pods download and load the model before "
+        "they report ready)",
+    )
+
+
+def _progressing_condition(dep: DeploymentState | None) -> dict[str, Any]:
+    if dep is None:
+        return _condition("Progressing", False, "DeploymentNotFound", "no rollout yet")
+    if dep.deadline_exceeded_message is not None:
+        return _condition(
+            "Progressing", False, "ProgressDeadlineExceeded", dep.deadline_exceeded_message
+        )
+    if dep.replica_failure_message is not None:
+        return _condition("Progressing", False, "ReplicaFailure", dep.replica_failure_message)
+    if dep.rolling_out:
+        return _condition(
+            "Progressing",
+            True,
+            "RollingOut",
+            f"{dep.updated}/{dep.desired} replicas updated, {dep.available} available",
+        )
+    if dep.available < dep.desired:
+        # New replicas (a scale-up, or replacements) download and load the model first.
+        return _condition(
+            "Progressing",
+            True,
+            "ScalingUp",
+            f"{dep.available}/{dep.desired} replicas available, the others are starting",
+        )
+    return _condition(
+        "Progressing", False, "RolloutComplete", f"all {dep.desired} replicas are up to date"
+    )
+
+
+def _ready_and_phase(
+    endpoint: Endpoint | None,
+    invalid_message: str | None,
+    dep: DeploymentState | None,
+    cache: Mapping[str, Any],
+    available: Mapping[str, Any],
+    progressing: Mapping[str, Any],
+) -> tuple[dict[str, Any], str]:
+    """The Ready condition and the phase: the most important problem wins."""
+    if endpoint is None:
+        return _condition("Ready", False, "InvalidSpec", invalid_message or ""), "Failed"
+    if available["status"] == "True":
+        assert dep is not None
+        ready = _condition("Ready", True, "Serving", available["message"])
+        if dep.trouble is not None:
+            return ready, "Degraded"
+        if progressing["reason"] == "RollingOut":
+            return ready, "Updating"
+        if progressing["reason"] == "ScalingUp":
+            return ready, "Scaling"
+        return ready, "Ready"
+    if dep is not None and dep.desired == 0:
+        return _condition("Ready", False, "ScaledToZero", available["message"]), "ScaledToZero"
+    if cache["status"] != "True":
+        return _condition("Ready", False, "WaitingForCache", cache["message"]), "Pending"
+    if dep is None:
+        return _condition("Ready", False, "Creating", available["message"]), "Pending"
+    if dep.trouble is not None:
+        return _condition("Ready", False, progressing["reason"], progressing["message"]), "Failed"
+    return _condition("Ready", False, "Starting", available["message"]), "Starting"
+
+
+def _stamp(
+    conditions: list[dict[str, Any]], previous: Mapping[str, Any], now: str, generation: int | None
+) -> None:
+    """Keep lastTransitionTime when a condition's status did not change (Kubernetes convention)."""
+    before = {c.get("type"): c for c in previous.get("conditions") or []}
+    for cond in conditions:
+        old = before.get(cond["type"])
+        same = old is not None and old.get("status") == cond["status"]
+        cond["lastTransitionTime"] = old.get("lastTransitionTime", now) if same else now
+        if generation is not None:
+            cond["observedGeneration"] = generation
+
+
+def _addresses(
+    endpoint: Endpoint | None,
+    previous: Mapping[str, Any],
+    cluster_domain: str,
+    gateway_url: str | None,
+) -> dict[str, Any]:
+    """url, servedModelName, ingressUrl; of the last valid spec while the spec is invalid (the
+    still-running last good workload answers there). With a gateway the url is the gateway's."""
+    if endpoint is None:
+        return {k: previous[k] for k in ("url", "servedModelName", "ingressUrl") if k in previous}
+    out = {
+        "url": gateway_url.rstrip("/") if gateway_url else endpoint_url(endpoint, cluster_domain),
+        "servedModelName": endpoint.served_model_name,
+    }
+    ing = ingress_url(endpoint)
+    if ing is not None:
+        out["ingressUrl"] = ing
+    return out
 
 
 def without_times(status: Mapping[str, Any]) -> dict[str, Any]:
@@ -339,9 +412,25 @@ class Event:
 def transition_events(
     previous: Mapping[str, Any] | None, current: Mapping[str, Any]
 ) -> list[Event]:
-    """Kubernetes Events for the notable phase transitions between two statuses.
+    """Kubernetes Events for the notable transitions between two statuses.
 
     Invalid specs are reported by the reconcile itself (it knows when a spec changed)."""
+    return _authentication_events(previous, current) + _phase_events(previous, current)
+
+
+def _authentication_events(
+    previous: Mapping[str, Any] | None, current: Mapping[str, Any]
+) -> list[Event]:
+    """A Warning when the endpoint starts accepting requests without a key."""
+    was = _find((previous or {}).get("conditions") or [], "Authenticated") or {}
+    now = _find(current.get("conditions") or [], "Authenticated") or {}
+    if now.get("status") == "False" and was.get("status") != "False":
+        return [Event("Warning", "Unauthenticated", str(now.get("message", "")))]
+    return []
+
+
+def _phase_events(previous: Mapping[str, Any] | None, current: Mapping[str, Any]) -> list[Event]:
+    """Events for the notable phase transitions."""
     before = (previous or {}).get("phase")
     after = current.get("phase")
     if before == after:
@@ -361,7 +450,7 @@ def transition_events(
     if after == "Failed" and (ready or {}).get("reason") != "InvalidSpec":
         return [Event("Warning", "RolloutFailed", (progressing or {}).get("message", message))]
     if after == "ScaledToZero":
-        return [Event("Normal", "ScaledToZero", "the endpoint has no replicas")]
+        return [Event("Normal", "ScaledToZero", message or "the endpoint has no replicas")]
     if after == "Updating" and before == "Ready":
         return [Event("Normal", "RollingOut", (progressing or {}).get("message", ""))]
     return []

@@ -1,4 +1,4 @@
-"""`llmendpoints-runtime`: serve | demo-model PATH | download."""
+"""`llmendpoints-runtime`: serve | demo-model [--vision] PATH | demo-adapter PATH | download."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _serve() -> int:
     for warning in config.warnings:
         logger.warning(warning)
 
-    from llmendpoints_runtime.app import build_runtime
+    from llmendpoints_runtime.compose import build_runtime, create_app
     from llmendpoints_runtime.server import serve
 
     logger.info(
@@ -50,15 +50,35 @@ def _serve() -> int:
         config.settings.host,
         config.settings.port,
     )
-    serve(build_runtime(config))
+    try:
+        runtime = build_runtime(config)
+    except ConfigError as exc:
+        print(f"llmendpoints-runtime: configuration error: {exc}", file=sys.stderr)
+        return 2
+    serve(runtime, create_app(runtime))
     return 0
 
 
-def _demo_model(path: str) -> int:
-    from llmendpoints_runtime.demo import write_demo_model
+def _demo_model(path: str, *, vision: bool = False) -> int:
+    if vision:
+        from llmendpoints_runtime.demo_vision import write_vision_demo_model
 
-    out = write_demo_model(path)
-    print(f"demo model written to {out} (random weights: its output is gibberish)")
+        out = write_vision_demo_model(path)
+        kind = "image+text demo model (Idefics3)"
+    else:
+        from llmendpoints_runtime.demo import write_demo_model
+
+        out = write_demo_model(path)
+        kind = "demo model"
+    print(f"{kind} written to {out} (random weights: its output is gibberish)")
+    return 0
+
+
+def _demo_adapter(path: str, seed: int) -> int:
+    from llmendpoints_runtime.adapters.demo import write_demo_adapter
+
+    out = write_demo_adapter(path, seed=seed)
+    print(f"demo LoRA adapter (seed {seed}) written to {out}: rank 8 on q_proj/v_proj")
     return 0
 
 
@@ -96,6 +116,18 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("serve", help="serve MODEL_NAME over HTTP on HOST:PORT")
     demo = commands.add_parser("demo-model", help="write the tiny random-weight demo model to PATH")
     demo.add_argument("path")
+    demo.add_argument(
+        "--vision",
+        action="store_true",
+        help="write the image+text demo model (Idefics3, takes images) instead of the text one",
+    )
+    adapter = commands.add_parser(
+        "demo-adapter", help="write a deterministic LoRA adapter for the demo model to PATH"
+    )
+    adapter.add_argument("path")
+    adapter.add_argument(
+        "--seed", type=int, default=1, help="different seeds give different adapters (default 1)"
+    )
     commands.add_parser(
         "download", help="fetch MODEL_NAME (and TOKENIZER_NAME) into the cache under BASE_PATH"
     )
@@ -103,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve()
     if args.command == "demo-model":
-        return _demo_model(args.path)
+        return _demo_model(args.path, vision=args.vision)
+    if args.command == "demo-adapter":
+        return _demo_adapter(args.path, args.seed)
     return _download()
 
 

@@ -2,7 +2,8 @@
 
 vLLM queues internally without limit; a bounded queue in front of it keeps a pod from accepting
 more than it can answer in reasonable time and makes the backlog visible (queue depth) to the
-autoscaler. Beyond the queue's length the answer is 429 with Retry-After, at once.
+autoscaler. Beyond the queue's length ``acquire`` raises RateLimitError (429 with Retry-After) at
+once.
 """
 
 from __future__ import annotations
@@ -10,9 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-
-class QueueFull(Exception):
-    pass
+from llmendpoints_common.errors import RateLimitError
 
 
 class AdmissionQueue:
@@ -37,7 +36,11 @@ class AdmissionQueue:
             self.running += 1
             return
         if len(self._waiters) >= self.max_waiting:
-            raise QueueFull
+            raise RateLimitError(
+                f"server busy: {self.running} requests running and {self.waiting} queued "
+                "(MAX_QUEUE_LENGTH); retry shortly",
+                headers={"retry-after": "1"},
+            )
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(future)
         try:

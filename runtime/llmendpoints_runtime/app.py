@@ -1,5 +1,9 @@
 """create_app(): our routes and middleware in front of vLLM's own OpenAI application.
 
+The HTTP application and the ``Runtime`` record it serves from; which features it carries (the
+job API, SageMaker) is decided by the composition root, ``compose.py``, which passes their
+routers in and registers their work (``busy_sources``) and their shutdown (``drainers``).
+
 Request path, outermost first: RequestContext (request id, HTTP metrics, in-flight count) ->
 BodyGuard (413, non-UTF-8 / non-object JSON -> 400) -> API keys -> then `/v1/...` goes straight
 to `EngineDelegate`, and everything else to our FastAPI router: probes and /metrics, the job and
@@ -13,22 +17,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
+from llmendpoints_common.errors import (
+    InternalServerError,
+    RateLimitError,
+    ServiceUnavailableError,
+)
 from starlette.routing import Mount
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from llmendpoints_runtime.admission import AdmissionQueue, QueueFull, default_max_concurrency
+from llmendpoints_runtime.admission import AdmissionQueue, default_max_concurrency
 from llmendpoints_runtime.auth import APIKeyMiddleware, KeyStore
 from llmendpoints_runtime.config import RuntimeConfig
 from llmendpoints_runtime.engine import Engine
-from llmendpoints_runtime.errors import APIError, install_exception_handlers, send_error
+from llmendpoints_runtime.errors import install_exception_handlers, send_error
 from llmendpoints_runtime.health import EngineState, Health
 from llmendpoints_runtime.metrics import CONTENT_TYPE, RuntimeMetrics
 from llmendpoints_runtime.middleware import BodyGuard, RequestContext
+from llmendpoints_runtime.openapi import openapi_builder
 
 logger = logging.getLogger("llmendpoints.app")
 
@@ -36,6 +47,10 @@ logger = logging.getLogger("llmendpoints.app")
 _CHEAP_POSTS = frozenset(
     {"/tokenize", "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 )
+
+
+# Finish a feature's work at shutdown, within the seconds given, before the engine stops.
+Drainer = Callable[[float], Awaitable[None]]
 
 
 @dataclass
@@ -49,10 +64,15 @@ class Runtime:
     admission: AdmissionQueue
     keys: KeyStore
     context: RequestContext | None = None
-    # Callables returning how much work is still running (jobs register theirs); drain waits
-    # for all of them to reach zero.
-    busy_sources: list = field(default_factory=list)
-    jobs: Any = None  # the job API's JobExecutor (jobs/wiring.py)
+    # How much work each feature still has (running jobs, webhooks being delivered...); the
+    # SIGTERM drain waits for the sum, with HTTP requests in flight, to reach zero.
+    busy_sources: list[Callable[[], int]] = field(default_factory=list)
+    # Run by the lifespan's shutdown, in order, before the engine stops.
+    drainers: list[Drainer] = field(default_factory=list)
+    # Event-loop time by which shutdown should be over (set on SIGTERM by server.py).
+    drain_deadline: float | None = None
+    # Run once the engine is ready, in order (the LoRA adapter reconciler starts here).
+    on_ready: list[Callable[[], None]] = field(default_factory=list)
 
     def busy(self) -> int:
         active = self.context.active if self.context is not None else 0
@@ -78,17 +98,9 @@ class EngineDelegate:
             return
         try:
             await runtime.admission.acquire()
-        except QueueFull:
+        except RateLimitError as exc:
             runtime.metrics.rejected.labels(reason="queue_full").inc()
-            await send_error(
-                send,
-                APIError(
-                    429,
-                    f"server busy: {runtime.admission.running} requests running and "
-                    f"{runtime.admission.waiting} queued (MAX_QUEUE_LENGTH); retry shortly",
-                    headers={"retry-after": "1"},
-                ),
-            )
+            await send_error(send, exc)
             return
         try:
             await inner(scope, receive, send)
@@ -122,17 +134,18 @@ class OpenAIFastPath:
             # shape (impossible once a response has started: then the server closes it).
             logger.exception("unhandled error on %s %s", scope["method"], scope["path"])
             with contextlib.suppress(Exception):
-                await send_error(send, APIError(500, "internal server error; see the server log"))
+                await send_error(
+                    send, InternalServerError("internal server error; see the server log")
+                )
 
 
-def _not_ready_error(health: Health) -> APIError:
+def _not_ready_error(health: Health) -> ServiceUnavailableError:
     if health.state is EngineState.INITIALIZING:
-        return APIError(
-            503,
+        return ServiceUnavailableError(
             f"the model is still loading (phase: {health.phase or 'starting'}); retry shortly",
             headers={"retry-after": "5"},
         )
-    return APIError(503, f"the engine is not available: {health.reason or health.state}")
+    return ServiceUnavailableError(f"the engine is not available: {health.reason or health.state}")
 
 
 def _probe_response(probe) -> Response:
@@ -171,27 +184,10 @@ def probe_router(runtime: Runtime) -> APIRouter:
     return router
 
 
-def build_runtime(config: RuntimeConfig) -> Runtime:
-    settings = config.settings
-    health = Health()
-    metrics = RuntimeMetrics()
-    engine = Engine(
-        config.engine_args, health, metrics, progress_interval=settings.startup_log_interval_seconds
-    )
-    admission = AdmissionQueue(
-        settings.max_concurrency or default_max_concurrency(None), settings.max_queue_length
-    )
-    keys = KeyStore(settings.static_api_keys(), settings.api_keys_file)
-    runtime = Runtime(
-        config=config, health=health, metrics=metrics, engine=engine, admission=admission, keys=keys
-    )
-    metrics.add_queue_source(lambda: admission.waiting)
-    metrics.add_queue_source(engine.requests_waiting)
-    metrics.add_in_flight_source(lambda: admission.running)
-    return runtime
-
-
-def create_app(runtime: Runtime, *, start_engine: bool = True) -> ASGIApp:
+def create_app(
+    runtime: Runtime, routers: Sequence[APIRouter] = (), *, start_engine: bool = True
+) -> ASGIApp:
+    """The ASGI app: middleware, probes, ``routers`` (the features'), then vLLM's app."""
     settings = runtime.config.settings
 
     @contextlib.asynccontextmanager
@@ -204,13 +200,15 @@ def create_app(runtime: Runtime, *, start_engine: bool = True) -> ASGIApp:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            await _drain_features(runtime)
             await runtime.engine.shutdown()
 
     app = FastAPI(title="LLM Endpoints runtime", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.runtime = runtime
+    app.openapi = openapi_builder(app, lambda: runtime.engine.asgi_app)  # type: ignore[method-assign]
     install_exception_handlers(app)
     app.include_router(probe_router(runtime))
-    for router in extra_routers(runtime):
+    for router in routers:
         app.include_router(router)
     # Last: everything no router above claims goes to vLLM's own app.
     delegate = EngineDelegate(runtime)
@@ -227,17 +225,45 @@ def create_app(runtime: Runtime, *, start_engine: bool = True) -> ASGIApp:
         )
     routed = OpenAIFastPath(app, delegate)
     guarded = APIKeyMiddleware(routed, runtime.keys, settings.unauthenticated_path_set)
-    guarded = BodyGuard(guarded, settings.max_request_body_bytes, runtime.metrics)
+    guarded = BodyGuard(
+        guarded,
+        settings.max_request_body_bytes,
+        runtime.metrics,
+        runsync_limit=settings.max_runsync_body_bytes,
+    )
     context = RequestContext(guarded, runtime.metrics)
     runtime.context = context
     return context
 
 
-def extra_routers(runtime: Runtime) -> list[APIRouter]:
-    """Routers mounted in front of vLLM's app (the job API and SageMaker add theirs here)."""
-    from llmendpoints_runtime.jobs.wiring import install_job_api
+async def _drain_features(runtime: Runtime) -> None:
+    """Let the features finish (jobs, webhook deliveries) while the engine still runs.
 
-    return install_job_api(runtime, default_max_concurrency=default_max_concurrency(None))
+    By now the SIGTERM drain (server.py) has usually waited for them already; this is the
+    bound for what is left, and the only drain when the server stops some other way.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = runtime.drain_deadline
+    if deadline is None:
+        deadline = loop.time() + runtime.config.settings.drain_timeout_seconds
+    for drain in runtime.drainers:
+        # What is still running when the time is up is stopped (a job ends FAILED); a
+        # few seconds' grace let that be recorded and reported.
+        left = max(0.0, deadline - loop.time())
+        try:
+            async with asyncio.timeout(left + _DRAIN_GRACE_SECONDS):
+                await drain(left)
+        except TimeoutError:
+            logger.warning("shutdown: %s did not finish in time", _name(drain))
+        except Exception:
+            logger.exception("shutdown: %s failed", _name(drain))
+
+
+_DRAIN_GRACE_SECONDS = 5.0
+
+
+def _name(function: Callable[..., Any]) -> str:
+    return getattr(function, "__qualname__", None) or repr(function)
 
 
 async def _start_engine(runtime: Runtime) -> None:
@@ -254,3 +280,6 @@ async def _start_engine(runtime: Runtime) -> None:
             runtime.engine.max_num_seqs,
         )
     runtime.metrics.engine_ready.set(1 if runtime.health.ready else 0)
+    if runtime.health.state is EngineState.READY:
+        for hook in runtime.on_ready:
+            hook()

@@ -3,6 +3,11 @@
 Keys come from API_KEYS / API_KEY and from API_KEYS_FILE (a mounted Secret, one key per line,
 `#` comments allowed). The file is re-read when its modification time changes, checked at most
 once a second, so rotating the Secret needs no restart. Keys are never logged.
+
+The caller's identity -- who owns the jobs it submits -- is left in the request's scope
+(``caller_owner``): keys here have no names, so a key is known by a short hash of it (never the
+key); with no keys configured every caller is the same owner, "". An admin key (ADMIN_API_KEYS)
+is nobody's in particular: None, which reaches every job.
 """
 
 from __future__ import annotations
@@ -12,11 +17,27 @@ import logging
 import os
 import time
 
+from llmendpoints_common.errors import AuthenticationError
+from llmendpoints_common.jobs.service import key_owner
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from llmendpoints_runtime.errors import APIError, send_error
+from llmendpoints_runtime.errors import send_error
 
 logger = logging.getLogger("llmendpoints.auth")
+
+_OWNER = "llmep_owner"
+
+
+def caller_owner(scope: Scope) -> str | None:
+    """The owner name of the request's caller (set by APIKeyMiddleware; "" without keys; None
+    for an admin key)."""
+    return scope.get("state", {}).get(_OWNER, "")
+
+
+def job_owner(scope: Scope) -> str:
+    """The owner recorded with a job the caller submits (an admin's jobs are "admin"'s)."""
+    owner = caller_owner(scope)
+    return "admin" if owner is None else owner
 
 
 def parse_keys_file(text: str) -> tuple[str, ...]:
@@ -50,9 +71,15 @@ def key_matches(presented: str, keys: tuple[str, ...]) -> bool:
 
 class KeyStore:
     def __init__(
-        self, static_keys: tuple[str, ...], keys_file: str | None, *, check_interval: float = 1.0
+        self,
+        static_keys: tuple[str, ...],
+        keys_file: str | None,
+        *,
+        check_interval: float = 1.0,
+        admin_keys: tuple[str, ...] = (),
     ):
         self.static_keys = static_keys
+        self.admin_keys = admin_keys
         self.keys_file = keys_file
         self.check_interval = check_interval
         self._file_keys: tuple[str, ...] = ()
@@ -62,11 +89,11 @@ class KeyStore:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.keys_file) or bool(self.static_keys)
+        return bool(self.keys_file) or bool(self.static_keys) or bool(self.admin_keys)
 
     def keys(self) -> tuple[str, ...]:
         self._refresh()
-        return self.static_keys + self._file_keys
+        return self.static_keys + self._file_keys + self.admin_keys
 
     def _refresh(self, *, force: bool = False) -> None:
         if not self.keys_file:
@@ -107,11 +134,13 @@ class APIKeyMiddleware:
             reason = "missing API key" if presented is None else "invalid API key"
             await send_error(
                 send,
-                APIError(
-                    401,
+                AuthenticationError(
                     f"{reason}: send `Authorization: Bearer <key>` or `x-api-key: <key>`",
                     headers={"www-authenticate": "Bearer"},
                 ),
             )
             return
+        # Only the key's hash is kept: the key itself never leaves this frame.
+        admin = bool(self.store.admin_keys) and key_matches(presented, self.store.admin_keys)
+        scope.setdefault("state", {})[_OWNER] = None if admin else key_owner(presented)
         await self.app(scope, receive, send)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from llmendpoints_common.destinations import DestinationPolicy
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -71,6 +72,12 @@ class RuntimeSettings(BaseSettings):
         validation_alias="API_KEYS_FILE",
         description="File with one API key per line (a mounted Secret); re-read when it changes.",
     )
+    admin_api_keys: SecretStr | None = Field(
+        None,
+        validation_alias="ADMIN_API_KEYS",
+        description="Comma-separated admin keys: they authenticate like API_KEYS and reach every "
+        "job of the endpoint (/status, /cancel... of any owner; /purge-queue purges all).",
+    )
     unauthenticated_paths: str = Field(
         "/health,/ready,/ping,/metrics",
         validation_alias="UNAUTHENTICATED_PATHS",
@@ -92,7 +99,13 @@ class RuntimeSettings(BaseSettings):
         10 * 1024 * 1024,
         ge=1024,
         validation_alias="MAX_REQUEST_BODY_BYTES",
-        description="Larger request bodies get 413.",
+        description="Larger request bodies get 413 (all paths but /runsync).",
+    )
+    max_runsync_body_bytes: int = Field(
+        20 * 1024 * 1024,
+        ge=1024,
+        validation_alias="MAX_RUNSYNC_BODY_BYTES",
+        description="Larger /runsync bodies get 413 (RunPod: 10 MB for /run, 20 MB for /runsync).",
     )
     drain_timeout_seconds: float = Field(
         30.0,
@@ -152,6 +165,86 @@ class RuntimeSettings(BaseSettings):
         validation_alias="MAX_STORED_JOBS",
         description="Jobs this pod keeps; finished ones expire after policy.ttl, oldest first when full.",
     )
+    # The shared job queue (NATS JetStream): with it, every replica and the gateway serve every
+    # job of the endpoint, and this pod is one of the endpoint's workers.
+    jobs_queue_url: SecretStr | None = Field(
+        None,
+        validation_alias="JOBS_QUEUE_URL",
+        description="NATS URL of the shared job queue (`nats://user:pass@host:4222`); unset: "
+        "jobs live in this pod (the in-pod store). Needs ENDPOINT_ID.",
+    )
+    endpoint_id: str | None = Field(
+        None,
+        pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
+        validation_alias="ENDPOINT_ID",
+        description="The endpoint this pod serves (the LLMEndpoint's name): whose queued jobs "
+        "it takes, the `{id}` of `/v2/{id}/...`.",
+    )
+    jobs_max_attempts: int = Field(
+        3,
+        ge=1,
+        le=100,
+        validation_alias="LLMEP_JOBS_MAX_ATTEMPTS",
+        description="Shared queue: attempts per job (a worker that vanished mid-job costs one); "
+        "after the last the job is FAILED, saying so.",
+    )
+    jobs_heartbeat_timeout_seconds: float = Field(
+        30.0,
+        ge=1,
+        le=3600,
+        validation_alias="LLMEP_JOBS_HEARTBEAT_TIMEOUT_SECONDS",
+        description="Shared queue: a worker silent this long is presumed dead and its job runs "
+        "elsewhere (it reports every third of this). Set by the first pod that creates the "
+        "endpoint's consumers.",
+    )
+    jobs_run_retention_seconds: float = Field(
+        1800.0,
+        ge=1,
+        validation_alias="LLMEP_JOBS_RUN_RETENTION_SECONDS",
+        description="Shared queue: a /run job's result is kept this long after it ends (unless "
+        "policy.ttl says otherwise); then /status answers 404.",
+    )
+    jobs_runsync_retention_seconds: float = Field(
+        60.0,
+        ge=1,
+        validation_alias="LLMEP_JOBS_RUNSYNC_RETENTION_SECONDS",
+        description="Shared queue: the same for /runsync jobs.",
+    )
+    jobs_idempotency_window_seconds: float = Field(
+        600.0,
+        ge=1,
+        validation_alias="LLMEP_JOBS_IDEMPOTENCY_WINDOW_SECONDS",
+        description="A /run repeated with the same `Idempotency-Key` header within this window "
+        "returns the first job's id.",
+    )
+    jobs_queue_replicas: int = Field(
+        1,
+        ge=1,
+        le=5,
+        validation_alias="LLMEP_JOBS_QUEUE_REPLICAS",
+        description="Shared queue: replicas of each JetStream stream when this pod creates them "
+        "(3 on the chart's NATS cluster).",
+    )
+    webhook_destinations: str = Field(
+        "",
+        validation_alias="LLMEP_WEBHOOK_DESTINATIONS",
+        description="Comma-separated hosts (exact or *.suffix) and CIDRs job webhooks may reach; "
+        "empty: any but link-local/metadata/multicast (see docs/jobs.md).",
+    )
+
+    # -- LoRA adapters declared in the endpoint (see docs/operator.md, "LoRA adapters") -------
+    adapters_file: str | None = Field(
+        None,
+        validation_alias="LLMEP_ADAPTERS_FILE",
+        description="JSON list of LoRA adapters to serve (the operator's mounted ConfigMap); "
+        "re-read while running: adapters are loaded and unloaded without a restart.",
+    )
+    adapters_poll_seconds: float = Field(
+        2.0,
+        gt=0,
+        validation_alias="LLMEP_ADAPTERS_POLL_SECONDS",
+        description="How often LLMEP_ADAPTERS_FILE is checked for changes.",
+    )
 
     @field_validator("default_min_batch_size")
     @classmethod
@@ -161,6 +254,16 @@ class RuntimeSettings(BaseSettings):
             raise ValueError(f"must not exceed DEFAULT_BATCH_SIZE ({largest})")
         return value
 
+    @field_validator("webhook_destinations")
+    @classmethod
+    def _destinations_parse(cls, value: str) -> str:
+        DestinationPolicy.parse(value)  # ValueError names the entry that is wrong
+        return value
+
+    @property
+    def webhook_policy(self) -> DestinationPolicy:
+        return DestinationPolicy.parse(self.webhook_destinations)
+
     @field_validator("log_format", "log_level", mode="before")
     @classmethod
     def _lower(cls, value: object) -> object:
@@ -169,6 +272,10 @@ class RuntimeSettings(BaseSettings):
     @property
     def unauthenticated_path_set(self) -> frozenset[str]:
         return frozenset(p.strip() for p in self.unauthenticated_paths.split(",") if p.strip())
+
+    def admin_keys(self) -> tuple[str, ...]:
+        raw = self.admin_api_keys.get_secret_value() if self.admin_api_keys else ""
+        return tuple(dict.fromkeys(k.strip() for k in raw.split(",") if k.strip()))
 
     def static_api_keys(self) -> tuple[str, ...]:
         keys = [k.strip() for k in (self.api_keys or "").split(",") if k.strip()]
@@ -367,6 +474,9 @@ COMMON_ENGINE_VARIABLES: dict[str, str] = {
     "MAX_LOG_LEN": "Prompt characters shown in request logs.",
     "SPECULATIVE_CONFIG": "JSON speculative-decoding configuration.",
     "HF_OVERRIDES": "JSON overrides of the model's Hugging Face config.",
+    "LIMIT_MM_PER_PROMPT": 'Most images (etc.) in one prompt, JSON: {"image": 4}; more is a 400.',
+    "ALLOWED_MEDIA_DOMAINS": "Only fetch image URLs on these hosts (every redirect hop too).",
+    "ALLOWED_LOCAL_MEDIA_PATH": "Directory file: image URLs may read; unset, file: URLs are a 400.",
 }
 
 # vLLM flags that are NOT settable through their UPPER_SNAKE name, and why. Either we own the
@@ -498,11 +608,17 @@ class RuntimeConfig:
 
 def _load_settings(env: Mapping[str, str]) -> RuntimeSettings:
     try:
-        return RuntimeSettings.model_validate({k: v for k, v in env.items() if v.strip()})
+        settings = RuntimeSettings.model_validate({k: v for k, v in env.items() if v.strip()})
     except ValidationError as exc:
         first = exc.errors()[0]
         variable = str(first["loc"][0]) if first["loc"] else "environment"
         raise ConfigError(variable, f"{first['msg']} (got {first.get('input')!r})") from None
+    if settings.jobs_queue_url is not None and not settings.endpoint_id:
+        raise ConfigError(
+            "ENDPOINT_ID",
+            "required with JOBS_QUEUE_URL: it names the endpoint whose jobs this pod takes",
+        )
+    return settings
 
 
 def _collect_flag_args(

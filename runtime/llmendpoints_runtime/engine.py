@@ -21,7 +21,7 @@ import logging
 import time
 import uuid
 from argparse import Namespace
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from llmendpoints_runtime.download import download_model, is_local_model
@@ -29,9 +29,6 @@ from llmendpoints_runtime.health import EngineState, Health
 from llmendpoints_runtime.metrics import PHASES, RuntimeMetrics
 
 logger = logging.getLogger("llmendpoints.engine")
-
-VLLM_VERSION = "0.32.0"
-
 
 # ---------------------------------------------------------------------------------------------
 # argument parsing
@@ -65,10 +62,91 @@ def parse_engine_args(parser, argv: list[str]) -> Namespace:
     return namespace
 
 
-def installed_vllm_version() -> str:
-    import vllm
+# ---------------------------------------------------------------------------------------------
+# media fetching: vLLM's media connector, with every URL fetch through media_fetch.MediaFetcher
+# ---------------------------------------------------------------------------------------------
 
-    return vllm.__version__
+
+def install_media_fetcher(fetcher) -> None:
+    """Make vLLM fetch media URLs (images in chat messages) only through `fetcher`.
+
+    vLLM resolves its media connector by name from a registry on every request
+    (``VLLM_MEDIA_CONNECTOR``, default ``http``); the class registered here under that default
+    name keeps vLLM's own handling of data: and file: URLs, ALLOWED_MEDIA_DOMAINS and the
+    media cache, and replaces the HTTP client with the guarded fetcher. Refusals become vLLM's
+    validation error (a 400 naming ``image_url``); so do the cases vLLM itself answers with
+    422 (a 4xx from the image host), 500 (file: without ALLOWED_LOCAL_MEDIA_PATH) or 501
+    (a data: URL that is not base64).
+    """
+    import os
+
+    from vllm import envs
+    from vllm.connections import HTTPConnection
+    from vllm.exceptions import VLLMValidationError
+    from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY, MediaConnector
+
+    from llmendpoints_runtime.media_fetch import MediaFetchError, MediaFetchLimits
+
+    def refused(message: str) -> VLLMValidationError:
+        return VLLMValidationError(message, parameter="image_url")
+
+    def limits(timeout, allow_redirects: bool, max_bytes: int | None) -> MediaFetchLimits:
+        download_cap = envs.VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB * 1024 * 1024
+        caps = [c for c in (max_bytes, download_cap if download_cap > 0 else None) if c]
+        return MediaFetchLimits(
+            timeout=timeout,
+            attempts=max(1, envs.VLLM_MEDIA_FETCH_MAX_RETRIES),
+            max_bytes=min(caps) if caps else None,
+            follow_redirects=bool(allow_redirects),
+        )
+
+    class GuardedConnection(HTTPConnection):
+        async def async_get_bytes(self, url, *, timeout=None, allow_redirects=True, max_bytes=None):
+            try:
+                return await fetcher.fetch(url, limits(timeout, allow_redirects, max_bytes))
+            except MediaFetchError as exc:
+                raise refused(str(exc)) from None
+
+        def get_bytes(self, url, *, timeout=None, allow_redirects=True, max_bytes=None):
+            try:
+                return fetcher.fetch_blocking(url, limits(timeout, allow_redirects, max_bytes))
+            except MediaFetchError as exc:
+                raise refused(str(exc)) from None
+
+        # Every other way of using this connection would bypass the guard.
+        def get_response(self, url, **_):
+            raise refused(f"media connector: unguarded fetch of {url!r} refused")
+
+        async def get_async_response(self, url, **_):
+            raise refused(f"media connector: unguarded fetch of {url!r} refused")
+
+    class GuardedMediaConnector(MediaConnector):
+        def __init__(self, *args, **kwargs):
+            kwargs["connection"] = GuardedConnection()
+            super().__init__(*args, **kwargs)
+
+        def _load_data_url(self, url, media_io):
+            spec, comma, _ = url[5:].partition(",")
+            if not comma or spec.rpartition(";")[2] != "base64":
+                raise refused("data: URLs must be base64 (data:<type>;base64,<data>)")
+            return super()._load_data_url(url, media_io)
+
+        def _load_file_url(self, url_spec, media_io):
+            if self.allowed_local_media_path is None:
+                raise refused(
+                    "file: URLs are refused: this server reads no local files "
+                    "(ALLOWED_LOCAL_MEDIA_PATH is not set)"
+                )
+            return super()._load_file_url(url_spec, media_io)
+
+    MEDIA_CONNECTOR_REGISTRY.register("http")(GuardedMediaConnector)
+    chosen = os.environ.get("VLLM_MEDIA_CONNECTOR", "http")
+    if chosen != "http":
+        logger.warning(
+            "VLLM_MEDIA_CONNECTOR=%s: media URLs are fetched by that connector, outside the "
+            "runtime's destination guard",
+            chosen,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,6 +175,7 @@ class Engine:
         self.asgi_app: Any = None
         self.client: Any = None  # vllm.engine.protocol.EngineClient
         self.max_num_seqs: int | None = None
+        self.supported_tasks: tuple[str, ...] = ()  # "generate", "embed"... once loaded
         self._lifespan: contextlib.AbstractAsyncContextManager | None = None
         self._client_cm: contextlib.AbstractAsyncContextManager | None = None
         self._waiting_gauge: Any = None
@@ -258,10 +337,96 @@ class Engine:
             client.shutdown()
         self.health.engine_stopped()
 
+    # -- requests straight on the engine (prompt/messages jobs) --------------------------------
+
+    async def render(self, *, prompt: str | None = None, messages: list[Any] | None = None) -> Any:
+        """vLLM's own preprocessing (chat template, tokenisation, length checks) -> the engine
+        input of one request; EngineInputError when vLLM refuses it."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        state = self.asgi_app.state
+        try:
+            if messages is not None:
+                rendered = await state.openai_serving_chat.render_chat_request(
+                    ChatCompletionRequest(messages=messages)
+                )
+                engine_inputs = rendered if isinstance(rendered, ErrorResponse) else rendered[1]
+            else:
+                engine_inputs = await state.openai_serving_completion.render_completion_request(
+                    CompletionRequest(prompt=prompt)
+                )
+        except _client_errors() as exc:  # pydantic's ValidationError is a ValueError too
+            field = "messages" if messages is not None else "prompt"
+            raise EngineInputError(_clean(exc), field) from None
+        if isinstance(engine_inputs, ErrorResponse):
+            raise EngineInputError(engine_inputs.error.message, engine_inputs.error.param)
+        return engine_inputs[0]
+
+    async def generate(
+        self, engine_input: Any, sampling: Any, request_id: str, *, lora_request: Any = None
+    ) -> AsyncIterator[Any]:
+        """vLLM's RequestOutputs for one request (on a loaded LoRA adapter's weights when
+        ``lora_request`` is one, see ``EngineAdapters.lora_request``). EngineInputError for input
+        the engine refuses (prompt too long, max_tokens beyond the context), EngineDead when its
+        core died."""
+        try:
+            async for output in self.client.generate(
+                engine_input, sampling, request_id, lora_request=lora_request
+            ):
+                yield output
+        except _client_errors() as exc:
+            raise EngineInputError(_clean(exc)) from None
+        except Exception as exc:
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            if isinstance(exc, EngineDeadError):
+                raise EngineDead(_clean(exc)) from None
+            raise
+
+    def model_defaults(self) -> dict[str, Any]:
+        """The model's generation_config sampling defaults, as /v1/completions applies them."""
+        serving = self.asgi_app.state.openai_serving_completion
+        return dict(getattr(serving, "default_sampling_params", None) or {})
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.client.model_config.max_model_len)
+
+    def is_multimodal(self) -> bool:
+        return bool(self.client.model_config.is_multimodal_model)
+
+    def adapter_names(self) -> tuple[str, ...]:
+        """The LoRA adapters loaded now (they come and go at run time)."""
+        models = getattr(self.asgi_app.state, "openai_serving_models", None)
+        return tuple(getattr(models, "lora_requests", {}) or {})
+
+    def unfinished_requests(self) -> int:
+        """Requests the engine holds, running or waiting."""
+        return self.client.get_num_unfinished_requests() if self.client is not None else 0
+
 
 # ---------------------------------------------------------------------------------------------
-# the job API's engine port (llmendpoints_runtime.jobs.port.JobEngine) -- owned by the job API
+# requests in vLLM's terms (job_engine.JobEngineAdapter puts the job API's words on them)
 # ---------------------------------------------------------------------------------------------
+
+
+class EngineInputError(ValueError):
+    """vLLM refused a request's input: the client's mistake (a 400), not a server fault.
+
+    ``parameter`` is the request parameter vLLM blames, when it names one.
+    """
+
+    def __init__(self, message: str, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.parameter = parameter
+
+
+class EngineDead(RuntimeError):
+    """vLLM's engine core is gone; nothing more runs in this process."""
+
 
 # SamplingParams fields that are engine plumbing, not sampling choices a client may set.
 _INTERNAL_SAMPLING_FIELDS = frozenset(
@@ -275,216 +440,130 @@ _INTERNAL_SAMPLING_FIELDS = frozenset(
         "stream_interval",
     }
 )
-# Names from older worker-vllm/vLLM docs that vLLM 0.32 no longer has, with what to do instead.
-_RETIRED_SAMPLING_FIELDS = {
-    "best_of": "vLLM 0.32 removed best_of; use n",
-    "use_beam_search": "beam search is not a sampling parameter in vLLM 0.32; send the request "
-    "through openai_route /v1/completions with use_beam_search",
-    "length_penalty": "beam search only; send the request through openai_route",
-    "early_stopping": "beam search only; send the request through openai_route",
-}
 
 
-class JobEngineAdapter:
-    """`Engine` seen through the job API's narrow port.
+@functools.cache
+def sampling_param_names() -> frozenset[str]:
+    """The SamplingParams fields a client may set."""
+    from vllm.sampling_params import SamplingParams
 
-    Prompt/messages jobs are rendered by vLLM's own completion/chat preprocessing (chat
-    template, CUSTOM_CHAT_TEMPLATE, tokenisation, length checks) and then generated straight on
-    the engine client with DELTA outputs -- the same engine work as /v1/completions without the
-    OpenAI response formatting.
+    return frozenset(
+        f
+        for f in SamplingParams.__struct_fields__
+        if not f.startswith("_") and f not in _INTERNAL_SAMPLING_FIELDS
+    )
+
+
+def build_sampling_params(params: Mapping[str, Any], *, final_only: bool | None = None) -> Any:
+    """vLLM's SamplingParams from a dict of public fields; EngineInputError naming the one vLLM
+    refuses. ``final_only``: one output at the end (True) or one per step (False)."""
+    import msgspec
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    try:
+        sampling = msgspec.convert(dict(params), SamplingParams)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        name = text.rsplit("`$.", 1)[-1].split("`")[0].split(".")[0] if "`$." in text else None
+        raise EngineInputError(text.split(" - at ")[0], name or None) from None
+    except _client_errors() as exc:
+        raise EngineInputError(_clean(exc), getattr(exc, "parameter", None)) from None
+    if final_only is not None:
+        sampling.output_kind = (
+            RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA
+        )
+    return sampling
+
+
+def validate_openai_request(route: str, body: Mapping[str, Any]) -> None:
+    """Check ``body`` against vLLM's request model for ``route`` (routes without one pass).
+
+    pydantic's ValidationError for a wrong shape; EngineInputError for values pydantic lets
+    through but SamplingParams refuses (``max_tokens: -1``, ``top_p: 5``), which the route
+    itself would only refuse when called.
     """
+    import pydantic
+
+    model = _openai_request_models().get(route)
+    if model is None:
+        return
+    parsed = pydantic.TypeAdapter(model).validate_python(body)
+    to_sampling_params = getattr(parsed, "to_sampling_params", None)
+    if to_sampling_params is None or getattr(parsed, "use_beam_search", False):
+        return
+    max_tokens = getattr(parsed, "max_completion_tokens", None)
+    if max_tokens is None:
+        max_tokens = getattr(parsed, "max_tokens", None)
+    try:
+        to_sampling_params(16 if max_tokens is None else max_tokens, {})
+    except _client_errors() as exc:
+        raise EngineInputError(_clean(exc), getattr(exc, "parameter", None)) from None
+    except Exception:  # anything else is left to the route itself
+        return
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA adapters at run time (llmendpoints_runtime.adapters.AdapterEngine) -- owned by adapters/
+# ---------------------------------------------------------------------------------------------
+
+
+class AdapterLoadError(Exception):
+    """vLLM refused to load an adapter (bad files, rank above MAX_LORA_RANK, LoRA disabled...)."""
+
+
+class EngineAdapters:
+    """vLLM's own in-process LoRA loading: the methods behind /v1/load_lora_adapter and
+    /v1/unload_lora_adapter (``OpenAIServingModels``), without the HTTP routes or
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING. Loaded adapters appear in vLLM's /v1/models with their
+    base model as ``parent``, and ``model: <adapter>`` selects them on every OpenAI route."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    def is_ready(self) -> bool:
-        return self.engine.health.state is EngineState.READY and self.engine.asgi_app is not None
+    def _models(self):
+        app = self.engine.asgi_app
+        return getattr(app.state, "openai_serving_models", None) if app is not None else None
 
-    def draining(self) -> bool:
-        return self.engine.health.draining
+    def lora_enabled(self) -> bool:
+        return bool(getattr(self.engine.args, "enable_lora", False))
 
-    async def wait_ready(self) -> None:
-        from llmendpoints_runtime.jobs.errors import EngineUnavailable
+    def loaded(self) -> frozenset[str]:
+        models = self._models()
+        return frozenset(getattr(models, "lora_requests", None) or ())
 
-        while not self.is_ready():
-            if self.engine.health.state in (EngineState.FAILED, EngineState.STOPPED):
-                raise EngineUnavailable(
-                    f"the engine is not available: {self.engine.health.reason or 'stopped'}"
-                )
-            await asyncio.sleep(0.05)
-
-    # -- input checks ------------------------------------------------------------------------
-
-    def sampling_params(self, params: Any, **overrides: Any):
-        """vLLM's SamplingParams from a job's dict; InvalidRequest naming the bad field."""
-        import msgspec
-        from vllm.sampling_params import SamplingParams
-
-        from llmendpoints_runtime.jobs.errors import InvalidRequest
-
-        def bad(name: str, message: str) -> InvalidRequest:
-            field = f"input.sampling_params.{name}" if name else "input.sampling_params"
-            return InvalidRequest(f"{field}: {message}", param=field)
-
-        allowed = _public_sampling_fields()
-        for name in params:
-            if name in _RETIRED_SAMPLING_FIELDS:
-                raise bad(name, _RETIRED_SAMPLING_FIELDS[name])
-            if name not in allowed:
-                raise bad(name, "not a vLLM sampling parameter (see vllm.SamplingParams)")
-        try:
-            sampling = msgspec.convert(dict(params), SamplingParams)
-        except msgspec.ValidationError as exc:
-            text = str(exc)
-            name = text.rsplit("`$.", 1)[-1].split("`")[0].split(".")[0] if "`$." in text else ""
-            raise bad(name, text.split(" - at ")[0]) from None
-        except _client_errors() as exc:
-            raise bad(getattr(exc, "parameter", None) or "", _clean(exc)) from None
-        for name, value in overrides.items():  # engine plumbing, set after validation
-            setattr(sampling, name, value)
-        return sampling
-
-    def check_sampling_params(self, params: Any) -> None:
-        self.sampling_params(params)
-
-    def check_openai_input(self, route: str, body: Any) -> None:
-        import pydantic
-
-        from llmendpoints_runtime.jobs.errors import InvalidRequest
-        from llmendpoints_runtime.jobs.models import describe_validation_error
-
-        model = _openai_request_models().get(route)
-        if model is None or body is None:
-            return
-        try:
-            parsed = pydantic.TypeAdapter(model).validate_python(body)
-        except pydantic.ValidationError as exc:
-            message, field = describe_validation_error(exc, prefix="input.openai_input")
-            raise InvalidRequest(message, param=field) from None
-        # Values pydantic lets through but SamplingParams refuses (max_tokens: -1, top_p: 5):
-        # the route would refuse them when the job runs; refuse them now, with a 400.
-        to_sampling_params = getattr(parsed, "to_sampling_params", None)
-        if to_sampling_params is None or getattr(parsed, "use_beam_search", False):
-            return
-        max_tokens = getattr(parsed, "max_completion_tokens", None)
-        if max_tokens is None:
-            max_tokens = getattr(parsed, "max_tokens", None)
-        try:
-            to_sampling_params(16 if max_tokens is None else max_tokens, {})
-        except _client_errors() as exc:
-            name = getattr(exc, "parameter", None)
-            field = f"input.openai_input.{name}" if name else "input.openai_input"
-            raise InvalidRequest(f"{field}: {_clean(exc)}", param=field) from None
-        except Exception:  # anything else is left to the route itself
-            return
-
-    def n_choices(self, params: Any) -> int:
-        n = params.get("n", 1)
-        return n if isinstance(n, int) and n > 0 else 1
-
-    # -- generation --------------------------------------------------------------------------
-
-    async def generate(self, request):  # -> AsyncIterator[GenerationStep]
-        from vllm.sampling_params import RequestOutputKind
-
-        from llmendpoints_runtime.jobs.errors import EngineUnavailable, InvalidRequest, JobFailed
-        from llmendpoints_runtime.jobs.port import ChoiceDelta, GenerationStep
-
-        engine_input = await self._render(request)
-        prompt_len = _prompt_len(engine_input)
-        params = dict(self._model_defaults())
-        params.update(request.sampling_params)
-        if "max_tokens" not in request.sampling_params:
-            room = self.engine.client.model_config.max_model_len - prompt_len
-            params["max_tokens"] = max(1, min(request.default_max_tokens, room))
-        # Non-streamed jobs take only the final output, as /v1/completions does: no per-token
-        # outputs to detokenise-and-hand-over for text nobody reads before the end.
-        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        sampling = self.sampling_params(params, output_kind=kind)
-        try:
-            async for output in self.engine.client.generate(
-                engine_input, sampling, request.request_id
-            ):
-                yield GenerationStep(
-                    prompt_tokens=len(output.prompt_token_ids or ()) or prompt_len,
-                    choices=tuple(
-                        ChoiceDelta(o.index, o.text, len(o.token_ids)) for o in output.outputs
-                    ),
-                )
-        except _client_errors() as exc:  # prompt too long, max_tokens beyond the context...
-            raise InvalidRequest(_clean(exc)) from None
-        except Exception as exc:
-            from vllm.v1.engine.exceptions import EngineDeadError
-
-            if isinstance(exc, EngineDeadError):
-                raise EngineUnavailable(f"the engine died: {_clean(exc)}") from None
-            cause = exc.__cause__ or exc
-            raise JobFailed(
-                f"generation failed: {type(cause).__name__}: {_clean(cause)}",
-                error_type="InternalServerError",
-            ) from exc
-
-    async def _render(self, request):
-        """vLLM's own preprocessing: chat template or plain prompt -> engine input."""
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    async def load(self, name: str, path: str, *, replace: bool) -> None:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
-        from llmendpoints_runtime.jobs.errors import InvalidRequest
-
-        state = self.engine.asgi_app.state
-        messages = request.messages
-        if messages is None and request.apply_chat_template:
-            messages = [{"role": "user", "content": request.prompt}]
+        if not self.lora_enabled():
+            raise AdapterLoadError("the engine was started without ENABLE_LORA")
+        models = self._models()
+        if models is None:
+            raise AdapterLoadError("the engine is not ready")
+        request = LoadLoRAAdapterRequest(lora_name=name, lora_path=path, load_inplace=replace)
         try:
-            if messages is not None:
-                rendered = await state.openai_serving_chat.render_chat_request(
-                    ChatCompletionRequest(messages=messages)
-                )
-                engine_inputs = rendered if isinstance(rendered, ErrorResponse) else rendered[1]
-            else:
-                engine_inputs = await state.openai_serving_completion.render_completion_request(
-                    CompletionRequest(prompt=request.prompt)
-                )
-        except _client_errors() as exc:  # pydantic's ValidationError is a ValueError too
-            raise InvalidRequest(f"input.messages: {_clean(exc)}", param="input.messages") from None
-        if isinstance(engine_inputs, ErrorResponse):
-            raise InvalidRequest(engine_inputs.error.message, param=engine_inputs.error.param)
-        return engine_inputs[0]
+            result = await models.load_lora_adapter(request)
+        except Exception as exc:  # vLLM raises for some checks instead of answering
+            raise AdapterLoadError(_clean(exc)) from None
+        if isinstance(result, ErrorResponse):
+            raise AdapterLoadError(result.error.message)
 
-    def _model_defaults(self) -> dict[str, Any]:
-        """The model's generation_config defaults, as /v1/completions applies them."""
-        serving = self.engine.asgi_app.state.openai_serving_completion
-        return dict(getattr(serving, "default_sampling_params", None) or {})
+    async def unload(self, name: str) -> None:
+        from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
 
-    async def abort(self, request_id: str) -> None:
-        await self.engine.abort(request_id)
+        models = self._models()
+        if models is None or name not in models.lora_requests:
+            return
+        lora_id = models.lora_requests[name].lora_int_id
+        await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
+        # vLLM's unload only forgets the name; free the engine's copy of the weights as well.
+        with contextlib.suppress(Exception):
+            await self.engine.client.remove_lora(lora_id)
 
-    def load(self):
-        from llmendpoints_runtime.jobs.port import EngineLoad
-
-        client = self.engine.client
-        if client is None or self.engine.asgi_app is None:
-            return EngineLoad(running=0, waiting=0)
-        waiting = self.engine.requests_waiting()
-        return EngineLoad(
-            running=max(0, client.get_num_unfinished_requests() - waiting), waiting=waiting
-        )
-
-    def openai_app(self):
-        return self.engine.asgi_app
-
-    def served_models(self):
-        from llmendpoints_runtime.jobs.port import ServedModels
-
-        models = getattr(self.engine.asgi_app.state, "openai_serving_models", None)
-        adapters = tuple(getattr(models, "lora_requests", {}) or {})
-        return ServedModels(
-            base=tuple(self.engine.served_model_names()),
-            adapters=adapters,
-            multimodal=bool(self.engine.client.model_config.is_multimodal_model),
-            tasks=tuple(getattr(self.engine, "supported_tasks", ()) or ()),
-        )
+    def lora_request(self, name: str):
+        """The loaded adapter's LoRARequest (for generation straight on the engine), or None."""
+        models = self._models()
+        return (getattr(models, "lora_requests", None) or {}).get(name)
 
 
 def _openai_request_models() -> dict[str, Any]:
@@ -499,27 +578,11 @@ def _openai_request_models() -> dict[str, Any]:
     }
 
 
-@functools.cache
-def _public_sampling_fields() -> frozenset[str]:
-    from vllm.sampling_params import SamplingParams
-
-    return frozenset(
-        f
-        for f in SamplingParams.__struct_fields__
-        if not f.startswith("_") and f not in _INTERNAL_SAMPLING_FIELDS
-    )
-
-
 def _client_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean "the request is wrong" (a 400), not "the server broke"."""
     from vllm.exceptions import VLLMClientError
 
     return (ValueError, TypeError, VLLMClientError)
-
-
-def _prompt_len(engine_input: Any) -> int:
-    ids = engine_input.get("prompt_token_ids") if isinstance(engine_input, dict) else None
-    return len(ids) if ids is not None else 0
 
 
 def _clean(exc: BaseException) -> str:
@@ -536,12 +599,14 @@ def _describe_failure(exc: BaseException) -> str:
 
 
 __all__ = [
-    "VLLM_VERSION",
+    "AdapterLoadError",
     "Engine",
+    "EngineAdapters",
     "EngineArgsError",
+    "EngineDead",
+    "EngineInputError",
     "EngineState",
-    "JobEngineAdapter",
     "build_arg_parser",
-    "installed_vllm_version",
+    "install_media_fetcher",
     "parse_engine_args",
 ]

@@ -8,7 +8,6 @@ kubelet counts every 2xx as ready, so Kubernetes probes use `/ready?strict=1`: 2
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass
 
 
@@ -59,7 +58,6 @@ class Health:
         self.phase: str | None = None
         self.reason: str | None = None
         self.draining = False
-        self.started_at = time.monotonic()
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase

@@ -1,13 +1,23 @@
 """Our Prometheus collectors. `/metrics` serves these followed by vLLM's own series.
 
-`llmendpoints_queue_depth` and `llmendpoints_requests_in_flight` are the contract the operator's
-autoscaler reads from every pod: keep their names and meaning stable.
+`llmendpoints_queue_depth` and `llmendpoints_requests_in_flight` (names in
+llmendpoints_common.signals) are the contract the operator's autoscaler reads from every pod
+(docs/contracts.md): keep their names and meaning.
+They never count a request twice: in flight = running in the engine now; queue = waiting
+(for an admission slot, in vLLM's scheduler queue, or as a queued job). Their sum is the pod's
+outstanding work, and a pod with a queue runs all it can, so its in-flight count is then its
+capacity, whether max_num_seqs or the KV cache bounds it.
+
+Sources: `add_queue_source` (work not handed to the engine yet), `add_in_flight_source` (work
+holding a slot: handed to the engine) and `set_engine_waiting_source` (of the handed work, what
+vLLM's scheduler has not started). The engine's waiting requests move from in flight to queue.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from llmendpoints_common import signals
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
@@ -23,20 +33,22 @@ class RuntimeMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._queue_sources: list[Callable[[], int]] = []
         self._in_flight_sources: list[Callable[[], int]] = []
+        self._engine_waiting: Callable[[], int] = lambda: 0
 
         self.queue_depth = Gauge(
-            "llmendpoints_queue_depth",
+            signals.QUEUE_DEPTH,
             "Requests admitted but not running yet: waiting for an admission slot, in the "
             "engine's scheduler queue, or queued as jobs.",
             registry=self.registry,
         )
-        self.queue_depth.set_function(lambda: sum(f() for f in self._queue_sources))
+        self.queue_depth.set_function(lambda: self.signals()[0])
         self.in_flight = Gauge(
-            "llmendpoints_requests_in_flight",
-            "Requests holding an admission slot (running in or handed to the engine).",
+            signals.IN_FLIGHT,
+            "Requests and jobs the engine is running now (waiting ones are in "
+            "llmendpoints_queue_depth).",
             registry=self.registry,
         )
-        self.in_flight.set_function(lambda: sum(f() for f in self._in_flight_sources))
+        self.in_flight.set_function(lambda: self.signals()[1])
         self.engine_ready = Gauge(
             "llmendpoints_engine_ready",
             "1 when the engine serves requests.",
@@ -73,6 +85,20 @@ class RuntimeMetrics:
 
     def add_in_flight_source(self, source: Callable[[], int]) -> None:
         self._in_flight_sources.append(source)
+
+    def set_engine_waiting_source(self, source: Callable[[], int]) -> None:
+        self._engine_waiting = source
+
+    def signals(self) -> tuple[int, int]:
+        """(queue depth, in flight): the engine's waiting requests count as queue, never twice.
+        The two are read one after the other, so under churn one sample can be off by the
+        requests that moved in between; the sum is exact whenever they did not."""
+        handed = sum(f() for f in self._in_flight_sources)
+        # Clamped: the engine may count a request the handed-over sources already released
+        # (it finishes between the two reads), or one job may hold several engine requests.
+        engine_waiting = min(max(self._engine_waiting(), 0), handed)
+        waiting = sum(f() for f in self._queue_sources)
+        return waiting + engine_waiting, handed - engine_waiting
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         self.startup_phase_seconds.labels(phase=phase).set(seconds)

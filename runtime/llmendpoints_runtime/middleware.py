@@ -12,9 +12,10 @@ import json
 import time
 import uuid
 
+from llmendpoints_common.errors import BadRequestError, ContentTooLargeError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llmendpoints_runtime.errors import APIError, send_error
+from llmendpoints_runtime.errors import send_error
 from llmendpoints_runtime.metrics import RuntimeMetrics
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -91,27 +92,50 @@ class RequestContext:
             request_id_var.reset(token)
 
 
+def is_runsync_path(path: str) -> bool:
+    """``/runsync`` or ``/v2/{endpoint_id}/runsync`` (pure)."""
+    if path == "/runsync":
+        return True
+    parts = path.split("/")
+    return len(parts) == 4 and parts[1] == "v2" and bool(parts[2]) and parts[3] == "runsync"
+
+
 class BodyGuard:
     """413 for bodies over the limit; 400 for JSON bodies that are not UTF-8 or not an object.
 
-    The body is buffered (it is at most `limit` bytes) and replayed to the application; later
+    ``/runsync`` has a limit of its own (RunPod's: 10 MB for /run, 20 MB for /runsync, since a
+    /runsync's input and its result travel in the one request); every other path has `limit`.
+
+    The body is buffered (it is at most the limit) and replayed to the application; later
     receive() calls go to the server, so disconnects still reach vLLM and abort generation.
     """
 
     _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
-    def __init__(self, app: ASGIApp, limit: int, metrics: RuntimeMetrics):
+    def __init__(
+        self,
+        app: ASGIApp,
+        limit: int,
+        metrics: RuntimeMetrics,
+        *,
+        runsync_limit: int | None = None,
+    ):
         self.app = app
         self.limit = limit
+        self.runsync_limit = limit if runsync_limit is None else runsync_limit
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in self._BODY_METHODS:
             await self.app(scope, receive, send)
             return
+        if is_runsync_path(scope["path"]):
+            limit, setting = self.runsync_limit, "MAX_RUNSYNC_BODY_BYTES"
+        else:
+            limit, setting = self.limit, "MAX_REQUEST_BODY_BYTES"
         declared = _header(scope, b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._too_large(send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._too_large(send, limit, setting)
             return
         chunks: list[bytes] = []
         size = 0
@@ -121,8 +145,8 @@ class BodyGuard:
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.limit:
-                await self._too_large(send)
+            if size > limit:
+                await self._too_large(send, limit, setting)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -133,29 +157,33 @@ class BodyGuard:
             problem = json_body_problem(body)
             if problem is not None:
                 self.metrics.rejected.labels(reason="bad_body").inc()
-                await send_error(send, APIError(400, problem))
+                await send_error(send, BadRequestError(problem))
                 return
+        await self.app(scope, replay(body, then=receive), send)
 
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _too_large(self, send: Send) -> None:
+    async def _too_large(self, send: Send, limit: int, setting: str) -> None:
         self.metrics.rejected.labels(reason="body_too_large").inc()
         await send_error(
             send,
-            APIError(
-                413,
-                f"request body is larger than the limit of {self.limit} bytes (MAX_REQUEST_BODY_BYTES)",
+            ContentTooLargeError(
+                f"request body is larger than the limit of {limit} bytes ({setting})"
             ),
         )
+
+
+def replay(body: bytes, *, then: Receive) -> Receive:
+    """A ``receive`` that hands the app ``body`` as the whole request, once, then defers to
+    ``then`` (usually the server's receive, so a client's disconnect still reaches the app)."""
+    sent = False
+
+    async def receive() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await then()
+
+    return receive
 
 
 def json_body_problem(body: bytes) -> str | None:

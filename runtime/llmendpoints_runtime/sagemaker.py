@@ -1,8 +1,10 @@
-"""SageMaker hosting contract: ``POST /invocations`` (``/ping`` is in health.py).
+"""SageMaker hosting contract: ``POST /invocations`` (``/ping`` is app.py's probe router,
+answered from health.py's readiness).
 
 SageMaker sends every request to ``/invocations``; the payload's shape says what it is:
 ``messages`` -> chat completions, ``prompt`` (string or list) -> completions, ``input`` ->
-embeddings. The request then runs through vLLM's own OpenAI route in-process, so parameters,
+embeddings, ``inputs`` -> text generation as the TGI/LMI containers answer it
+(``text_generation.py``). The request then runs through vLLM's own OpenAI route in-process, so parameters,
 errors and ``"stream": true`` (SSE) behave exactly as on ``/v1/...``.
 
 Why not vLLM's own ``/invocations``: it tries the request types in turn and takes the first that
@@ -20,33 +22,36 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from llmendpoints_common.errors import BadRequestError
 
+from llmendpoints_runtime import text_generation
+from llmendpoints_runtime.errors import error_responses
 from llmendpoints_runtime.jobs.asgi import ForwardedRequest
-from llmendpoints_runtime.jobs.errors import InvalidRequest, JobAPIError
 from llmendpoints_runtime.jobs.models import parse_json_object, refuse_images_for_text_only
 from llmendpoints_runtime.jobs.port import ASGIApp, JobEngine, ServedModels
-from llmendpoints_runtime.jobs.routes import error_response, read_body
+from llmendpoints_runtime.jobs.routes import read_body
 
 
 def invocation_route(payload: dict[str, Any]) -> str:
     """Which OpenAI route a SageMaker payload is meant for."""
     if "messages" in payload:
         if not isinstance(payload["messages"], list) or not payload["messages"]:
-            raise InvalidRequest(
+            raise BadRequestError(
                 "messages: must be a non-empty list of chat messages", param="messages"
             )
         return "/v1/chat/completions"
     if "prompt" in payload:
         prompt = payload["prompt"]
         if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
-            raise InvalidRequest(
+            raise BadRequestError(
                 "prompt: must be a string or a non-empty list of strings", param="prompt"
             )
         return "/v1/completions"
     if "input" in payload:
         return "/v1/embeddings"
-    raise InvalidRequest(
-        "the payload needs messages (chat completion), prompt (completion) or input (embeddings)"
+    raise BadRequestError(
+        "the payload needs messages (chat completion), prompt (completion), input "
+        "(embeddings) or inputs (text generation, as the TGI and LMI containers take it)"
     )
 
 
@@ -55,10 +60,13 @@ def map_model(payload: dict[str, Any], served: ServedModels) -> dict[str, Any]:
 
     SageMaker clients send ``"/opt/ml/model"`` or whatever their code carried over; on a
     single-model container every such value means "the model", so it is rewritten instead of
-    answered with 404. Served names and LoRA adapter names pass through unchanged.
+    answered with 404. Served names and LoRA adapter names pass through unchanged (a declared
+    adapter that is still loading then gets 503 with Retry-After).
     """
     model = payload.get("model")
-    if isinstance(model, str) and model in (*served.base, *served.adapters):
+    if isinstance(model, str) and (
+        model in served.base or model in served.adapters or model in served.unavailable
+    ):
         return payload
     return {**payload, "model": served.base[0]}
 
@@ -74,7 +82,7 @@ def check_task(route: str, served: ServedModels) -> None:
     """A payload for a task the model does not serve is a 400 that says so, not a bare 404."""
     task, what = _ROUTE_TASKS[route]
     if task not in served.tasks:
-        raise InvalidRequest(
+        raise BadRequestError(
             f"this payload asks for {what}, but model {served.base[0]!r} serves only "
             f"{', '.join(served.tasks) or 'nothing'}"
         )
@@ -94,20 +102,21 @@ def build_sagemaker_router(
     """``target`` is the app that serves ``/v1/...`` (default: vLLM's app itself)."""
     router = APIRouter(tags=["sagemaker"])
 
-    @router.post("/invocations")
+    @router.post("/invocations", responses=error_responses(400, 401, 413, 429, 503))
     async def invocations(request: Request) -> Response:
-        try:
-            payload = parse_json_object(await read_body(request, max_body_bytes))
-            route = invocation_route(payload)
+        payload = parse_json_object(await read_body(request, max_body_bytes))
+        app = target(request) if target is not None else engine.openai_app()
+        if text_generation.is_text_generation(payload):  # TGI / LMI containers' payload
             await engine.wait_ready()
             served = engine.served_models()
-            check_task(route, served)
-            check_modalities(payload, served)
-            payload = map_model(payload, served)
-        except JobAPIError as exc:
-            return error_response(exc)
-        body = json.dumps(payload).encode()
-        app = target(request) if target is not None else engine.openai_app()
-        return ForwardedRequest(app, route, body)
+            check_task(text_generation.COMPLETIONS, served)
+            return await text_generation.answer(app, payload, served.base[0])
+        route = invocation_route(payload)
+        await engine.wait_ready()
+        served = engine.served_models()
+        check_task(route, served)
+        check_modalities(payload, served)
+        payload = map_model(payload, served)
+        return ForwardedRequest(app, route, json.dumps(payload).encode())
 
     return router

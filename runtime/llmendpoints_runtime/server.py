@@ -2,8 +2,11 @@
 
 On SIGTERM (or SIGINT) readiness turns 503 at once, but the listener stays open: Kubernetes
 takes a moment to remove the pod from its Service, and requests that still arrive are served.
-The process exits as soon as nothing is in flight (HTTP requests, streams, running jobs) or when
-DRAIN_TIMEOUT_SECONDS have passed, whichever comes first; a second signal exits at once.
+The server stops listening as soon as nothing is in flight (HTTP requests, streams, queued and
+running jobs, webhooks still being delivered) or when DRAIN_TIMEOUT_SECONDS have passed,
+whichever comes first; then the app's lifespan drains the features within what is left of that
+time (jobs still running end FAILED, their webhooks are sent) and stops the engine. A second
+signal exits at once.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ import logging
 import signal
 
 import uvicorn
+from starlette.types import ASGIApp
 
-from llmendpoints_runtime.app import Runtime, create_app
+from llmendpoints_runtime.app import Runtime
 
 logger = logging.getLogger("llmendpoints.server")
 
@@ -39,6 +43,7 @@ class DrainingServer(uvicorn.Server):
         timeout = self.runtime.config.settings.drain_timeout_seconds
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        self.runtime.drain_deadline = deadline  # the lifespan's shutdown keeps to it too
         while loop.time() < deadline:
             busy = self.runtime.busy()
             if busy == 0:
@@ -54,10 +59,10 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(runtime: Runtime) -> None:
+def serve(runtime: Runtime, app: ASGIApp) -> None:
+    """Serve ``app`` (built on ``runtime`` by compose.create_app) until a signal ends the drain."""
     settings = runtime.config.settings
     args = runtime.config.engine_args
-    app = create_app(runtime)
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -56,6 +56,15 @@ ALL_FEATURES: dict[str, Any] = {
         }
     },
     "priorityClassName": "system-cluster-critical",
+    "policy": {
+        "allowedImages": ["registry.example.com/llm/*"],
+        "allowedServiceTypes": ["ClusterIP"],
+        "allowEnvValueFrom": False,
+        "allowTrustRemoteCode": False,
+        "allowedPriorityClasses": [],
+        "allowedIngressAnnotations": ["nginx.ingress.kubernetes.io/proxy-*"],
+        "allowedExistingClaims": ["models-*"],
+    },
 }
 
 NAMESPACED = {"watchNamespaces": ["team-a", "team-b"]}

@@ -359,6 +359,7 @@ def test_operator_settings_come_from_values(helm: Path, tmp_path: Path) -> None:
             "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True},
         },
         "operator": {"resyncSeconds": 120, "metricsPort": 9090},
+        "clusterDomain": "corp.example",
     }
     container = only(render(helm, tmp_path, values), "Deployment")["spec"]["template"]["spec"][
         "containers"
@@ -381,6 +382,7 @@ def test_operator_settings_come_from_values(helm: Path, tmp_path: Path) -> None:
     }
     assert env["LLMEP_OPERATOR_RESYNC_SECONDS"] == "120"
     assert env["LLMEP_OPERATOR_METRICS_PORT"] == "9090"
+    assert env["LLMEP_OPERATOR_CLUSTER_DOMAIN"] == "corp.example"
     assert {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"] == 9090
 
 
@@ -413,6 +415,7 @@ def test_rendered_environment_is_what_the_operator_settings_read(
         ({"metrics": {"podMonitor": {"enable": True}}}, "enable"),
         ({"operator": {"resyncSeconds": "soon"}}, "resyncSeconds"),
         ({"operator": {"metricsPort": 70000}}, "metricsPort"),
+        ({"clusterDomain": "Cluster_Local"}, "clusterDomain"),
         ({"watchNamespaces": "team-a"}, "watchNamespaces"),
         ({"watchNamespaces": ["Team_A"]}, "watchNamespaces"),
         ({"grafanaDashboard": {"enabled": "yes"}}, "enabled"),

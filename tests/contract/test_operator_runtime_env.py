@@ -9,6 +9,7 @@ The two packages never import each other; only this test sees both.
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
 from typing import Any
 
@@ -27,7 +28,11 @@ def _pod_environment(spec: dict[str, Any], root: pathlib.Path) -> dict[str, str]
     deployment = manifests.build_deployment(ep, OperatorSettings(), replicas=1)
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
-    configmap = manifests.build_chat_template_configmap(ep)
+    configmaps = {
+        obj["metadata"]["name"]: obj
+        for obj in manifests.build_children(ep, OperatorSettings())
+        if obj["kind"] == "ConfigMap"
+    }
     volumes = {v["name"]: v for v in pod["volumes"]}
 
     moved: dict[str, str] = {}
@@ -35,11 +40,7 @@ def _pod_environment(spec: dict[str, Any], root: pathlib.Path) -> dict[str, str]
         volume = volumes[mount["name"]]
         target = root / mount["mountPath"].lstrip("/")
         if "configMap" in volume:
-            assert (
-                configmap is not None
-                and volume["configMap"]["name"] == configmap["metadata"]["name"]
-            )
-            files = dict(configmap["data"])
+            files = dict(configmaps[volume["configMap"]["name"]]["data"])
         elif "secret" in volume:
             secret = volume["secret"]["secretName"]
             files = {
@@ -138,3 +139,71 @@ def test_an_engine_arg_vllm_rejects_is_caught_at_startup_naming_the_variable(
     with pytest.raises(config.ConfigError) as caught:
         config.load_config(_pod_environment(spec, tmp_path))
     assert caught.value.variable == "MAX_NUM_SEQS"
+
+
+def test_declared_adapters_reach_the_runtime_as_its_adapter_list(tmp_path: pathlib.Path) -> None:
+    from llmendpoints_runtime.adapters.declared import DeclaredAdapter, parse_adapters
+
+    spec = {
+        "model": {"name": "org/model", "servedModelName": "chat"},
+        "adapters": [
+            {"name": "sql", "source": "org/sql-lora", "revision": "abc", "rank": 24},
+            {"name": "legal", "source": "/models/adapters/legal"},
+        ],
+    }
+    env = _pod_environment(spec, tmp_path)
+    loaded = config.load_config(env)
+    args = loaded.engine_args
+    # Derived engine settings, accepted by vLLM's own parser: rank 24 needs vLLM's next size, 32.
+    assert (args.enable_lora, args.max_loras, args.max_lora_rank) == (True, 4, 32)
+    declared = parse_adapters(pathlib.Path(loaded.settings.adapters_file).read_text())
+    assert declared == (
+        DeclaredAdapter("sql", "org/sql-lora", "abc"),
+        DeclaredAdapter("legal", "/models/adapters/legal"),
+    )
+
+
+def test_engine_args_win_over_the_derived_lora_settings(tmp_path: pathlib.Path) -> None:
+    spec = {
+        "model": {"name": "org/model"},
+        "engine": {"args": {"max-loras": 2, "max-lora-rank": 64}},
+        "adapters": [{"name": "sql", "source": "org/sql-lora", "rank": 8}],
+    }
+    args = config.load_config(_pod_environment(spec, tmp_path)).engine_args
+    assert (args.enable_lora, args.max_loras, args.max_lora_rank) == (True, 2, 64)
+
+
+async def test_the_operator_reads_the_adapter_gauges_the_runtime_exports(
+    tmp_path: pathlib.Path,
+) -> None:
+    from llmendpoints_operator.adapter_status import PodAdapter, parse_pod_adapters
+    from llmendpoints_runtime.adapters.declared import DeclaredAdapter
+    from llmendpoints_runtime.adapters.reconciler import AdapterReconciler
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    class Engine:  # the engine port: loads "good", refuses everything else
+        async def load(self, name: str, path: str, *, replace: bool) -> None:
+            if name != "good":
+                raise ValueError(f'LoRA rank 64 is greater than max_lora_rank 8 ("{name}")')
+
+        async def unload(self, name: str) -> None: ...
+
+        def loaded(self) -> frozenset[str]:
+            return frozenset()
+
+    for name in ("good", "bad"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text("{}")
+    registry = CollectorRegistry()
+    reconciler = AdapterReconciler(Engine(), registry, adapters_file=None)
+    await reconciler.sync(tuple(DeclaredAdapter(n, str(tmp_path / n)) for n in ("good", "bad")))
+    while reconciler._tasks:
+        await asyncio.sleep(0.01)
+
+    assert parse_pod_adapters(generate_latest(registry).decode()) == {
+        "good": PodAdapter(ready=True),
+        "bad": PodAdapter(
+            ready=False,
+            error='ValueError: LoRA rank 64 is greater than max_lora_rank 8 ("bad")',
+        ),
+    }

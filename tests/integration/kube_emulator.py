@@ -4,14 +4,22 @@ Shared by tests/integration/ and bench/operator_scale.py. The emulator runs in t
 loop; the operator runs as a subprocess (`python -m llmendpoints_operator run`) pointed at it by a
 kubeconfig, exactly as a user would run it.
 
-kmock's emulator stores objects exactly as given. `Emulator` below adds the three things an API
-server does on every write that kopf and the operator rely on: a uid, a resourceVersion that
-changes on every write (kopf skips events older than its own last patch by it, and guards its
-patches with a JSON-patch test of it: a failed test is a 422, as on a real server), and a
-generation that changes when the spec does (the status reports observedGeneration).
+kmock's emulator stores objects exactly as given. `Emulator` below adds what an API server does
+on every write that kopf and the operator rely on: a uid, a resourceVersion that changes on every
+write (kopf skips events older than its own last patch by it, and guards its patches with a
+JSON-patch test of it: a failed test is a 422, as on a real server), and a generation that
+changes when the spec does (the status reports observedGeneration). And the parts of server-side
+apply the operator depends on:
+- an apply (PATCH application/apply-patch+yaml) of a missing object creates it;
+- field ownership of a Deployment's `spec.replicas`, per field manager and operation (Apply or
+  Update), as the API server keeps it in managedFields: a create or a merge patch that sets it
+  makes (manager, Update) its owner; an apply that sets it makes (manager, Apply) its owner; an
+  apply that leaves it out releases (manager, Apply)'s ownership, and when no owner is left the
+  field is removed and defaulted to 1 - so a count written by an apply is reset by the next
+  apply without it, exactly as on a real cluster. `Cluster.replicas_owners` shows the owners.
 Still missing, so the tests do it where they need it: garbage collection, controllers (a
-Deployment never gets a status unless a test writes one), server-side apply semantics (a PATCH
-is a recursive merge of whatever is sent).
+Deployment never gets a status unless a test writes one), and apply semantics for every other
+field (an apply is merged like a merge patch: a field an apply stops sending stays).
 """
 
 from __future__ import annotations
@@ -23,11 +31,14 @@ import datetime
 import itertools
 import os
 import pathlib
+import socket
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp
+import attrs
 import jsonpatch
 import kmock
 import yaml
@@ -36,6 +47,8 @@ from kmock._internal import dsl, rendering
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 LLMEP = "llmendpoints.dev/v1alpha1/llmendpoints"
+APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
+Owner = tuple[str, str]  # (field manager, operation: Apply or Update)
 VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 
 # Every kind the operator watches or writes, plus what kopf itself needs.
@@ -111,15 +124,42 @@ class _FastMatching(kmock.RawHandler):
         raise NotImplementedError("no reaction matches the request")
 
 
+def _is_apply(request: kmock.Request) -> bool:
+    content_type = next((v for k, v in request.headers.items() if k.lower() == "content-type"), "")
+    return content_type.startswith(APPLY_CONTENT_TYPE)
+
+
 class Emulator(kmock.KubernetesEmulator, _FastMatching):
-    """KubernetesEmulator plus uid, resourceVersion and generation bookkeeping."""
+    """KubernetesEmulator plus uid, resourceVersion and generation bookkeeping, apply-create, and
+    the ownership of Deployments' spec.replicas (see the module's docstring)."""
 
     _versions = itertools.count(1)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        # (namespace, name) of a Deployment -> the owners of its spec.replicas.
+        self.replicas_owners: dict[tuple[str | None, str], set[Owner]] = {}
+
+    def _stored(self, request: kmock.Request) -> dict[str, Any] | None:
+        key = (request.resource, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            return None
+        return self.objects[key].raw
 
     async def _handle(self, request: kmock.Request) -> Any:
         # Nothing here asserts on past requests: do not let the history grow without bound.
         if len(self._requests) > 1024:
             del self._requests[:-512]
+        if (
+            request.resource is not None
+            and request.action == kmock.action.UPDATE
+            and _is_apply(request)
+            and request.subresource is None
+            and self._stored(request) is None
+        ):
+            request = attrs.evolve(request, action=kmock.action.CREATE)  # apply creates
+        if request.resource == kmock.resource(CHILD_RESOURCES["Deployment"]):
+            self._own_replicas(request)
         if request.resource is None:
             pass  # discovery and other non-object requests
         elif request.action == kmock.action.CREATE and isinstance(request.data, dict):
@@ -136,6 +176,37 @@ class Emulator(kmock.KubernetesEmulator, _FastMatching):
             return await super()._handle(request)
         except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPatchConflict) as exc:
             raise kmock.KubernetesError(status=422, reason="Invalid", message=str(exc)) from exc
+
+    def _own_replicas(self, request: kmock.Request) -> None:
+        """Track who owns a Deployment's spec.replicas; remove it when an apply releases it last."""
+        data = request.data
+        if request.subresource is not None or not isinstance(data, dict):
+            return
+        if not isinstance(data.get("spec"), dict):
+            data["spec"] = {}
+        spec, meta = data["spec"], data.get("metadata") or {}
+        key = (request.namespace or meta.get("namespace"), request.name or meta.get("name"))
+        owner = (
+            request.params.get("fieldManager", "unknown"),
+            "Apply" if _is_apply(request) else "Update",
+        )
+        if request.action == kmock.action.CREATE:
+            self.replicas_owners[key] = {owner} if spec.get("replicas") is not None else set()
+            spec.setdefault("replicas", 1)  # the API server's default: nobody owns it
+            return
+        if request.action != kmock.action.UPDATE or self._stored(request) is None:
+            return
+        owners = self.replicas_owners.setdefault(key, set())
+        current = (self._stored(request).get("spec") or {}).get("replicas")
+        if spec.get("replicas") is not None:
+            if spec["replicas"] != current:
+                owners.clear()  # a changed value belongs to its writer alone (apply forces)
+            if spec["replicas"] != current or owner[1] == "Apply":
+                owners.add(owner)
+        elif owner[1] == "Apply" and owner in owners:
+            owners.discard(owner)  # an apply without the field gives it up
+            if not owners:
+                spec["replicas"] = 1  # removed, then defaulted again
 
     def _stamp_update(self, request: kmock.Request) -> None:
         key = (request.resource, request.namespace, request.name)
@@ -214,10 +285,20 @@ class Cluster:
         async with self._server.client.post(path, json=body) as response:
             assert response.status < 400, await response.text()
 
-    async def patch(self, resource: str, namespace: str, name: str, patch: dict[str, Any]) -> None:
+    async def patch(
+        self,
+        resource: str,
+        namespace: str,
+        name: str,
+        patch: dict[str, Any],
+        field_manager: str = "test",
+    ) -> None:
         path = f"{_collection_path(resource, namespace)}/{name}"
         async with self._server.client.patch(
-            path, json=patch, headers={"Content-Type": "application/merge-patch+json"}
+            path,
+            json=patch,
+            params={"fieldManager": field_manager},
+            headers={"Content-Type": "application/merge-patch+json"},
         ) as response:
             assert response.status < 400, await response.text()
 
@@ -234,6 +315,10 @@ class Cluster:
             return None
         obj = self.kmock.objects[key]
         return None if obj.deleted else obj.raw
+
+    def replicas_owners(self, namespace: str, deployment: str) -> set[Owner]:
+        """(field manager, operation) pairs owning the Deployment's spec.replicas."""
+        return set(self.kmock.replicas_owners.get((namespace, deployment), set()))
 
     def names(self, resource: str, namespace: str) -> set[str]:
         return {
@@ -273,16 +358,21 @@ class Operator:
     """`python -m llmendpoints_operator run -A --standalone` as a subprocess."""
 
     def __init__(
-        self, kubeconfig: pathlib.Path, log_path: pathlib.Path, env: dict[str, str] | None = None
+        self,
+        kubeconfig: pathlib.Path,
+        log_path: pathlib.Path,
+        env: dict[str, str] | None = None,
+        metrics_port: int = 0,  # 0: no /metrics
     ):
         self.kubeconfig, self.log_path, self.extra_env = kubeconfig, log_path, env or {}
+        self.metrics_port = metrics_port
         self.process: asyncio.subprocess.Process | None = None
 
     async def start(self) -> asyncio.subprocess.Process:
         env = {
             **os.environ,
             "KUBECONFIG": str(self.kubeconfig),
-            "LLMEP_OPERATOR_METRICS_PORT": "0",
+            "LLMEP_OPERATOR_METRICS_PORT": str(self.metrics_port),
             "PYTHONUNBUFFERED": "1",
             **self.extra_env,
         }
@@ -321,6 +411,20 @@ class Operator:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    async def metrics(self) -> str:
+        """The operator's own /metrics (it must have been started with a metrics_port)."""
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{self.metrics_port}/metrics") as response,
+        ):
+            return await response.text()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
 
 async def wait_for(
     predicate: Callable[[], Any], timeout: float = 60, what: str = "condition"
@@ -334,3 +438,18 @@ async def wait_for(
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
         await asyncio.sleep(0.1)
+
+
+async def until(
+    operator: Operator, predicate: Callable[[], Any], what: str, timeout: float = 60
+) -> Any:
+    """wait_for, failing at once if the operator exits, with its log in the failure."""
+
+    def check() -> Any:
+        assert operator.alive, f"operator exited:\n{operator.log()[-3000:]}"
+        return predicate()
+
+    try:
+        return await wait_for(check, timeout=timeout, what=what)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}; operator log:\n{operator.log()[-4000:]}") from None

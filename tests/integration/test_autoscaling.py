@@ -12,17 +12,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from .kube_emulator import CHILD_RESOURCES, LLMEP, Cluster, Operator, endpoint, wait_for
+from .kube_emulator import CHILD_RESOURCES, LLMEP, Cluster, Operator, endpoint, free_port, until
 
 pytestmark = [pytest.mark.kube, pytest.mark.asyncio(loop_scope="module")]
 
@@ -43,22 +41,22 @@ SCALING = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class StandInPods:
     """Ready 'pods' that follow the Deployment's replicas and report the load's share."""
 
     def __init__(self, cluster: Cluster, port: int) -> None:
         self.cluster, self.port = cluster, port
         self.work = 0  # concurrent requests sent to the endpoint
+        self.scrapes = 0  # GET /metrics the operator sent
         self._runners: list[web.AppRunner] = []
+        self._listed = 0  # pods in the EndpointSlice
 
     def _share(self, index: int) -> tuple[int, int]:
-        pods = len(self._runners)
+        # The load goes to the pods the EndpointSlice lists (as a Service's would): a pod that
+        # is up but not listed yet gets none, so a scrape in between never misses a share.
+        pods = self._listed
+        if index >= pods:
+            return 0, 0
         mine = self.work // pods + (1 if index < self.work % pods else 0)
         return max(0, mine - CAPACITY), min(mine, CAPACITY)
 
@@ -66,6 +64,7 @@ class StandInPods:
         index = len(self._runners)
 
         async def metrics(request: web.Request) -> web.Response:
+            self.scrapes += 1
             queued, running = self._share(index)
             return web.Response(
                 text=(
@@ -91,7 +90,10 @@ class StandInPods:
             "metadata": {
                 "name": f"{NAME}-x7k2p",
                 "namespace": NS,
-                "labels": {"kubernetes.io/service-name": NAME},
+                "labels": {
+                    "kubernetes.io/service-name": NAME,
+                    "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
+                },
             },
             "addressType": "IPv4",
             "ports": [{"name": "http", "port": self.port, "protocol": "TCP"}],
@@ -108,7 +110,7 @@ class StandInPods:
             await self.cluster.create(SLICES, NS, body)
         else:
             await self.cluster.patch(SLICES, NS, body["metadata"]["name"], body)
-        count = len(self._runners)
+        count = self._listed = len(self._runners)
         await self.cluster.patch(
             DEPLOYMENTS,
             NS,
@@ -123,11 +125,13 @@ class StandInPods:
             deployment = self.cluster.get(DEPLOYMENTS, NS, NAME)
             wanted = (deployment or {}).get("spec", {}).get("replicas", 0)
             if wanted != len(self._runners):
+                self._listed = min(self._listed, wanted)  # the Service stops routing first
                 while len(self._runners) < wanted:
                     await self._start_pod()
                 while len(self._runners) > wanted:
                     await self._runners.pop().cleanup()
                 await self._publish()
+                self._listed = wanted
             await asyncio.sleep(0.1)
 
     async def close(self) -> None:
@@ -136,30 +140,8 @@ class StandInPods:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def cluster() -> AsyncIterator[Cluster]:
-    async with Cluster() as cluster:
-        yield cluster
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def operator(
-    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[tuple[Operator, int]]:
-    tmp = tmp_path_factory.mktemp("operator")
-    metrics_port = _free_port()
-    operator = Operator(
-        cluster.write_kubeconfig(tmp / "kubeconfig"),
-        tmp / "operator.log",
-        env={"LLMEP_OPERATOR_METRICS_PORT": str(metrics_port)},
-    )
-    await operator.start()
-    yield operator, metrics_port
-    await operator.stop()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pods(cluster: Cluster) -> AsyncIterator[StandInPods]:
-    pods = StandInPods(cluster, _free_port())
+    pods = StandInPods(cluster, free_port())
     task = asyncio.create_task(pods.follow())
     yield pods
     task.cancel()
@@ -184,43 +166,31 @@ def _autoscaling(cluster: Cluster) -> dict[str, Any]:
     return ((cluster.get(LLMEP, NS, NAME) or {}).get("status") or {}).get("autoscaling") or {}
 
 
-async def _until(operator: Operator, predicate: Any, what: str, timeout: float = 30) -> Any:
-    def check() -> Any:
-        assert operator.alive, f"operator exited:\n{operator.log()[-3000:]}"
-        return predicate()
-
-    try:
-        return await wait_for(check, timeout=timeout, what=what)
-    except TimeoutError as exc:
-        raise AssertionError(f"{exc}; operator log:\n{operator.log()[-4000:]}") from None
-
-
 async def test_queue_up_scales_up_fast_load_gone_holds_then_returns_to_min(
-    cluster: Cluster, operator: tuple[Operator, int], pods: StandInPods
+    cluster: Cluster, operator: Operator, pods: StandInPods
 ) -> None:
-    op, metrics_port = operator
     await cluster.create(
         LLMEP, NS, endpoint(NAME, NS, {"model": {"name": "org/model"}, "scaling": SCALING})
     )
-    await _until(op, lambda: _replicas(cluster) == 1, "the Deployment with 1 replica")
-    await _until(op, lambda: _autoscaling(cluster).get("signals"), "a first autoscaler tick")
+    await until(operator, lambda: _replicas(cluster) == 1, "the Deployment with 1 replica")
+    await until(operator, lambda: _autoscaling(cluster).get("signals"), "a first autoscaler tick")
     assert _autoscaling(cluster)["reason"].startswith("hold at 1")
 
     # 24 concurrent requests on one pod of 4: 20 queued, 10x the target. At the known capacity
     # the work needs 24 / (4 + 2) = 4 replicas; growth is at most x2 per decision: 1 -> 2 -> 4.
     pods.work = 24
-    await _until(op, lambda: (_replicas(cluster) or 0) > 1, "a scale-up", timeout=10)
-    await _until(op, lambda: _replicas(cluster) == 4, "4 replicas", timeout=15)
+    await until(operator, lambda: (_replicas(cluster) or 0) > 1, "a scale-up", timeout=10)
+    await until(operator, lambda: _replicas(cluster) == 4, "4 replicas", timeout=15)
 
     def ups() -> list[dict[str, Any]]:
         return [d for d in _autoscaling(cluster).get("lastDecisions", []) if d["to"] > d["from"]]
 
-    await _until(op, lambda: len(ups()) == 2, "both scale-ups recorded in status", timeout=5)
+    await until(operator, lambda: len(ups()) == 2, "both scale-ups recorded in status", timeout=5)
     ups = ups()
     assert [(d["from"], d["to"]) for d in reversed(ups)] == [(1, 2), (2, 4)]
     assert "burst" in ups[-1]["reason"] and ups[-1]["signals"]["queueDepth"] == 20
 
-    text = await _operator_metrics(metrics_port)
+    text = await operator.metrics()
     labels = f'endpoint="{NAME}",namespace="{NS}"'
     assert f"llmendpoints_autoscaler_desired_replicas{{{labels}}} 4.0" in text
     assert f'llmendpoints_autoscaler_decisions_total{{direction="up",{labels}}} 2.0' in text
@@ -232,11 +202,14 @@ async def test_queue_up_scales_up_fast_load_gone_holds_then_returns_to_min(
     pods.work = 0
     gone = time.time()
     await asyncio.sleep(2)
-    await op.stop()
-    await op.start()
-    await _until(op, lambda: _replicas(cluster) == 1, "back to minReplicas", timeout=40)
-    await _until(
-        op, lambda: _autoscaling(cluster).get("desiredReplicas") == 1, "status at 1", timeout=5
+    await operator.stop()
+    await operator.start()
+    await until(operator, lambda: _replicas(cluster) == 1, "back to minReplicas", timeout=40)
+    await until(
+        operator,
+        lambda: _autoscaling(cluster).get("desiredReplicas") == 1,
+        "status at 1",
+        timeout=5,
     )
     status = _autoscaling(cluster)
     downs = [d for d in status["lastDecisions"] if d["to"] < d["from"]]
@@ -248,12 +221,17 @@ async def test_queue_up_scales_up_fast_load_gone_holds_then_returns_to_min(
     assert held >= SCALE_DOWN_WINDOW - 2
     assert status["state"]["v"] == 1
 
+    def scale_events() -> list[str]:
+        return [e["reason"] for e in cluster.events(NS, NAME) if e["reason"].startswith("Scale")]
+
+    # Events are posted in the background: the last one may follow the status write.
+    expected = ["ScaleUp", "ScaleUp"] + ["ScaleDown"] * len(downs)
+    await until(operator, lambda: len(scale_events()) >= len(expected), "the Events", timeout=5)
+    assert scale_events() == expected
     events = [(e["reason"], e["message"]) for e in cluster.events(NS, NAME)]
-    scale_events = [reason for reason, _ in events if reason.startswith("Scale")]
-    assert scale_events == ["ScaleUp", "ScaleUp"] + ["ScaleDown"] * len(downs)
     assert any(m.startswith("scale down") and "->1" in m for r, m in events if r == "ScaleDown")
 
-    text = await _operator_metrics(metrics_port)  # the restarted process counts from zero
+    text = await operator.metrics()  # the restarted process counts from zero
     assert f"llmendpoints_autoscaler_desired_replicas{{{labels}}} 1.0" in text
     assert (
         f'llmendpoints_autoscaler_decisions_total{{direction="down",{labels}}} {len(downs)}.0'
@@ -261,9 +239,59 @@ async def test_queue_up_scales_up_fast_load_gone_holds_then_returns_to_min(
     )
 
 
-async def _operator_metrics(port: int) -> str:
-    async with (
-        aiohttp.ClientSession() as session,
-        session.get(f"http://127.0.0.1:{port}/metrics") as response,
-    ):
-        return await response.text()
+async def test_only_the_controllers_pod_endpoints_are_fetched(
+    cluster: Cluster, operator: Operator, pods: StandInPods
+) -> None:
+    """A slice labelled with the Service's name by someone else, or an endpoint that is no Pod,
+    never makes the operator send a request (docs/security.md)."""
+    if cluster.get(LLMEP, NS, NAME) is None:  # run alone: bring the endpoint up first
+        spec = {"model": {"name": "org/m"}, "scaling": SCALING}
+        await cluster.create(LLMEP, NS, endpoint(NAME, NS, spec))
+        await until(operator, lambda: pods.scrapes > 0, "the autoscaler scraping its pod")
+    hits = 0
+
+    async def bait(request: web.Request) -> web.Response:
+        nonlocal hits
+        hits += 1
+        return web.Response(
+            text="llmendpoints_queue_depth 1000\nllmendpoints_requests_in_flight 0\n"
+        )
+
+    app = web.Application()
+    app.router.add_get("/metrics", bait)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.200", pods.port).start()
+    forged_endpoint = {
+        "addresses": ["127.0.0.200"],
+        "conditions": {"ready": True},
+        "targetRef": {"kind": "Pod", "name": f"{NAME}-forged"},
+    }
+    not_a_pod = {"addresses": ["127.0.0.200"], "conditions": {"ready": True}}
+    managed = {"endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}
+    for name, labels, endpoints in [
+        ("forged", {}, [forged_endpoint]),
+        ("not-a-pod", managed, [not_a_pod]),
+    ]:
+        await cluster.create(
+            SLICES,
+            NS,
+            {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {
+                    "name": f"{NAME}-{name}",
+                    "namespace": NS,
+                    "labels": {"kubernetes.io/service-name": NAME, **labels},
+                },
+                "addressType": "IPv4",
+                "ports": [{"name": "http", "port": pods.port, "protocol": "TCP"}],
+                "endpoints": endpoints,
+            },
+        )
+    try:
+        before = pods.scrapes
+        await until(operator, lambda: pods.scrapes >= before + 3, "three more ticks")
+        assert hits == 0
+    finally:
+        await runner.cleanup()

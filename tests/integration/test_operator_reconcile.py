@@ -8,50 +8,25 @@ for the restart test, which replaces the operator process and runs last.
 from __future__ import annotations
 
 import pathlib
-import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
 import pytest
-import pytest_asyncio
 
-from .kube_emulator import CHILD_RESOURCES, LLMEP, Cluster, Operator, endpoint, wait_for
+from .kube_emulator import CHILD_RESOURCES, LLMEP, Cluster, Operator, endpoint, until
 
 pytestmark = [pytest.mark.kube, pytest.mark.asyncio(loop_scope="module")]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 NS = "models"
 DEPLOYMENTS = CHILD_RESOURCES["Deployment"]
 # Every endpoint is reconciled again every few seconds (the default is 300 s).
-RESYNC = {"LLMEP_OPERATOR_RESYNC_SECONDS": "3"}
-METRICS_PORT = _free_port()
+# A cluster-admin policy (docs/security.md): endpoints run images of one registry only.
+OPERATOR_ENV = {
+    "LLMEP_OPERATOR_RESYNC_SECONDS": "3",
+    "LLMEP_OPERATOR_ALLOWED_IMAGES": "registry.example.com/*",
+}
 # What the Deployment controller reports once one pod passes its readiness probe.
+OPERATOR = "llmendpoints-operator"  # the operator's default field manager
 AVAILABLE = {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1, "updatedReplicas": 1}
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def cluster() -> AsyncIterator[Cluster]:
-    async with Cluster() as cluster:
-        yield cluster
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def operator(
-    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Operator]:
-    tmp = tmp_path_factory.mktemp("operator")
-    env = {**RESYNC, "LLMEP_OPERATOR_METRICS_PORT": str(METRICS_PORT)}
-    operator = Operator(cluster.write_kubeconfig(tmp / "kubeconfig"), tmp / "operator.log", env)
-    await operator.start()
-    yield operator
-    await operator.stop()
 
 
 def _status(cluster: Cluster, name: str) -> dict[str, Any]:
@@ -65,17 +40,6 @@ def _condition(cluster: Cluster, name: str, type_: str) -> dict[str, Any]:
 def _env(deployment: dict[str, Any]) -> dict[str, Any]:
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     return {var["name"]: var.get("value", var.get("valueFrom")) for var in container["env"]}
-
-
-async def _until(operator: Operator, predicate: Any, what: str) -> Any:
-    def check() -> Any:
-        assert operator.alive, f"operator exited:\n{operator.log()[-3000:]}"
-        return predicate()
-
-    try:
-        return await wait_for(check, timeout=60, what=what)
-    except TimeoutError as exc:
-        raise AssertionError(f"{exc}; operator log:\n{operator.log()[-4000:]}") from None
 
 
 FULL_SPEC = {
@@ -99,9 +63,7 @@ async def test_create_builds_every_child_with_owner_and_reports_status(
 ) -> None:
     await cluster.create(LLMEP, NS, endpoint("full", NS, FULL_SPEC))
     # observedGeneration is written once the reconcile of that generation is complete.
-    await _until(
-        operator, lambda: _status(cluster, "full").get("observedGeneration") == 1, "status"
-    )
+    await until(operator, lambda: _status(cluster, "full").get("observedGeneration") == 1, "status")
     owner_uid = cluster.get(LLMEP, NS, "full")["metadata"]["uid"]
 
     expected = {
@@ -133,7 +95,7 @@ async def test_create_builds_every_child_with_owner_and_reports_status(
     # The claim has no status in the emulator (no provisioner): the endpoint waits for it.
     assert _condition(cluster, "full", "CacheReady")["reason"] == "ClaimPending"
     assert _condition(cluster, "full", "Ready")["reason"] == "WaitingForCache"
-    await _until(
+    await until(
         operator,
         lambda: "Created" in [e["reason"] for e in cluster.events(NS, "full")],
         "a Created event",
@@ -142,7 +104,7 @@ async def test_create_builds_every_child_with_owner_and_reports_status(
     # A provisioner binds the claim: the claim's watch event updates the endpoint's status.
     claims = CHILD_RESOURCES["PersistentVolumeClaim"]
     await cluster.patch(claims, NS, "full-model-cache", {"status": {"phase": "Bound"}})
-    await _until(
+    await until(
         operator,
         lambda: _condition(cluster, "full", "CacheReady").get("reason") == "Bound",
         "CacheReady=True",
@@ -154,19 +116,19 @@ async def test_children_becoming_ready_make_the_endpoint_ready(
     cluster: Cluster, operator: Operator
 ) -> None:
     await cluster.create(LLMEP, NS, endpoint("ready", NS, {"model": {"name": "org/m"}}))
-    await _until(operator, lambda: cluster.get(DEPLOYMENTS, NS, "ready"), "deployment")
-    await _until(operator, lambda: _status(cluster, "ready").get("phase") == "Starting", "Starting")
+    await until(operator, lambda: cluster.get(DEPLOYMENTS, NS, "ready"), "deployment")
+    await until(operator, lambda: _status(cluster, "ready").get("phase") == "Starting", "Starting")
 
     # What the Deployment controller would report once the pod passes its readiness probe.
     generation = cluster.get(DEPLOYMENTS, NS, "ready")["metadata"]["generation"]
     await cluster.patch(
         DEPLOYMENTS, NS, "ready", {"status": {**AVAILABLE, "observedGeneration": generation}}
     )
-    await _until(operator, lambda: _status(cluster, "ready").get("phase") == "Ready", "Ready")
+    await until(operator, lambda: _status(cluster, "ready").get("phase") == "Ready", "Ready")
     ready = _condition(cluster, "ready", "Ready")
     assert (ready["status"], ready["reason"]) == ("True", "Serving")
     assert _status(cluster, "ready")["readyReplicas"] == 1
-    await _until(
+    await until(
         operator,
         lambda: "Ready" in [e["reason"] for e in cluster.events(NS, "ready")],
         "a Ready event",
@@ -178,7 +140,7 @@ async def test_an_existing_claim_is_reported_until_it_exists_and_is_bound(
 ) -> None:
     spec = {"model": {"name": "org/m"}, "cache": {"existingClaim": "shared-weights"}}
     await cluster.create(LLMEP, NS, endpoint("shared", NS, spec))
-    await _until(
+    await until(
         operator,
         lambda: _condition(cluster, "shared", "CacheReady").get("reason") == "ClaimNotFound",
         "ClaimNotFound",
@@ -193,7 +155,7 @@ async def test_an_existing_claim_is_reported_until_it_exists_and_is_bound(
         "status": {"phase": "Bound"},
     }
     await cluster.create(claims, NS, claim)
-    await _until(
+    await until(
         operator,
         lambda: _condition(cluster, "shared", "CacheReady").get("reason") == "Bound",
         "CacheReady=True once the user's claim exists",
@@ -204,15 +166,15 @@ async def test_spec_change_updates_the_deployment_and_observed_generation(
     cluster: Cluster, operator: Operator
 ) -> None:
     await cluster.create(LLMEP, NS, endpoint("change", NS, {"model": {"name": "org/old"}}))
-    await _until(operator, lambda: cluster.get(DEPLOYMENTS, NS, "change"), "deployment")
+    await until(operator, lambda: cluster.get(DEPLOYMENTS, NS, "change"), "deployment")
 
     await cluster.patch(LLMEP, NS, "change", {"spec": {"model": {"name": "org/new"}}})
-    await _until(
+    await until(
         operator,
         lambda: _env(cluster.get(DEPLOYMENTS, NS, "change"))["MODEL_NAME"] == "org/new",
         "the new model in the Deployment",
     )
-    await _until(
+    await until(
         operator,
         lambda: _status(cluster, "change").get("observedGeneration") == 2,
         "observedGeneration 2",
@@ -224,25 +186,32 @@ async def test_reconcile_leaves_replicas_to_the_autoscaler_within_bounds(
 ) -> None:
     spec = {"model": {"name": "org/m"}, "scaling": {"minReplicas": 1, "maxReplicas": 4}}
     await cluster.create(LLMEP, NS, endpoint("scaled", NS, spec))
-    await _until(operator, lambda: cluster.get(DEPLOYMENTS, NS, "scaled"), "deployment")
+    await until(operator, lambda: cluster.get(DEPLOYMENTS, NS, "scaled"), "deployment")
+    # Created with replicas by an Update (the POST), never by an apply: the operator's applies
+    # leave replicas out, and the emulator resets a count its last applier stops sending.
+    assert cluster.replicas_owners(NS, "scaled") == {(OPERATOR, "Update")}
 
-    # The autoscaler decides 3; a later spec change must not undo it.
-    await cluster.patch(DEPLOYMENTS, NS, "scaled", {"spec": {"replicas": 3}})
+    # Another writer (the autoscaler, an HPA) decides 3; a later spec change must not undo it.
+    await cluster.patch(
+        DEPLOYMENTS, NS, "scaled", {"spec": {"replicas": 3}}, field_manager="autoscaler"
+    )
     await cluster.patch(LLMEP, NS, "scaled", {"spec": {"engine": {"maxModelLen": 2048}}})
-    await _until(
+    await until(
         operator,
         lambda: _env(cluster.get(DEPLOYMENTS, NS, "scaled")).get("MAX_MODEL_LEN") == "2048",
         "the spec change",
     )
     assert cluster.get(DEPLOYMENTS, NS, "scaled")["spec"]["replicas"] == 3
+    assert cluster.replicas_owners(NS, "scaled") == {("autoscaler", "Update")}
 
     # Lowering maxReplicas below the current count clamps it.
     await cluster.patch(LLMEP, NS, "scaled", {"spec": {"scaling": {"maxReplicas": 2}}})
-    await _until(
+    await until(
         operator,
         lambda: cluster.get(DEPLOYMENTS, NS, "scaled")["spec"]["replicas"] == 2,
         "replicas clamped to maxReplicas",
     )
+    assert cluster.replicas_owners(NS, "scaled") == {(OPERATOR, "Update")}
 
 
 async def test_invalid_spec_is_reported_and_fixing_it_recovers(
@@ -250,13 +219,13 @@ async def test_invalid_spec_is_reported_and_fixing_it_recovers(
 ) -> None:
     spec = {"model": {"name": "org/m"}, "scaling": {"minReplicas": 3, "maxReplicas": 2}}
     await cluster.create(LLMEP, NS, endpoint("broken", NS, spec))
-    await _until(operator, lambda: _status(cluster, "broken").get("phase") == "Failed", "Failed")
+    await until(operator, lambda: _status(cluster, "broken").get("phase") == "Failed", "Failed")
 
     ready = _condition(cluster, "broken", "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
     assert ready["message"].startswith("spec.scaling.minReplicas:")
     assert _condition(cluster, "broken", "SpecValid")["status"] == "False"
-    await _until(
+    await until(
         operator,
         lambda: [e for e in cluster.events(NS, "broken") if e["reason"] == "InvalidSpec"],
         "an InvalidSpec event",
@@ -268,9 +237,9 @@ async def test_invalid_spec_is_reported_and_fixing_it_recovers(
         assert "broken" not in cluster.names(resource, NS)
 
     await cluster.patch(LLMEP, NS, "broken", {"spec": {"scaling": {"maxReplicas": 3}}})
-    await _until(operator, lambda: cluster.get(DEPLOYMENTS, NS, "broken"), "recovery")
+    await until(operator, lambda: cluster.get(DEPLOYMENTS, NS, "broken"), "recovery")
     assert cluster.get(DEPLOYMENTS, NS, "broken")["spec"]["replicas"] == 3
-    await _until(
+    await until(
         operator,
         lambda: _condition(cluster, "broken", "SpecValid").get("status") == "True",
         "SpecValid=True",
@@ -281,36 +250,83 @@ async def test_invalid_spec_is_reported_and_fixing_it_recovers(
 async def test_children_the_spec_no_longer_asks_for_are_deleted(
     cluster: Cluster, operator: Operator
 ) -> None:
-    spec = {"model": {"name": "org/m"}, "api": {"ingress": {"enabled": True}}}
+    spec = {
+        "model": {"name": "org/m"},
+        "api": {"ingress": {"enabled": True}, "allowUnauthenticated": True},
+    }
     await cluster.create(LLMEP, NS, endpoint("prune", NS, spec))
     ingresses = CHILD_RESOURCES["Ingress"]
-    await _until(operator, lambda: cluster.get(ingresses, NS, "prune"), "the ingress")
+    await until(operator, lambda: cluster.get(ingresses, NS, "prune"), "the ingress")
 
     await cluster.patch(LLMEP, NS, "prune", {"spec": {"api": {"ingress": {"enabled": False}}}})
-    await _until(operator, lambda: cluster.get(ingresses, NS, "prune") is None, "ingress deleted")
+    await until(operator, lambda: cluster.get(ingresses, NS, "prune") is None, "ingress deleted")
     assert cluster.get(DEPLOYMENTS, NS, "prune") is not None
+
+
+async def test_adapters_reach_pods_through_a_configmap_without_a_rollout(
+    cluster: Cluster, operator: Operator
+) -> None:
+    configmaps = CHILD_RESOURCES["ConfigMap"]
+    one = [{"name": "sql", "source": "org/sql-lora", "rank": 8}]
+    await cluster.create(
+        LLMEP, NS, endpoint("lora", NS, {"model": {"name": "org/m"}, "adapters": one})
+    )
+    await until(operator, lambda: cluster.get(configmaps, NS, "lora-adapters"), "adapters list")
+    assert '"name": "sql"' in cluster.get(configmaps, NS, "lora-adapters")["data"]["adapters.json"]
+    template = cluster.get(DEPLOYMENTS, NS, "lora")["spec"]["template"]
+    env = _env(cluster.get(DEPLOYMENTS, NS, "lora"))
+    assert (env["ENABLE_LORA"], env["MAX_LORA_RANK"]) == ("true", "8")
+    # The adapter watcher reports every declared adapter (no ready replica yet: 0 of 0).
+    await until(
+        operator,
+        lambda: (
+            _status(cluster, "lora").get("adapters")
+            == [{"name": "sql", "readyReplicas": 0, "replicas": 0}]
+        ),
+        "status.adapters",
+    )
+
+    two = [*one, {"name": "legal", "source": "/models/adapters/legal"}]
+    await cluster.patch(LLMEP, NS, "lora", {"spec": {"adapters": two}})
+    await until(
+        operator,
+        lambda: '"legal"' in cluster.get(configmaps, NS, "lora-adapters")["data"]["adapters.json"],
+        "the new adapter in the list",
+    )
+    await until(
+        operator, lambda: len(_status(cluster, "lora").get("adapters", [])) == 2, "its status"
+    )
+    # Pods pick the list up from the refreshed volume: the pod template did not change.
+    assert cluster.get(DEPLOYMENTS, NS, "lora")["spec"]["template"] == template
+    assert _condition(cluster, "lora", "SpecValid")["status"] == "True"
+
+    await cluster.patch(LLMEP, NS, "lora", {"spec": {"adapters": None}})
+    await until(
+        operator, lambda: cluster.get(configmaps, NS, "lora-adapters") is None, "list deleted"
+    )
+    await until(operator, lambda: not _status(cluster, "lora").get("adapters"), "status cleared")
 
 
 async def test_a_deleted_deployment_is_recreated(cluster: Cluster, operator: Operator) -> None:
     await cluster.create(LLMEP, NS, endpoint("drift", NS, {"model": {"name": "org/m"}}))
-    await _until(operator, lambda: cluster.get(DEPLOYMENTS, NS, "drift"), "deployment")
+    await until(operator, lambda: cluster.get(DEPLOYMENTS, NS, "drift"), "deployment")
     await cluster.delete(DEPLOYMENTS, NS, "drift")
-    await _until(operator, lambda: cluster.get(DEPLOYMENTS, NS, "drift"), "the deployment back")
+    await until(operator, lambda: cluster.get(DEPLOYMENTS, NS, "drift"), "the deployment back")
 
 
 async def test_resync_repairs_drift_nothing_watches(cluster: Cluster, operator: Operator) -> None:
     await cluster.create(LLMEP, NS, endpoint("resync", NS, {"model": {"name": "org/m"}}))
     services = CHILD_RESOURCES["Service"]
-    await _until(operator, lambda: cluster.get(services, NS, "resync"), "service")
+    await until(operator, lambda: cluster.get(services, NS, "resync"), "service")
     # The operator does not watch Services: only the periodic resync notices this.
     await cluster.delete(services, NS, "resync")
-    await _until(operator, lambda: cluster.get(services, NS, "resync"), "the service back")
+    await until(operator, lambda: cluster.get(services, NS, "resync"), "the service back")
 
     # A status someone else overwrote is repaired too (and the resync can post events).
     await cluster.patch(DEPLOYMENTS, NS, "resync", {"status": AVAILABLE})
-    await _until(operator, lambda: _status(cluster, "resync").get("phase") == "Ready", "Ready")
+    await until(operator, lambda: _status(cluster, "resync").get("phase") == "Ready", "Ready")
     await cluster.patch(LLMEP, NS, "resync", {"status": {"phase": "Starting"}})
-    await _until(
+    await until(
         operator,
         lambda: [e["reason"] for e in cluster.events(NS, "resync")].count("Ready") == 2,
         "the resync's status repair and its Ready event",
@@ -318,12 +334,91 @@ async def test_resync_repairs_drift_nothing_watches(cluster: Cluster, operator: 
     assert _status(cluster, "resync")["phase"] == "Ready"
 
 
+async def test_publishing_without_keys_is_refused_and_changes_nothing(
+    cluster: Cluster, operator: Operator
+) -> None:
+    """docs/security.md: in-cluster without keys is a warning; published without keys is refused
+    unless spec.api.allowUnauthenticated says so."""
+    services = CHILD_RESOURCES["Service"]
+    await cluster.create(LLMEP, NS, endpoint("open", NS, {"model": {"name": "org/m"}}))
+    await until(operator, lambda: _condition(cluster, "open", "Authenticated"), "Authenticated")
+    assert _condition(cluster, "open", "Authenticated")["reason"] == "NoAPIKeys"
+    await until(
+        operator,
+        lambda: [e for e in cluster.events(NS, "open") if e["reason"] == "Unauthenticated"],
+        "an Unauthenticated warning",
+    )
+
+    await cluster.patch(LLMEP, NS, "open", {"spec": {"api": {"service": {"type": "LoadBalancer"}}}})
+    await until(operator, lambda: _status(cluster, "open").get("phase") == "Failed", "refused")
+    ready = _condition(cluster, "open", "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    assert ready["message"].startswith("spec.api.apiKeysSecretRef: is required")
+    await until(
+        operator,
+        lambda: [e for e in cluster.events(NS, "open") if e["reason"] == "InvalidSpec"],
+        "an InvalidSpec warning",
+    )
+    assert cluster.get(services, NS, "open")["spec"]["type"] == "ClusterIP"  # nothing changed
+
+    await cluster.patch(LLMEP, NS, "open", {"spec": {"api": {"allowUnauthenticated": True}}})
+    await until(
+        operator,
+        lambda: cluster.get(services, NS, "open")["spec"]["type"] == "LoadBalancer",
+        "published once the spec allows it",
+    )
+    await until(
+        operator,
+        lambda: (
+            _condition(cluster, "open", "Authenticated").get("reason") == "UnauthenticatedAllowed"
+        ),
+        "Authenticated=False/UnauthenticatedAllowed",
+    )
+
+
+async def test_policy_and_managed_variables_refuse_a_spec_and_change_nothing(
+    cluster: Cluster, operator: Operator
+) -> None:
+    spec = {"model": {"name": "org/m"}, "engine": {"image": "registry.example.com/llm:1"}}
+    await cluster.create(LLMEP, NS, endpoint("policed", NS, spec))
+    await until(operator, lambda: cluster.get(DEPLOYMENTS, NS, "policed"), "deployment")
+
+    def image() -> str:
+        return cluster.get(DEPLOYMENTS, NS, "policed")["spec"]["template"]["spec"]["containers"][0][
+            "image"
+        ]
+
+    def ready_message() -> str:
+        return _condition(cluster, "policed", "Ready").get("message", "")
+
+    await cluster.patch(LLMEP, NS, "policed", {"spec": {"engine": {"image": "docker.io/x/y:1"}}})
+    await until(operator, lambda: "LLMEP_OPERATOR_ALLOWED_IMAGES" in ready_message(), "refusal")
+    assert ready_message().startswith("spec.engine.image: 'docker.io/x/y:1' is not allowed")
+    assert image() == "registry.example.com/llm:1"  # the last good workload is untouched
+
+    env = [{"name": "UNAUTHENTICATED_PATHS", "value": "/v1"}]
+    await cluster.patch(
+        LLMEP,
+        NS,
+        "policed",
+        {"spec": {"engine": {"image": "registry.example.com/llm:2", "env": env}}},
+    )
+    await until(operator, lambda: "UNAUTHENTICATED_PATHS" in ready_message(), "refusal")
+    assert ready_message().startswith("spec.engine.env[0].name: UNAUTHENTICATED_PATHS is managed")
+    assert image() == "registry.example.com/llm:1"
+    await until(
+        operator,
+        lambda: [
+            e
+            for e in cluster.events(NS, "policed")
+            if e["reason"] == "InvalidSpec" and "UNAUTHENTICATED_PATHS" in e["message"]
+        ],
+        "an InvalidSpec warning naming the variable",
+    )
+
+
 async def test_operator_metrics_count_reconciles_by_result(operator: Operator) -> None:
-    async with (
-        aiohttp.ClientSession() as session,
-        session.get(f"http://127.0.0.1:{METRICS_PORT}/metrics") as response,
-    ):
-        text = await response.text()
+    text = await operator.metrics()
     samples = {
         line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -339,19 +434,19 @@ async def test_restarted_operator_resumes_and_repairs_drift(
 ) -> None:
     await cluster.create(LLMEP, NS, endpoint("resume", NS, {"model": {"name": "org/m"}}))
     services = CHILD_RESOURCES["Service"]
-    await _until(operator, lambda: cluster.get(services, NS, "resume"), "service")
-    await _until(operator, lambda: _status(cluster, "resume").get("phase"), "status")
+    await until(operator, lambda: cluster.get(services, NS, "resume"), "service")
+    await until(operator, lambda: _status(cluster, "resume").get("phase"), "status")
 
     assert await operator.stop() == 0  # a clean shutdown on SIGTERM
     # While no operator runs: one endpoint loses its Service, another one's spec changes.
     await cluster.delete(services, NS, "resume")
     await cluster.patch(LLMEP, NS, "change", {"spec": {"model": {"name": "org/newer"}}})
 
-    restarted = Operator(operator.kubeconfig, tmp_path / "restarted.log", RESYNC)
+    restarted = Operator(operator.kubeconfig, tmp_path / "restarted.log", OPERATOR_ENV)
     await restarted.start()
     try:
-        await _until(restarted, lambda: cluster.get(services, NS, "resume"), "service back")
-        await _until(
+        await until(restarted, lambda: cluster.get(services, NS, "resume"), "service back")
+        await until(
             restarted,
             lambda: _env(cluster.get(DEPLOYMENTS, NS, "change"))["MODEL_NAME"] == "org/newer",
             "the change made while the operator was down",

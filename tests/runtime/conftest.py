@@ -1,141 +1,23 @@
-"""Fixtures that run the real runtime (`llmendpoints-runtime serve`) on the demo model.
+"""Fixtures that run the real runtime on the demo model (the launcher is runtime_process.py).
 
-The server is a subprocess, exactly as in a pod: real vLLM (CPU build), real uvicorn, real
-signals. An engine takes ~25 s to start on two cores, so each test module shares one server
-(`start_runtime` in a module-scoped fixture) and only modules that need a different
-configuration start their own.
+An engine takes ~25 s to start on two cores, so each test module shares one server (a
+module-scoped fixture) and only modules that need a different configuration start their own.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-RUNTIME_BIN = Path(sys.executable).parent / "llmendpoints-runtime"
-START_TIMEOUT = 240.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class RuntimeServer:
-    process: subprocess.Popen
-    port: int
-    log_path: Path
-    env: dict[str, str]
-    statuses_before_ready: list[int] = field(default_factory=list)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def client(self, **kwargs) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=kwargs.pop("timeout", 120.0), **kwargs)
-
-    def wait_listening(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self._check_alive()
-            with contextlib.suppress(httpx.TransportError):
-                httpx.get(self.url + "/health", timeout=1.0)
-                return
-            time.sleep(0.1)
-        raise TimeoutError(f"runtime did not listen within {timeout} s:\n{self.log()[-3000:]}")
-
-    def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self._check_alive()
-            try:
-                status = httpx.get(self.url + "/ready", timeout=2.0).status_code
-            except httpx.TransportError:
-                time.sleep(0.2)
-                continue
-            if status == 200:
-                return
-            self.statuses_before_ready.append(status)
-            if status == 503:
-                raise RuntimeError(f"engine failed to start:\n{self.log()[-4000:]}")
-            time.sleep(0.5)
-        raise TimeoutError(f"runtime not ready within {timeout} s:\n{self.log()[-3000:]}")
-
-    def _check_alive(self) -> None:
-        if self.process.poll() is not None:
-            raise RuntimeError(f"runtime exited with {self.process.returncode}:\n{self.log()[-4000:]}")
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        return self.process.returncode
-
-
-def runtime_env(model_path: Path, port: int, **overrides: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        # A developer's shell must not leak settings into the server under test.
-        if not k.startswith(("API_KEY", "MAX_", "SM_VLLM_", "LLMEP_")) and k not in ("MODEL_NAME", "PORT", "HOST")
-    }
-    env.update(
-        MODEL_NAME=str(model_path),
-        OPENAI_SERVED_MODEL_NAME_OVERRIDE="demo",
-        MAX_MODEL_LEN="512",
-        HOST="127.0.0.1",
-        PORT=str(port),
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-        STARTUP_LOG_INTERVAL_SECONDS="5",
-    )
-    env.update(overrides)
-    return env
-
-
-def launch_runtime(model_path: Path, log_dir: Path, **overrides: str) -> RuntimeServer:
-    port = free_port()
-    env = runtime_env(model_path, port, **overrides)
-    log_path = log_dir / f"runtime-{port}.log"
-    handle = log_path.open("wb")
-    process = subprocess.Popen(
-        [str(RUNTIME_BIN), "serve"], env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO
-    )
-    return RuntimeServer(process=process, port=port, log_path=log_path, env=env)
-
-
-@contextlib.contextmanager
-def running_runtime(model_path: Path, log_dir: Path, **overrides: str) -> Iterator[RuntimeServer]:
-    server = launch_runtime(model_path, log_dir, **overrides)
-    try:
-        server.wait_listening()
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+from runtime_process import (  # noqa: F401 -- re-exported for the test modules
+    RUNTIME_BIN,
+    RuntimeServer,
+    free_port,
+    launch_runtime,
+    running_runtime,
+    runtime_env,
+)
 
 
 @pytest.fixture(scope="session")

@@ -157,6 +157,20 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(
     assert client.completions.create(model="demo", prompt="ok", max_tokens=1).choices
 
 
+def test_openapi_has_vllms_operations_and_ours_with_their_statuses(runtime):
+    doc = httpx.get(runtime.url + "/openapi.json").json()
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/run", "/invocations"):
+        assert path in doc["paths"], path
+    run = doc["paths"]["/run"]["post"]
+    assert {"200", "400", "413", "429", "503"} <= set(run["responses"]) and "422" not in run[
+        "responses"
+    ]
+    assert set(doc["paths"]["/status/{job_id}"]) == {"get", "post"}
+    assert "404" in doc["paths"]["/status/{job_id}"]["get"]["responses"]
+    assert "JobInput" in doc["components"]["schemas"]
+    assert "ChatCompletionRequest" in doc["components"]["schemas"]
+
+
 def test_metrics_expose_ours_and_vllms(runtime, client):
     client.completions.create(model="demo", prompt="count me", max_tokens=1)
     text = httpx.get(runtime.url + "/metrics").text

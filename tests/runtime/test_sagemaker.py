@@ -139,5 +139,50 @@ def test_bad_invocations_are_json_4xx_and_the_server_keeps_serving(
 ) -> None:
     answer = sm.post("/invocations", content=content, headers={"content-type": "application/json"})
     assert answer.status_code == status, answer.text
-    assert words in answer.json()["error"]["message"]
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    assert words in error["message"]
     assert sm.post("/invocations", json=ONE_PROMPT).status_code == 200
+
+
+# -- the TGI / LMI containers' text-generation payload -------------------------------------------
+
+TGI = {
+    "inputs": "The capital of France is",
+    "parameters": {"max_new_tokens": 8, "do_sample": False},
+}
+
+
+def _greedy_completion(sm, prompt: str) -> str:
+    body = {"model": "demo", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    return sm.post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+
+def test_tgi_payload_answers_generated_text_as_v1_completions_would(sm) -> None:
+    answer = sm.post("/invocations", json=TGI)
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == [{"generated_text": _greedy_completion(sm, TGI["inputs"])}]
+    full = sm.post(
+        "/invocations", json={**TGI, "parameters": {**TGI["parameters"], "return_full_text": True}}
+    ).json()
+    assert full[0]["generated_text"].startswith(TGI["inputs"])
+    two = sm.post("/invocations", json={**TGI, "inputs": ["Hello", "Goodbye"]}).json()
+    assert [len(two), *map(set, two)] == [2, {"generated_text"}, {"generated_text"}]
+
+
+def test_tgi_payload_streams_tgi_events(sm) -> None:
+    with sm.stream("POST", "/invocations", json={**TGI, "stream": True}) as answer:
+        assert answer.status_code == 200
+        assert answer.headers["content-type"].startswith("text/event-stream")
+        text = answer.read().decode()
+    events = [json.loads(e.removeprefix("data: ")) for e in text.split("\n\n") if e]
+    assert all(set(e) == {"index", "token", "generated_text", "details"} for e in events)
+    assert [e["generated_text"] is None for e in events] == [True] * (len(events) - 1) + [False]
+    streamed = "".join(e["token"]["text"] for e in events)
+    assert streamed == events[-1]["generated_text"] == _greedy_completion(sm, TGI["inputs"])
+
+
+def test_tgi_parameters_we_do_not_support_are_400_naming_them(sm) -> None:
+    answer = sm.post("/invocations", json={"inputs": "x", "parameters": {"typical_p": 0.5}})
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "parameters.typical_p"

@@ -1,8 +1,14 @@
 """The autoscaler's I/O around the pure decision: one tick per endpoint every intervalSeconds.
 
 A tick: list the endpoint's EndpointSlices (through the Kubernetes client, kube.py) -> read the
-ready pods' /metrics (scrape.py) -> `decide()` -> if the size changes, patch the Deployment's
-`spec.replicas` and post an Event -> write `status.autoscaling` -> export the operator metrics.
+ready pods' /metrics (scrape.py) and the work no pod holds (held requests, queued jobs: outside.py)
+-> `decide()` -> if the size changes, patch the Deployment's `spec.replicas` and post an Event ->
+write `status.autoscaling` -> export the operator metrics. A nudge from the gateway (work for an
+endpoint with no ready replica) makes that endpoint's tick due at once.
+
+Cold start: from the decision that scales up from zero to the first ready replica (the
+Deployment's readyReplicas, checked every pass of the scheduler, so to within a second), kept in
+`status.autoscaling.coldStart` and the histogram llmendpoints_autoscaler_cold_start_seconds.
 
 One scheduler task serves every endpoint (not a kopf timer per object: kopf timers put a
 finalizer on each object, and their interval could not follow each endpoint's intervalSeconds).
@@ -18,17 +24,31 @@ two never disagree.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from .decision import Current, Decision, History, decide
+from .decision import Current, Decision, History, Observation, Outside, decide
 from .metrics import AutoscalerMetrics
+from .outside import OutsideReader
 from .policy import ScalingPolicy
-from .record import history_from_status, status_block
-from .scrape import MetricsScraper, endpointslice_selector, targets_from_endpointslices
+from .record import (
+    SCALED_TO_ZERO_ANNOTATION,
+    ColdStart,
+    event_reason,
+    history_from_status,
+    status_block,
+)
+from .scrape import (
+    MetricsScraper,
+    ScrapeResult,
+    controller_pod_endpoints,
+    endpointslice_selector,
+    targets_from_endpointslices,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +88,9 @@ class Subject:
     service: str
     deployment: str
     replicas: int  # the Deployment's spec.replicas now
-    # The Deployment's status.readyReplicas: 0 means nothing to measure (the tick is skipped,
-    # without a request: an endpoint whose pods are still loading costs no API calls).
+    # The Deployment's status.readyReplicas: 0 with replicas > 0 means nothing to measure (the
+    # tick is skipped, without a request: an endpoint whose pods are still loading costs no API
+    # calls). At 0 replicas the tick reads the outside work only.
     ready_replicas: int | None = None
 
     @property
@@ -78,7 +99,7 @@ class Subject:
         return meta["namespace"], meta["name"]
 
 
-# (obj, type, reason, message): kopf.event in the operator.
+# (obj, type, reason, message): events.EventPoster.post in the operator.
 PostEvent = Callable[[Mapping[str, Any], str, str, str], None]
 
 
@@ -93,6 +114,7 @@ class _Memory:
     patched: tuple[int, int] | None = None
     next_due: float = 0.0
     task: asyncio.Task[None] | None = field(default=None, repr=False)
+    cold_start: ColdStart | None = None  # the last scale-up from zero
 
 
 class Autoscaler:
@@ -103,19 +125,34 @@ class Autoscaler:
         metrics: AutoscalerMetrics,
         scraper: MetricsScraper | None = None,
         clock: Callable[[], float] = time.time,
+        outside: OutsideReader | None = None,
     ) -> None:
         self._kube = kube
         self._post_event = post_event
         self._metrics = metrics
         self._scraper = scraper or MetricsScraper()
         self._clock = clock
+        self._outside = outside
         self._memory: dict[Key, _Memory] = {}
+        self._wake = asyncio.Event()
+
+    def set_outside(self, outside: OutsideReader | None) -> None:
+        self._outside = outside
 
     async def close(self) -> None:
         for memory in self._memory.values():
             if memory.task is not None:
                 memory.task.cancel()
         await self._scraper.close()
+        if self._outside is not None:
+            await self._outside.close()
+
+    def nudge(self, endpoint: str) -> None:
+        """Work arrived for `endpoint` (a name; any namespace): tick it now, not at its time."""
+        for key, memory in self._memory.items():
+            if key[1] == endpoint:
+                memory.next_due = 0.0
+        self._wake.set()
 
     async def run(self, subjects: Callable[[], Iterable[Subject]]) -> None:
         """Tick every endpoint `subjects()` names at its own interval, until cancelled."""
@@ -131,6 +168,11 @@ class Autoscaler:
             for subject in current:
                 seen.add(subject.key)
                 memory = self._memory.setdefault(subject.key, _Memory())
+                starting = memory.cold_start is not None and memory.cold_start.ready_at is None
+                if starting and subject.ready_replicas:  # first replica ready: tick to record it
+                    memory.cold_start = memory.cold_start.ready(now)
+                    self._metrics.cold_started(*subject.key, memory.cold_start.seconds)
+                    memory.next_due = 0.0
                 busy = memory.task is not None and not memory.task.done()
                 if memory.next_due <= now and not busy:
                     memory.next_due = now + subject.policy.interval_seconds
@@ -140,7 +182,9 @@ class Autoscaler:
             for key in set(self._memory) - seen:
                 self.forget(key)
             wake = min((m.next_due for m in self._memory.values()), default=now + 1)
-            await asyncio.sleep(min(max(wake - self._clock(), 0.05), 1.0))
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), min(max(wake - self._clock(), 0.05), 1.0))
 
     def forget(self, key: Key) -> None:
         """An endpoint is gone or no longer autoscaled: drop its memory and metric series."""
@@ -159,15 +203,75 @@ class Autoscaler:
 
     async def tick(self, subject: Subject) -> Decision | None:
         """One decision for one endpoint, with all its I/O (None: nothing to measure)."""
-        if subject.ready_replicas == 0:
-            return None
+        if subject.ready_replicas == 0 and subject.replicas > 0:
+            return None  # starting: nothing to scrape, and the scale-up is already under way
         namespace, name = subject.key
         memory = self._memory.setdefault(subject.key, _Memory())
         kube = self._kube()
+        if subject.replicas == 0:
+            result = ScrapeResult(Observation(0, 0, 0))
+        else:
+            result = await self._scrape(kube, subject, memory)
+        observation = replace(result.observation, outside=await self._read_outside(subject))
+
+        if memory.history is None:  # first tick since start: resume from status
+            _resume(memory, subject.owner.get("status") or {})
+        now = self._clock()
+        replicas = subject.replicas
+        if memory.patched is not None:
+            before, after = memory.patched
+            if replicas == before:
+                replicas = after  # the watch has not brought our own last patch yet
+            else:
+                memory.patched = None
+        decision = decide(memory.history, Current(replicas, observation), subject.policy, now)
+        memory.history = decision.history
+        self._metrics.record(namespace, name, replicas, decision)
+        if decision.replicas != replicas:
+            await self._resize(kube, subject, memory, decision, now)
+        await self._write_status(kube, subject, memory, status_block(
+            memory.written, replicas, decision, now, memory.cold_start
+        ))  # fmt: skip
+        return decision
+
+    async def _resize(
+        self, kube: KubeApi, subject: Subject, memory: _Memory, decision: Decision, now: float
+    ) -> None:
+        """Patch the Deployment's replicas (with why it is at zero, or without), post the Event."""
+        namespace, name = subject.key
+        patch: dict[str, Any] = {"spec": {"replicas": decision.replicas}}
+        if decision.to_zero or decision.from_zero:  # say why it is at zero; None removes it
+            zero_reason = decision.reason if decision.to_zero else None
+            patch["metadata"] = {"annotations": {SCALED_TO_ZERO_ANNOTATION: zero_reason}}
+        await kube.patch("apps/v1", "Deployment", namespace, subject.deployment, patch)
+        memory.patched = (subject.replicas, decision.replicas)
+        if decision.from_zero:
+            memory.cold_start = ColdStart(decided_at=now)
+        logger.info("%s/%s: %s", namespace, name, decision.reason)
+        self._post_event(subject.owner, "Normal", event_reason(decision), decision.reason)
+
+    async def _write_status(
+        self, kube: KubeApi, subject: Subject, memory: _Memory, block: dict[str, Any]
+    ) -> None:
+        if _meaningful(block) == _meaningful(memory.written):
+            return
+        namespace, name = subject.key
+        await kube.patch(
+            subject.api_version,
+            subject.kind,
+            namespace,
+            name,
+            {"status": {STATUS_KEY: block}},
+            subresource="status",
+        )
+        memory.written = block
+
+    async def _scrape(self, kube: KubeApi, subject: Subject, memory: _Memory) -> ScrapeResult:
+        namespace, name = subject.key
         slices = await kube.list(
             *ENDPOINTSLICE_API, namespace, label_selector=endpointslice_selector(subject.service)
         )
-        view = targets_from_endpointslices(slices)
+        view = targets_from_endpointslices(controller_pod_endpoints(slices))
         result = await self._scraper.scrape(view.ready)
         failing = frozenset(result.errors)
         if failing != memory.failing:
@@ -181,48 +285,30 @@ class Autoscaler:
             memory.failing = failing
         if result.errors:
             self._metrics.scrape_failed(namespace, name, len(result.errors))
+        return result
 
-        status = subject.owner.get("status") or {}
-        if memory.history is None:  # first tick since start: resume from status
-            memory.history = history_from_status(status)
-            memory.written = dict(status.get(STATUS_KEY) or {}) or None
-        now = self._clock()
-        replicas = subject.replicas
-        if memory.patched is not None:
-            before, after = memory.patched
-            if replicas == before:
-                replicas = after  # the watch has not brought our own last patch yet
-            else:
-                memory.patched = None
-        current = Current(replicas, result.observation)
-        decision = decide(memory.history, current, subject.policy, now)
-        memory.history = decision.history
-        self._metrics.record(namespace, name, replicas, decision)
-
-        if decision.replicas != replicas:
-            await kube.patch(
-                "apps/v1",
-                "Deployment",
-                namespace,
-                subject.deployment,
-                {"spec": {"replicas": decision.replicas}},
+    async def _read_outside(self, subject: Subject) -> Outside | None:
+        """Held requests and queued jobs; None when there is no queue or it did not answer."""
+        if self._outside is None:
+            return None
+        namespace, name = subject.key
+        try:
+            outside = await self._outside.read(name)
+        except Exception as error:
+            self._metrics.outside_failed(namespace, name)
+            logger.warning(
+                "%s/%s: held requests / queued jobs not read: %r", namespace, name, error
             )
-            memory.patched = (subject.replicas, decision.replicas)
-            logger.info("%s/%s: %s", namespace, name, decision.reason)
-            self._post_event(subject.owner, "Normal", decision.action, decision.reason)
+            return None
+        self._metrics.record_outside(namespace, name, outside)
+        return outside
 
-        block = status_block(memory.written, replicas, decision, now)
-        if _meaningful(block) != _meaningful(memory.written):
-            await kube.patch(
-                subject.api_version,
-                subject.kind,
-                namespace,
-                name,
-                {"status": {STATUS_KEY: block}},
-                subresource="status",
-            )
-            memory.written = block
-        return decision
+
+def _resume(memory: _Memory, status: Mapping[str, Any]) -> None:
+    """What an operator restart keeps: the history, the last block written, the cold start."""
+    memory.history = history_from_status(status)
+    memory.written = dict(status.get(STATUS_KEY) or {}) or None
+    memory.cold_start = ColdStart.from_status(memory.written)
 
 
 def _meaningful(block: Mapping[str, Any] | None) -> Any:

@@ -26,140 +26,104 @@ How a decision is made (docs/autoscaling.md tells the same story for users):
    answer: its load is unknown, so it is neither load nor idle capacity), and until the history
    covers a whole scale-down window of uninterrupted observation (after a restart that lost the
    state, or a gap longer than the stable window).
+6. The whole queue: requests the gateway holds and jobs queued in the shared queue for the
+   endpoint (`Outside`) count as queue, as if a pod held them. With no replica (scaled to
+   zero) any of them scales 0 -> N at once, N = waiting / (capacity + target) with the capacity
+   learned before (kept at zero), 1 while it was never learned.
+   Queued low-priority jobs do not add demand (RunPod's lowPriority), but one alone still
+   brings the endpoint from zero to 1 (it would otherwise wait forever) and keeps it from zero.
+7. Scale to zero (minReplicas 0): after `scaleToZeroAfterSeconds` of consecutive ticks in which
+   every replica answered and nothing was in flight, queued, held, or queued / running as a
+   job, the endpoint goes to 0 (whatever its size). Otherwise the floor is 1: the ordinary
+   rules never take the last replica. Unknown outside work (the queue was not readable) is
+   never idle.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, replace
 
+from .model import (
+    EPS,
+    STATE_VERSION,
+    Current,
+    Decision,
+    History,
+    Observation,
+    Outside,
+    Sample,
+    ceil,
+    finish,
+    fmt,
+    load_history,
+    outside_words,
+)
 from .policy import ScalingPolicy
+from .zero import from_zero, to_zero_if_idle
 
-# Demand that is a hair above an integer (2.0000000001) is that integer, not the next one.
-_EPS = 1e-9
-STATE_VERSION = 1
-
-
-@dataclass(frozen=True, slots=True)
-class Observation:
-    """One scrape of the endpoint's ready pods."""
-
-    queue_depth: float  # llmendpoints_queue_depth summed over the pods that answered
-    in_flight: float  # llmendpoints_requests_in_flight summed over the pods that answered
-    answered: int  # ready pods whose /metrics was read
-    failed: int = 0  # ready pods that did not answer in time, or answered without the gauges
-    # Mean in-flight count of the pods that had a queue: a pod only queues when it runs all it
-    # can, so this is what one replica carries at most. None when no pod had a queue.
-    saturated_in_flight: float | None = None
-
-    @property
-    def ready(self) -> int:
-        return self.answered + self.failed
-
-
-@dataclass(frozen=True, slots=True)
-class Current:
-    """The endpoint as it is now: the replica count last set, and this tick's measurement."""
-
-    replicas: int
-    observation: Observation
-
-    @property
-    def pending(self) -> int:
-        """Replicas asked for but not ready (starting, or waiting for a GPU)."""
-        return max(0, self.replicas - self.observation.ready)
-
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    t: float
-    queue_depth: float
-    in_flight: float
-    partial: bool  # some ready pod did not answer: the totals are a lower bound
-
-
-@dataclass(frozen=True, slots=True)
-class History:
-    """Everything the decision remembers; survives restarts through `to_json` / `from_json`."""
-
-    samples: tuple[Sample, ...] = ()
-    # The recommendations of the stabilisation windows as (time, replicas), oldest first, kept
-    # as monotonic queues: `up` only holds entries that can still be the window's minimum
-    # (increasing values), `down` those that can still be its maximum (decreasing values). The
-    # window's answer is the first entry, and the state stays a handful of entries long.
-    up: tuple[tuple[float, int], ...] = ()
-    down: tuple[tuple[float, int], ...] = ()
-    # Start of the uninterrupted run of measurements the windows cover (None: nothing yet).
-    observing_since: float | None = None
-    last_sample_at: float | None = None
-    # While now < panic_until the endpoint is in burst mode (no scale-down).
-    panic_until: float | None = None
-    # Requests one replica runs at most, last seen on pods that had a queue (None: never seen).
-    capacity: float | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "v": STATE_VERSION,
-            "since": self.observing_since,
-            "last": self.last_sample_at,
-            "panicUntil": self.panic_until,
-            "capacity": None if self.capacity is None else _r(self.capacity),
-            "samples": [
-                [_r(s.t), _r(s.queue_depth), _r(s.in_flight), int(s.partial)] for s in self.samples
-            ],
-            "up": [[_r(t), r] for t, r in self.up],
-            "down": [[_r(t), r] for t, r in self.down],
-        }
-
-    @classmethod
-    def from_json(cls, data: Any) -> History:
-        """Rebuild a history; raises ValueError for anything that is not a state we wrote."""
-        if not isinstance(data, dict) or data.get("v") != STATE_VERSION:
-            raise ValueError("not an autoscaler state of version 1")
-        try:
-            return cls(
-                samples=tuple(
-                    Sample(float(t), float(q), float(f), bool(p)) for t, q, f, p in data["samples"]
-                ),
-                up=tuple((float(t), int(r)) for t, r in data["up"]),
-                down=tuple((float(t), int(r)) for t, r in data["down"]),
-                observing_since=_opt_float(data.get("since")),
-                last_sample_at=_opt_float(data.get("last")),
-                panic_until=_opt_float(data.get("panicUntil")),
-                capacity=_opt_float(data.get("capacity")),
-            )
-        except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"malformed autoscaler state: {error}") from error
-
-
-def load_history(data: Any) -> History:
-    """The stored history, or an empty one (which holds scale-down for a whole window)."""
-    if data is None:
-        return History()
-    try:
-        return History.from_json(data)
-    except ValueError:
-        return History()
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """The outcome of one tick: the replica count to set, why, and the history to keep."""
-
-    replicas: int
-    reason: str
-    action: str  # "ScaleUp" | "ScaleDown" | "Hold"
-    history: History
-    burst: bool = False
-    signals: dict[str, float] = field(default_factory=dict)  # what this tick measured
+__all__ = [
+    "STATE_VERSION",
+    "Current",
+    "Decision",
+    "History",
+    "Observation",
+    "Outside",
+    "Sample",
+    "decide",
+    "load_history",
+]
 
 
 def decide(history: History, current: Current, policy: ScalingPolicy, now: float) -> Decision:
     """Replicas for the next interval, and the reason, from the history and this tick."""
     obs = current.observation
-    replicas = current.replicas
-    targets = policy.signal_targets
+    signals = _signals(current)
+    if current.replicas == 0:
+        return from_zero(history, current, policy, now, signals)
+    if obs.answered == 0:
+        return _unmeasured(history, current, policy, now, signals)
+    state = _observe(history, obs, policy, now)
+    rec = _recommend(history, state, current, policy, now)
+    signals.update(rec.averages)
+    if state.capacity:
+        signals["replicaCapacity"] = state.capacity
+    signals["demandReplicas"] = round(rec.stable_demand, 3)
+    idle_since = None
+    if obs.idle:
+        idle_since = now if history.idle_since is None else history.idle_since
+    if idle_since is not None:
+        signals["idleSeconds"] = now - idle_since
+    decision = _stabilise(history, state, rec, current, policy, now, signals)
+    decision = replace(decision, history=replace(decision.history, idle_since=idle_since))
+    return to_zero_if_idle(decision, current, policy, now)
+
+
+@dataclass(frozen=True, slots=True)
+class _Window:
+    """The windows with this tick's sample added."""
+
+    stable: tuple[Sample, ...]  # the stable window's samples, this tick's last
+    burst: tuple[Sample, ...]  # the panic window's
+    since: float  # start of the uninterrupted run of measurements
+    capacity: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Recommendation:
+    up: int  # what this tick adds to the scale-up window
+    down: int  # what it adds to the scale-down window
+    stable_demand: float
+    burst_demand: float
+    pressure: float  # the panic window's signal in targets (per endpoint, not per replica)
+    bursting: bool
+    panic_until: float | None
+    averages: dict[str, float]
+    explained: str
+
+
+def _signals(current: Current) -> dict[str, float]:
+    obs = current.observation
     signals: dict[str, float] = {
         "queueDepth": obs.queue_depth,
         "inFlight": obs.in_flight,
@@ -167,29 +131,13 @@ def decide(history: History, current: Current, policy: ScalingPolicy, now: float
         "pendingReplicas": current.pending,
         "failedScrapes": obs.failed,
     }
-    ups = _trim(history.up, now - policy.scale_up_stabilization_seconds)
-    downs = _trim(history.down, now - policy.scale_down_stabilization_seconds)
-    panic_until = history.panic_until if history.panic_until and now < history.panic_until else None
+    if obs.outside is not None:
+        signals.update(obs.outside.signals())
+    return signals
 
-    if obs.answered == 0:
-        # Nothing measured: keep the size (only the user's bounds can move it).
-        why = (
-            f"no ready replica answered /metrics ({obs.failed} failed)"
-            if obs.failed
-            else "no ready replica to measure yet"
-        )
-        kept = History(
-            samples=tuple(s for s in history.samples if s.t > now - policy.stable_window_seconds),
-            up=ups,
-            down=downs,
-            observing_since=history.observing_since,
-            last_sample_at=history.last_sample_at,
-            panic_until=panic_until,
-            capacity=history.capacity,
-        )
-        return _finish(replicas, replicas, policy, why, kept, signals, burst=False)
 
-    # 1. Remember this tick's sample; restart the evidence after a gap.
+def _observe(history: History, obs: Observation, policy: ScalingPolicy, now: float) -> _Window:
+    """1. Remember this tick's sample; restart the evidence after a gap."""
     since = history.observing_since
     if (
         since is None
@@ -197,136 +145,169 @@ def decide(history: History, current: Current, policy: ScalingPolicy, now: float
         or now - history.last_sample_at > policy.stable_window_seconds
     ):
         since = now
-    sample = Sample(now, obs.queue_depth, obs.in_flight, obs.failed > 0)
+    sample = Sample(now, obs.total_queue, obs.in_flight, obs.failed > 0)
     stable = (
         *(s for s in history.samples if s.t > now - policy.stable_window_seconds and s.t < now),
         sample,
     )
-    burst_samples = [s for s in stable if s.t > now - policy.panic_window_seconds]
-    capacity = history.capacity
-    if obs.saturated_in_flight:
-        capacity = obs.saturated_in_flight
+    burst = tuple(s for s in stable if s.t > now - policy.panic_window_seconds)
+    return _Window(stable, burst, since, obs.saturated_in_flight or history.capacity)
 
-    # 2./3. Demand over both windows, burst detection against ready capacity only.
-    stable_demand, stable_avg, explained = _demand(stable, targets, capacity)
-    burst_demand, burst_avg, _ = _demand(burst_samples, targets, capacity)
-    signals.update(stable_avg)
-    if capacity:
-        signals["replicaCapacity"] = capacity
+
+def _recommend(
+    history: History, window: _Window, current: Current, policy: ScalingPolicy, now: float
+) -> _Recommendation:
+    """2./3. Demand over both windows; a burst is judged against ready capacity only."""
+    targets = policy.signal_targets
+    ready = current.observation.ready
+    stable_demand, stable_avg, explained = _demand(window.stable, targets, window.capacity)
+    burst_demand, burst_avg, _ = _demand(window.burst, targets, window.capacity)
     # Burst: a signal per *ready* replica (pending ones carry nothing) at panicThreshold x its
     # target, e.g. 4 queued per replica for a target of 2.
     pressure = burst_avg["queueDepthAvg"] / targets["queueDepth"]
     if "inFlight" in targets:
         pressure = max(pressure, burst_avg["inFlightAvg"] / targets["inFlight"])
-    bursting = pressure >= policy.panic_threshold * max(obs.ready, 1)
+    bursting = pressure >= policy.panic_threshold * max(ready, 1)
+    panic_until = history.panic_until if history.panic_until and now < history.panic_until else None
     if bursting:
         panic_until = now + policy.stable_window_seconds
+    replicas = current.replicas
+    down = ceil(burst_demand * (1 + policy.tolerance))
     if panic_until is not None:
         # Burst mode: follow the short window up, never down.
-        up_rec = down_rec = max(_ceil(burst_demand), _ceil(stable_demand), replicas)
-    elif now - since < policy.stable_window_seconds - policy.interval_seconds / 2:
+        up = down = max(ceil(burst_demand), ceil(stable_demand), replicas)
+    elif now - window.since < policy.stable_window_seconds - policy.interval_seconds / 2:
         # Too few samples to average (first ticks, or after a gap): only a burst moves it up.
-        up_rec = replicas
-        down_rec = _ceil(burst_demand * (1 + policy.tolerance))
+        up = replicas
     else:
-        up_rec = _banded_up(stable_demand, replicas, policy.tolerance)
         # Down on the short window: the smoothed average lags a drop in load, and replaying
         # that lag through the scale-down window would step down one replica per tick.
-        down_rec = _ceil(burst_demand * (1 + policy.tolerance))
-    signals["demandReplicas"] = round(stable_demand, 3)
+        up = _banded_up(stable_demand, replicas, policy.tolerance)
+    return _Recommendation(
+        up, down, stable_demand, burst_demand, pressure, bursting, panic_until, stable_avg,
+        explained,
+    )  # fmt: skip
 
-    # 4. Stabilise, cap growth, hold scale-down when the evidence is incomplete.
-    ups = _push(ups, now, up_rec, keep_if=_smaller)
-    up_to = ups[0][1]
-    pushed_downs = _push(downs, now, down_rec, keep_if=_larger)
-    down_to = pushed_downs[0][1]
+
+def _stabilise(
+    history: History,
+    window: _Window,
+    rec: _Recommendation,
+    current: Current,
+    policy: ScalingPolicy,
+    now: float,
+    signals: dict[str, float],
+) -> Decision:
+    """4./5. Stabilise, cap growth, hold scale-down when the evidence is incomplete."""
+    replicas = current.replicas
+    downs = _trim(history.down, now - policy.scale_down_stabilization_seconds)
+    ups = _push(
+        _trim(history.up, now - policy.scale_up_stabilization_seconds), now, rec.up, _smaller
+    )
+    pushed_downs = _push(downs, now, rec.down, keep_if=_larger)
+    up_to, down_to = ups[0][1], pushed_downs[0][1]
     new_history = History(
-        samples=stable,
+        samples=window.stable,
         up=ups,
         down=pushed_downs,
-        observing_since=since,
+        observing_since=window.since,
         last_sample_at=now,
-        panic_until=panic_until,
-        capacity=capacity,
+        panic_until=rec.panic_until,
+        capacity=window.capacity,
     )
-    why = f"{explained} over {policy.stable_window_seconds:g} s ({obs.ready} ready)"
-    if panic_until is not None:
-        why += (
-            f"; burst: {_fmt(pressure / max(obs.ready, 1))} x target per ready replica over "
-            f"{policy.panic_window_seconds:g} s, {_fmt(burst_demand)} replicas needed"
-            if bursting
-            else "; burst mode (no scale-down until a stable window without burst)"
-        )
+    why = _explain(rec, current, policy)
+
+    def outcome(proposed: int, why: str, burst: bool = False) -> Decision:
+        return finish(replicas, proposed, policy, why, new_history, signals, burst)
+
     if up_to > replicas:
         if current.pending:
             why += f"; {current.pending} pending replica(s) not counted as capacity"
-        cap = max(math.ceil(replicas * policy.max_scale_up_rate - _EPS), replicas + 1)
+        cap = max(math.ceil(replicas * policy.max_scale_up_rate - EPS), replicas + 1)
         if up_to > cap:
             why += f"; growth capped at {cap} (x{policy.max_scale_up_rate:g} per decision)"
-        up = _finish(replicas, min(up_to, cap), policy, why, new_history, signals, bursting)
+        up = outcome(min(up_to, cap), why, rec.bursting)
         # The size just scaled up to is the floor of the scale-down window from now on.
-        floor = _push(downs, now, max(down_rec, up.replicas), keep_if=_larger)
+        floor = _push(downs, now, max(rec.down, up.replicas), keep_if=_larger)
         return replace(up, history=replace(new_history, down=floor))
     if down_to < replicas:
-        partial = sum(1 for s in stable if s.partial)
-        if partial:
-            why += (
-                f"; scale-down held: a ready pod did not answer /metrics in {partial} of the "
-                f"last {len(stable)} samples"
-            )
-            return _finish(replicas, replicas, policy, why, new_history, signals, False)
-        observed_for = now - since
-        if observed_for < policy.scale_down_stabilization_seconds:
-            why += (
-                f"; scale-down held: {observed_for:.0f} s of uninterrupted measurements, "
-                f"{policy.scale_down_stabilization_seconds:g} s needed"
-            )
-            return _finish(replicas, replicas, policy, why, new_history, signals, False)
+        held = _scale_down_held(window, policy, now)
+        if held:
+            return outcome(replicas, f"{why}; scale-down held: {held}")
         why += (
             f"; the busiest {policy.panic_window_seconds:g} s of the last "
             f"{policy.scale_down_stabilization_seconds:g} s fit in {down_to}"
         )
-        return _finish(replicas, down_to, policy, why, new_history, signals, False)
-    if up_rec == replicas < _banded_up(stable_demand, replicas, policy.tolerance):
+        return outcome(down_to, why)
+    if rec.up == replicas < _banded_up(rec.stable_demand, replicas, policy.tolerance):
         why += f"; scale-up waits for a full {policy.stable_window_seconds:g} s window (bursts excepted)"
-    elif up_rec > replicas:
+    elif rec.up > replicas:
         why += f"; waiting {policy.scale_up_stabilization_seconds:g} s scale-up stabilization"
-    elif down_rec < replicas:
+    elif rec.down < replicas:
         why += (
             f"; waiting for {policy.scale_down_stabilization_seconds:g} s of lower load "
             "before scaling down"
         )
-    return _finish(replicas, replicas, policy, why, new_history, signals, bursting)
+    return outcome(replicas, why, rec.bursting)
 
 
-def _finish(
-    replicas: int,
-    proposed: int,
-    policy: ScalingPolicy,
-    why: str,
-    history: History,
-    signals: dict[str, float],
-    burst: bool,
+def _scale_down_held(window: _Window, policy: ScalingPolicy, now: float) -> str | None:
+    """5. Why the evidence does not allow a scale-down yet (None: it does)."""
+    partial = sum(1 for s in window.stable if s.partial)
+    if partial:
+        return (
+            f"a ready pod did not answer /metrics in {partial} of the last "
+            f"{len(window.stable)} samples"
+        )
+    observed_for = now - window.since
+    if observed_for < policy.scale_down_stabilization_seconds:
+        return (
+            f"{observed_for:.0f} s of uninterrupted measurements, "
+            f"{policy.scale_down_stabilization_seconds:g} s needed"
+        )
+    return None
+
+
+def _explain(rec: _Recommendation, current: Current, policy: ScalingPolicy) -> str:
+    """The demand arithmetic, and the burst if there is one, in words."""
+    ready = max(current.observation.ready, 1)
+    why = f"{rec.explained} over {policy.stable_window_seconds:g} s ({current.observation.ready} ready)"
+    outside = current.observation.outside
+    if outside is not None and outside.queue:
+        why += f" (queued includes {outside_words(outside)})"
+    if rec.panic_until is None:
+        return why
+    if rec.bursting:
+        return why + (
+            f"; burst: {fmt(rec.pressure / ready)} x target per ready replica over "
+            f"{policy.panic_window_seconds:g} s, {fmt(rec.burst_demand)} replicas needed"
+        )
+    return why + "; burst mode (no scale-down until a stable window without burst)"
+
+
+def _unmeasured(
+    history: History, current: Current, policy: ScalingPolicy, now: float, signals: dict
 ) -> Decision:
-    """Clamp to the user's bounds and phrase the outcome."""
-    target = min(max(proposed, policy.min_replicas), policy.max_replicas)
-    if target != proposed:
-        bound = "minReplicas" if proposed < policy.min_replicas else "maxReplicas"
-        why += f"; clamped to {bound} {target}"
-    if target > replicas:
-        action, head = "ScaleUp", f"scale up {replicas}->{target}"
-    elif target < replicas:
-        action, head = "ScaleDown", f"scale down {replicas}->{target}"
+    """Replicas exist but none answered: keep the size (only the user's bounds can move it)."""
+    obs = current.observation
+    if obs.failed:
+        why = f"no ready replica answered /metrics ({obs.failed} failed)"
     else:
-        action, head = "Hold", f"hold at {replicas}"
-    return Decision(
-        replicas=target,
-        reason=f"{head}: {why}",
-        action=action,
-        history=history,
-        burst=burst,
-        signals=signals,
+        why = "no ready replica to measure yet"
+        if obs.outside is not None and obs.outside.any:
+            why += f"; waiting for it: {outside_words(obs.outside)}"
+    kept = History(
+        samples=tuple(s for s in history.samples if s.t > now - policy.stable_window_seconds),
+        up=_trim(history.up, now - policy.scale_up_stabilization_seconds),
+        down=_trim(history.down, now - policy.scale_down_stabilization_seconds),
+        observing_since=history.observing_since,
+        last_sample_at=history.last_sample_at,
+        panic_until=history.panic_until
+        if history.panic_until and now < history.panic_until
+        else None,
+        capacity=history.capacity,
     )
+    return finish(current.replicas, current.replicas, policy, why, kept, signals, burst=False)
 
 
 def _demand(
@@ -360,17 +341,17 @@ def _demand(
         work = queue_depth + in_flight
         demand = work / (capacity + target)
         words = (
-            f"queued {_fmt(queue_depth)} + running {_fmt(in_flight)} = {_fmt(work)} requests / "
-            f"({_fmt(capacity)} running + {target:g} queued per replica) = {_fmt(demand)}"
+            f"queued {fmt(queue_depth)} + running {fmt(in_flight)} = {fmt(work)} requests / "
+            f"({fmt(capacity)} running + {target:g} queued per replica) = {fmt(demand)}"
         )
     else:
         demand = queue_depth / target
-        words = f"queued {_fmt(queue_depth)} / {target:g} per replica = {_fmt(demand)}"
+        words = f"queued {fmt(queue_depth)} / {target:g} per replica = {fmt(demand)}"
     if "inFlight" in targets:
         by_in_flight = in_flight / targets["inFlight"]
         words += (
-            f"; running {_fmt(in_flight)} / {targets['inFlight']:g} per replica = "
-            f"{_fmt(by_in_flight)}"
+            f"; running {fmt(in_flight)} / {targets['inFlight']:g} per replica = "
+            f"{fmt(by_in_flight)}"
         )
         demand = max(demand, by_in_flight)
     return demand, {"queueDepthAvg": queue_depth, "inFlightAvg": in_flight}, f"demand {words}"
@@ -378,8 +359,8 @@ def _demand(
 
 def _banded_up(demand: float, replicas: int, tolerance: float) -> int:
     """ceil(demand), but a demand at most `tolerance` above the current size keeps it."""
-    wanted = _ceil(demand)
-    if wanted > replicas and demand <= replicas * (1 + tolerance) + _EPS:
+    wanted = ceil(demand)
+    if wanted > replicas and demand <= replicas * (1 + tolerance) + EPS:
         return replicas
     return wanted
 
@@ -408,19 +389,3 @@ def _smaller(old: int, new: int) -> bool:
 
 def _larger(old: int, new: int) -> bool:
     return old > new  # window maximum: an older entry matters only while it is larger
-
-
-def _ceil(value: float) -> int:
-    return max(0, math.ceil(value - _EPS))
-
-
-def _fmt(value: float) -> str:
-    return f"{value:.2f}".rstrip("0").rstrip(".")
-
-
-def _r(value: float) -> float:
-    return round(value, 3)
-
-
-def _opt_float(value: Any) -> float | None:
-    return None if value is None else float(value)

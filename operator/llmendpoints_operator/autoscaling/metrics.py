@@ -1,17 +1,21 @@
 """The operator's own Prometheus metrics about autoscaling (served on LLMEP_OPERATOR_METRICS_PORT).
 
-A registry of its own, so that tests and several operators in one process never collide.
+In the registry they are given: the operator's startup (handlers.py) passes the one __main__
+serves; without one (tests) they get a fresh registry of their own.
 """
 
 from __future__ import annotations
 
 import contextlib
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from .decision import Decision
+from .decision import Decision, Outside
 
 DIRECTIONS = {"ScaleUp": "up", "ScaleDown": "down", "Hold": "none"}
+PRIORITIES = ("normal", "low")
+# A cold start is a pod scheduled, an image pulled, a model downloaded and loaded: 5 s to 30 min.
+_COLD_START_BUCKETS = (5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600, 900, 1800)
 
 
 class AutoscalerMetrics:
@@ -55,6 +59,51 @@ class AutoscalerMetrics:
             registry=self.registry,
         )
 
+        self.held = Gauge(
+            "llmendpoints_autoscaler_held_requests",
+            "Requests the gateway replicas hold for the endpoint (no ready replica), last tick.",
+            labels,
+            registry=self.registry,
+        )
+        self.queued_jobs = Gauge(
+            "llmendpoints_autoscaler_queued_jobs",
+            "Jobs waiting in the shared queue for the endpoint at the last tick, by priority.",
+            [*labels, "priority"],
+            registry=self.registry,
+        )
+        self.running_jobs = Gauge(
+            "llmendpoints_autoscaler_running_jobs",
+            "Jobs of the endpoint that runtime pods run, per the shared queue, at the last tick.",
+            labels,
+            registry=self.registry,
+        )
+        self.outside_errors = Counter(
+            "llmendpoints_autoscaler_queue_read_errors",
+            "Reads of held requests / queued jobs from NATS that failed.",
+            labels,
+            registry=self.registry,
+        )
+        self.cold_start = Histogram(
+            "llmendpoints_autoscaler_cold_start_seconds",
+            "Time from a scale-up-from-zero decision to the endpoint's first ready replica.",
+            labels,
+            buckets=_COLD_START_BUCKETS,
+            registry=self.registry,
+        )
+
+    def record_outside(self, namespace: str, endpoint: str, outside: Outside) -> None:
+        self.held.labels(namespace, endpoint).set(outside.held)
+        self.queued_jobs.labels(namespace, endpoint, "normal").set(outside.jobs_queued)
+        self.queued_jobs.labels(namespace, endpoint, "low").set(outside.jobs_queued_low_priority)
+        self.running_jobs.labels(namespace, endpoint).set(outside.jobs_running)
+
+    def outside_failed(self, namespace: str, endpoint: str) -> None:
+        self.outside_errors.labels(namespace, endpoint).inc()
+
+    def cold_started(self, namespace: str, endpoint: str, seconds: float | None) -> None:
+        if seconds is not None:
+            self.cold_start.labels(namespace, endpoint).observe(seconds)
+
     def record(self, namespace: str, endpoint: str, current: int, decision: Decision) -> None:
         """One tick's outcome."""
         key = (namespace, endpoint)
@@ -71,7 +120,8 @@ class AutoscalerMetrics:
     def forget(self, namespace: str, endpoint: str) -> None:
         """Drop a deleted endpoint's series."""
         series = [
-            *((m, (namespace, endpoint)) for m in (self.desired, self.current, self.ready)),
+            *((m, (namespace, endpoint)) for m in self._per_endpoint()),
+            *((self.queued_jobs, (namespace, endpoint, p)) for p in PRIORITIES),
             (self.scrape_errors, (namespace, endpoint)),
             *((self.signal, (namespace, endpoint, s)) for s in ("queue_depth", "in_flight")),
             *((self.decisions, (namespace, endpoint, d)) for d in DIRECTIONS.values()),
@@ -80,18 +130,8 @@ class AutoscalerMetrics:
             with contextlib.suppress(KeyError):
                 metric.remove(*labels)
 
-    def serve(self, port: int, addr: str = "0.0.0.0"):
-        """Serve /metrics in a background thread; returns (server, thread)."""
-        return start_http_server(port, addr=addr, registry=self.registry)
-
-
-_shared: AutoscalerMetrics | None = None
-
-
-def shared_metrics() -> AutoscalerMetrics:
-    """The operator process's instance, in prometheus_client's default registry (the one
-    __main__ serves on LLMEP_OPERATOR_METRICS_PORT). Created once per process."""
-    global _shared
-    if _shared is None:
-        _shared = AutoscalerMetrics(REGISTRY)
-    return _shared
+    def _per_endpoint(self) -> tuple:
+        return (
+            self.desired, self.current, self.ready, self.held, self.running_jobs,
+            self.outside_errors, self.cold_start,
+        )  # fmt: skip

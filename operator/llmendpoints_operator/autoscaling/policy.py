@@ -11,12 +11,14 @@ bounds as users write them, and `ScalingPolicy` is what `decide()` takes: tuning
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 SCALE_TO_ZERO_REFUSED = (
-    "0 is not supported yet: scale-to-zero needs the request-holding gateway (a later release), "
-    "without it requests sent while no replica runs would fail; use 1 or more"
+    "0 needs the request-holding gateway and the shared queue: this operator lacks "
+    "LLMEP_OPERATOR_GATEWAY_URL or LLMEP_OPERATOR_JOBS_QUEUE_URL (the chart sets both when it "
+    "installs the gateway and the queue); without them requests sent while no replica runs "
+    "would fail and nothing would bring the first replica back; use 1 or more, or install both"
 )
 
 
@@ -24,11 +26,12 @@ SCALE_TO_ZERO_REFUSED = (
 MAX_SAMPLES = 120
 
 
-def check_min_replicas(value: int) -> int:
-    if value == 0:
+def check_min_replicas(value: int, scale_to_zero: bool) -> int:
+    """`scale_to_zero`: the operator knows a gateway that holds requests while none runs."""
+    if value == 0 and not scale_to_zero:
         raise ValueError(SCALE_TO_ZERO_REFUSED)
     if value < 0:
-        raise ValueError("must be 1 or more")
+        raise ValueError("must be 0 or more" if scale_to_zero else "must be 1 or more")
     return value
 
 
@@ -56,6 +59,9 @@ class ScalingTuning(BaseModel):
     max_scale_up_rate: float = Field(2.0, gt=1, le=1000)
     # Dead band: no scale-up within +tolerance of the current size; scale-downs keep that headroom.
     tolerance: float = Field(0.1, ge=0, lt=1)
+    # minReplicas 0: how long nothing may be in flight, held, queued or running before the last
+    # replica goes (a cold start reloads the model: minutes, not seconds, is the usual choice).
+    scale_to_zero_after_seconds: float = Field(300.0, ge=0, le=86400)
 
     @model_validator(mode="after")
     def _windows_nest(self) -> ScalingTuning:
@@ -88,13 +94,9 @@ class ScalingTuning(BaseModel):
 class ScalingPolicy(ScalingTuning):
     """What `decide()` takes: the tuning plus concrete replica bounds."""
 
-    min_replicas: int = 1
-    max_replicas: int = 1
-
-    @field_validator("min_replicas")
-    @classmethod
-    def _no_scale_to_zero(cls, value: int) -> int:
-        return check_min_replicas(value)
+    # 0 is the caller's to allow (spec.py refuses it without a gateway).
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _bounds(self) -> ScalingPolicy:

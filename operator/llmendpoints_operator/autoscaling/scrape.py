@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from llmendpoints_common.signals import IN_FLIGHT, QUEUE_DEPTH
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..adapter_status import PodAdapter, parse_pod_adapters
 from .decision import Observation
 
-QUEUE_DEPTH = "llmendpoints_queue_depth"
-IN_FLIGHT = "llmendpoints_requests_in_flight"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 PORT_NAME = "http"
 # vLLM's own series make a pod's /metrics a few hundred kB at most; refuse anything absurd.
@@ -42,18 +42,45 @@ class EndpointsView:
     """An endpoint's pods as its Service's EndpointSlices list them."""
 
     ready: tuple[ScrapeTarget, ...]
-    not_ready: int  # listed but not ready (starting, or terminating)
 
 
 @dataclass(frozen=True, slots=True)
 class ScrapeResult:
     observation: Observation
     errors: dict[str, str] = field(default_factory=dict)  # pod -> why it was not read
+    # Per pod read: its LoRA adapters' state (adapter_status.py; empty without adapters).
+    adapters: tuple[Mapping[str, PodAdapter], ...] = ()
 
 
 def endpointslice_selector(service: str) -> str:
     """The label selector that lists a Service's EndpointSlices."""
     return f"{SERVICE_NAME_LABEL}={service}"
+
+
+# The EndpointSlice controller's own mark. Only it writes slices for a Service with a selector,
+# and its endpoints point at the Pods it selected.
+MANAGED_BY_LABEL = "endpointslice.kubernetes.io/managed-by"
+ENDPOINTSLICE_CONTROLLER = "endpointslice-controller.k8s.io"
+
+
+def controller_pod_endpoints(slices: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Only what the operator may fetch from: slices the EndpointSlice controller manages, and in
+    them only endpoints that point at a Pod (targetRef.kind: Pod).
+
+    The service-name label alone selects any EndpointSlice anyone labels so; without this filter,
+    whoever may write one could make the operator send GETs to any address (docs/security.md)."""
+    trusted: list[Mapping[str, Any]] = []
+    for eps in slices:
+        labels = (eps.get("metadata") or {}).get("labels") or {}
+        if labels.get(MANAGED_BY_LABEL) != ENDPOINTSLICE_CONTROLLER:
+            continue
+        pods = [
+            endpoint
+            for endpoint in eps.get("endpoints") or ()
+            if (endpoint.get("targetRef") or {}).get("kind") == "Pod"
+        ]
+        trusted.append({**eps, "endpoints": pods})
+    return trusted
 
 
 def targets_from_endpointslices(
@@ -63,7 +90,6 @@ def targets_from_endpointslices(
     once; an endpoint whose `ready` condition is absent counts as ready, as the EndpointSlice
     API asks consumers to do."""
     ready: dict[str, ScrapeTarget] = {}
-    not_ready: set[str] = set()
     for eps in slices:
         port = next(
             (p.get("port") for p in eps.get("ports") or () if p.get("name") == port_name), None
@@ -74,12 +100,11 @@ def targets_from_endpointslices(
                 continue
             pod = (endpoint.get("targetRef") or {}).get("name") or addresses[0]
             if (endpoint.get("conditions") or {}).get("ready") is False or port is None:
-                not_ready.add(pod)
-                continue
+                continue  # starting or terminating, or nothing to scrape
             if pod not in ready:
                 host = f"[{addresses[0]}]" if ":" in addresses[0] else addresses[0]
                 ready[pod] = ScrapeTarget(pod, f"http://{host}:{port}/metrics")
-    return EndpointsView(tuple(ready.values()), len(not_ready - ready.keys()))
+    return EndpointsView(tuple(ready.values()))
 
 
 def parse_pod_metrics(text: str) -> tuple[float, float]:
@@ -138,14 +163,18 @@ class MetricsScraper:
         results = await asyncio.gather(*(self._read(t) for t in targets))
         errors: dict[str, str] = {}
         read: list[tuple[float, float]] = []
+        adapters: list[Mapping[str, PodAdapter]] = []
         for target, result in zip(targets, results, strict=True):
             if isinstance(result, str):
                 errors[target.pod] = result
             else:
-                read.append(result)
-        return ScrapeResult(observe(read, failed=len(errors)), errors)
+                read.append(result[:2])
+                adapters.append(result[2])
+        return ScrapeResult(observe(read, failed=len(errors)), errors, tuple(adapters))
 
-    async def _read(self, target: ScrapeTarget) -> tuple[float, float] | str:
+    async def _read(
+        self, target: ScrapeTarget
+    ) -> tuple[float, float, Mapping[str, PodAdapter]] | str:
         if self._session is None or self._session.closed:
             # A fresh connection per read: pod IPs are recycled, and a kept-alive connection to
             # a pod that is gone would turn into a failed scrape.
@@ -159,7 +188,8 @@ class MetricsScraper:
                 body = await response.content.read(MAX_BODY_BYTES + 1)
                 if len(body) > MAX_BODY_BYTES:
                     return f"body larger than {MAX_BODY_BYTES} bytes"
-            return parse_pod_metrics(body.decode("utf-8", errors="replace"))
+            text = body.decode("utf-8", errors="replace")
+            return (*parse_pod_metrics(text), parse_pod_adapters(text))
         except TimeoutError:
             return f"no answer within {self._timeout.total:g} s"
         except aiohttp.ClientError as error:

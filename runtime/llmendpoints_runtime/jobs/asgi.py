@@ -17,6 +17,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from llmendpoints_runtime.jobs.port import ASGIApp
+from llmendpoints_runtime.middleware import replay
 
 
 @dataclass
@@ -65,15 +66,12 @@ async def call_app(
     scope = _request_scope(method, path, body, headers or {})
     messages: asyncio.Queue[MutableMapping[str, Any] | BaseException | None] = asyncio.Queue()
     disconnected = asyncio.Event()
-    sent_request = False
 
-    async def receive() -> MutableMapping[str, Any]:
-        nonlocal sent_request
-        if not sent_request:
-            sent_request = True
-            return {"type": "http.request", "body": body, "more_body": False}
+    async def until_disconnected() -> MutableMapping[str, Any]:
         await disconnected.wait()
         return {"type": "http.disconnect"}
+
+    receive = replay(body, then=until_disconnected)
 
     async def send(message: MutableMapping[str, Any]) -> None:
         await messages.put(message)
@@ -152,13 +150,4 @@ class ForwardedRequest(Response):
             (b"content-length", str(len(body)).encode()),
             (b"content-type", b"application/json"),
         ]
-        sent = False
-
-        async def replay_receive() -> MutableMapping[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self._app(scope, replay_receive, send)
+        await self._app(scope, replay(body, then=receive), send)

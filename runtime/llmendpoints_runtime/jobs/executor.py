@@ -5,6 +5,11 @@ queue while the engine is still starting (that is the request holding a scale-fr
 their ``delayTime`` includes that wait, ``executionTime`` does not. Every way a job can end
 goes through ``_finish``, which records the final state, keeps the result for ``ttl`` and fires
 the webhook.
+
+This is the in-pod store (no ``JOBS_QUEUE_URL``). It implements the same verbs as the shared
+queue (``llmendpoints_common.jobs.service.JobService``), owner checks and Idempotency-Key
+included, so the routes do not know which one they talk to. ``produce`` -- one attempt's engine
+work -- is shared with the queue worker (``jobs/queue_worker.py``).
 """
 
 from __future__ import annotations
@@ -19,20 +24,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from llmendpoints_runtime.jobs import work
-from llmendpoints_runtime.jobs.batching import resolve_schedule
-from llmendpoints_runtime.jobs.errors import (
-    JobAPIError,
-    JobNotFound,
-    QueueFull,
-    WrongJobState,
+from llmendpoints_common.errors import (
+    APIError,
+    ConflictError,
+    RateLimitError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
     error_from_exception,
 )
+from llmendpoints_common.jobs.service import status_body
+from llmendpoints_common.webhooks import WebhookSender
+
+from llmendpoints_runtime.jobs import work
+from llmendpoints_runtime.jobs.batching import resolve_schedule
+from llmendpoints_runtime.jobs.errors import JobNotFound
 from llmendpoints_runtime.jobs.models import RETRYABLE_STATUSES, JobRequest, JobStatus
 from llmendpoints_runtime.jobs.port import JobEngine
 from llmendpoints_runtime.jobs.settings import JobSettings
 from llmendpoints_runtime.jobs.store import InMemoryJobStore, Job, JobStore
-from llmendpoints_runtime.jobs.webhook import WebhookSender
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +83,8 @@ class JobExecutor:
         self._queued_low_priority = 0
         self._retried = 0
         self._draining = False
+        # (owner, Idempotency-Key) -> (job id, until when it answers for that key)
+        self._idempotent: dict[tuple[str, str], tuple[str, float]] = {}
 
     # ---- observability -------------------------------------------------------------------
 
@@ -154,10 +165,21 @@ class JobExecutor:
 
     # ---- the API's verbs -----------------------------------------------------------------
 
-    async def submit(self, request: JobRequest, *, sync: bool) -> Job:
+    async def submit(
+        self,
+        request: JobRequest,
+        *,
+        sync: bool,
+        owner: str = "",
+        idempotency_key: str | None = None,
+    ) -> Job:
         self.start()  # lazily: workers need the server's event loop, and the limit may grow
+        if idempotency_key is not None and (
+            first := await self._first_with(owner, idempotency_key)
+        ):
+            return first
         if self._queued >= self._settings.max_queue_length:
-            raise QueueFull(
+            raise RateLimitError(
                 f"the job queue is full ({self._settings.max_queue_length} jobs waiting); "
                 "retry later"
             )
@@ -170,35 +192,51 @@ class JobExecutor:
             sync=sync,
             ttl_seconds=ttl_ms / 1000,
             submitted_at=self._clock(),
+            owner=owner,
         )
         await self.store.add(job)
         self._enqueue(job)
+        if idempotency_key is not None:
+            expires = self._clock() + self._settings.idempotency_window_seconds
+            self._idempotent[(owner, idempotency_key)] = (job.id, expires)
         return job
 
-    async def wait(self, job: Job, timeout_seconds: float) -> Job:
+    async def _first_with(self, owner: str, key: str) -> Job | None:
+        """The job an earlier /run with this Idempotency-Key made, within the window."""
+        now = self._clock()
+        for entry, (_, expires) in list(self._idempotent.items()):
+            if expires <= now:
+                del self._idempotent[entry]
+        if (found := self._idempotent.get((owner, key))) is None:
+            return None
+        return await self.store.get(found[0])
+
+    async def wait(self, job_id: str, timeout_seconds: float, *, owner: str | None = None) -> Job:
         """Wait until the job ends or the timeout passes; return its latest state."""
-        event = self._done.get(job.id)
+        await self.get(job_id, owner=owner)
+        event = self._done.get(job_id)
         if event is not None and timeout_seconds > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), timeout_seconds)
-        return await self.get(job.id)
+        return await self.get(job_id, owner=owner)
 
-    async def get(self, job_id: str) -> Job:
+    async def get(self, job_id: str, *, owner: str | None = None) -> Job:
+        """The job; another owner's job is answered like an unknown one (None: an admin)."""
         job = await self.store.get(job_id)
-        if job is None:
+        if job is None or (owner is not None and job.owner != owner):
             raise JobNotFound(job_id)
         return job
 
-    async def take_stream(self, job_id: str) -> tuple[Job, list[Any]]:
+    async def take_stream(self, job_id: str, *, owner: str | None = None) -> tuple[Job, list[Any]]:
         """The chunks produced since the last call, and the job."""
-        job = await self.get(job_id)
+        job = await self.get(job_id, owner=owner)
         chunks = job.chunks[job.stream_cursor :]
         job.stream_cursor = len(job.chunks)
         await self.store.save(job)
         return job, chunks
 
-    async def cancel(self, job_id: str) -> Job:
-        job = await self.get(job_id)
+    async def cancel(self, job_id: str, *, owner: str | None = None) -> Job:
+        job = await self.get(job_id, owner=owner)
         if job.status is JobStatus.IN_QUEUE:
             self._leave_queue(job)  # its queue entry is skipped when a worker reaches it
             await self._finish(job, JobStatus.CANCELLED)
@@ -206,31 +244,35 @@ class JobExecutor:
             await self._finish(job, JobStatus.CANCELLED)
             await self._stop(job.id)
         else:
-            raise WrongJobState(
+            raise ConflictError(
                 f"job {job.id} is {job.status.value}; only IN_QUEUE or IN_PROGRESS jobs can "
                 "be cancelled",
                 param="id",
             )
         return job
 
-    async def retry(self, job_id: str) -> Job:
-        job = await self.get(job_id)
+    async def retry(self, job_id: str, *, owner: str | None = None) -> Job:
+        job = await self.get(job_id, owner=owner)
         if job.status not in RETRYABLE_STATUSES:
-            raise WrongJobState(
+            raise ConflictError(
                 f"job {job.id} is {job.status.value}; only FAILED or TIMED_OUT jobs can be retried",
                 param="id",
             )
         if self._queued >= self._settings.max_queue_length:
-            raise QueueFull("the job queue is full; retry later")
+            raise RateLimitError("the job queue is full; retry later")
         job.reset_for_retry()
         await self.store.save(job)
         self._retried += 1
         self._enqueue(job)
         return job
 
-    async def purge_queue(self) -> int:
-        """Cancel every job still waiting in the queue; return how many."""
-        queued = await self.store.in_state(JobStatus.IN_QUEUE)
+    async def purge_queue(self, *, owner: str | None = None) -> int:
+        """Cancel the owner's jobs still waiting in the queue (everyone's for None)."""
+        queued = [
+            job
+            for job in await self.store.in_state(JobStatus.IN_QUEUE)
+            if owner is None or job.owner == owner
+        ]
         for job in queued:
             self._leave_queue(job)
             await self._finish(job, JobStatus.CANCELLED)
@@ -258,7 +300,7 @@ class JobExecutor:
                 continue  # cancelled or purged while queued (already uncounted)
             try:
                 await self._engine.wait_ready()
-            except JobAPIError as exc:
+            except APIError as exc:
                 if job.status is JobStatus.IN_QUEUE:
                     self._leave_queue(job)
                     await self._finish(job, JobStatus.FAILED, error=exc.to_error())
@@ -293,49 +335,26 @@ class JobExecutor:
             await self._finish(
                 job,
                 JobStatus.TIMED_OUT,
-                error={
-                    "message": f"the job ran longer than policy.executionTimeout ({timeout_ms} ms)"
-                    " and was aborted",
-                    "type": "TimeoutError",
-                },
+                error=RequestTimeoutError(
+                    f"the job ran longer than policy.executionTimeout ({timeout_ms} ms) and was "
+                    "aborted",
+                    param="policy.executionTimeout",
+                ).to_error(),
             )
             return
         self._running.pop(job.id, None)
         if task.cancelled():
             await self._finish(job, JobStatus.CANCELLED)
         elif (exc := task.exception()) is not None:
-            if not isinstance(exc, JobAPIError):
+            if not isinstance(exc, APIError):
                 log.exception("job %s failed", job.id, exc_info=exc)
             await self._finish(job, JobStatus.FAILED, error=error_from_exception(exc))
         else:
             await self._finish(job, JobStatus.COMPLETED, output=task.result())
 
     async def _produce(self, job: Job, request_id: str) -> Any:
-        job_input = job.request.input
-        schedule = resolve_schedule(
-            max_batch_size=job_input.max_batch_size,
-            min_batch_size=job_input.min_batch_size,
-            growth=job_input.batch_size_growth_factor,
-            default_max=self._settings.default_batch_size,
-            default_min=self._settings.default_min_batch_size,
-            default_growth=self._settings.default_batch_size_growth_factor,
-        )
-        publish = job.chunks.append
-        if job_input.is_openai:
-            return await work.run_openai_route(
-                self._engine,
-                job_input,
-                schedule=schedule,
-                raw_output=self._settings.raw_openai_output,
-                publish=publish,
-            )
-        return await work.run_generation(
-            self._engine,
-            job_input,
-            request_id=request_id,
-            schedule=schedule,
-            default_max_tokens=self._settings.default_max_tokens,
-            publish=publish,
+        return await produce(
+            self._engine, self._settings, job.request, request_id, job.chunks.append
         )
 
     async def _stop(self, job_id: str) -> None:
@@ -374,26 +393,44 @@ class JobExecutor:
             self._webhooks.send(str(job.request.webhook), status_body(job))
 
 
-def status_body(job: Job) -> dict[str, Any]:
-    """What ``/status``, ``/runsync`` and the webhook report about a job."""
-    body: dict[str, Any] = {"id": job.id, "status": job.status.value}
-    if job.status is JobStatus.COMPLETED:
-        body["output"] = job.output
-    if job.error is not None:
-        body["error"] = job.error
-    if job.started_at is not None:
-        body["delayTime"] = _ms(job.submitted_at, job.started_at)
-    if job.finished_at is not None and job.started_at is not None:
-        body["executionTime"] = _ms(job.started_at, job.finished_at)
-    return body
-
-
-def _ms(start: float, end: float) -> int:
-    return max(0, round((end - start) * 1000))
+async def produce(
+    engine: JobEngine,
+    settings: JobSettings,
+    request: JobRequest,
+    request_id: str,
+    publish: Callable[[Any], None],
+) -> Any:
+    """One attempt of a job on the engine: ``publish`` gets each stream chunk as it exists;
+    the return value is the output. Raises for a job that fails."""
+    job_input = request.input
+    schedule = resolve_schedule(
+        max_batch_size=job_input.max_batch_size,
+        min_batch_size=job_input.min_batch_size,
+        growth=job_input.batch_size_growth_factor,
+        default_max=settings.default_batch_size,
+        default_min=settings.default_min_batch_size,
+        default_growth=settings.default_batch_size_growth_factor,
+    )
+    if job_input.is_openai:
+        return await work.run_openai_route(
+            engine,
+            job_input,
+            schedule=schedule,
+            raw_output=settings.raw_openai_output,
+            publish=publish,
+        )
+    return await work.run_generation(
+        engine,
+        job_input,
+        request_id=request_id,
+        schedule=schedule,
+        default_max_tokens=settings.default_max_tokens,
+        publish=publish,
+    )
 
 
 def _shutdown_error() -> dict[str, Any]:
-    return {"message": "the runtime shut down while the job ran", "type": "ServiceUnavailable"}
+    return ServiceUnavailableError("the runtime shut down while the job ran").to_error()
 
 
 def _new_job_id() -> str:

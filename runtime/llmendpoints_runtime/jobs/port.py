@@ -39,6 +39,8 @@ class GenerationRequest:
     # Used when sampling_params has no max_tokens; the engine lowers it to what the
     # context window leaves after the prompt.
     default_max_tokens: int = 512
+    # A served name: the base model (None: the same) or a loaded LoRA adapter.
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,8 @@ class ServedModels:
     multimodal: bool = False
     # What the model serves: "generate" (chat, completions), "embed" (embeddings), ...
     tasks: tuple[str, ...] = ("generate",)
+    # Declared LoRA adapters that do not serve yet: name -> (why, seconds until worth retrying).
+    unavailable: Mapping[str, tuple[str, int]] = field(default_factory=dict)
 
 
 class JobEngine(Protocol):

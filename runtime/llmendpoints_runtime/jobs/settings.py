@@ -34,8 +34,12 @@ class JobSettings(BaseModel):
     default_runsync_ttl_ms: int = Field(default=60_000, ge=1)
     default_runsync_wait_ms: int = Field(default=90_000, ge=0)
     max_runsync_wait_ms: int = Field(default=300_000, ge=0)
+    # A /run repeated with the same Idempotency-Key within this window gets the first job.
+    idempotency_window_seconds: float = Field(default=600.0, gt=0)
     # Request bodies larger than this are refused with 413.
     max_body_bytes: int = Field(default=10 * 1024 * 1024, ge=1)
+    # ... and /runsync bodies larger than this (RunPod's limits: 10 MB /run, 20 MB /runsync).
+    max_runsync_body_bytes: int = Field(default=20 * 1024 * 1024, ge=1)
     # Webhook: 1 attempt + this many retries, this far apart.
     webhook_retries: int = Field(default=2, ge=0)
     webhook_retry_delay_seconds: float = Field(default=10.0, ge=0)

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from llmendpoints_runtime.jobs.errors import QueueFull
+from llmendpoints_common.errors import RateLimitError
+
 from llmendpoints_runtime.jobs.models import JobRequest, JobStatus
 
 
@@ -28,6 +29,8 @@ class Job:
     sync: bool
     ttl_seconds: float
     status: JobStatus = JobStatus.IN_QUEUE
+    # The name of the API key that submitted it ("" without keys); never the key itself.
+    owner: str = ""
     submitted_at: float = 0.0
     started_at: float | None = None
     finished_at: float | None = None
@@ -56,7 +59,7 @@ class Job:
 
 class JobStore(Protocol):
     async def add(self, job: Job) -> None:
-        """Store a new job; raise QueueFull when the store cannot take more."""
+        """Store a new job; raise RateLimitError when the store cannot take more."""
         ...
 
     async def get(self, job_id: str) -> Job | None:
@@ -85,7 +88,7 @@ class InMemoryJobStore:
         if len(self._jobs) >= self._max_jobs:
             self._evict_oldest_finished()
         if len(self._jobs) >= self._max_jobs:
-            raise QueueFull(
+            raise RateLimitError(
                 f"this replica holds {self._max_jobs} unfinished jobs, its limit; "
                 "retry later (MAX_STORED_JOBS raises the limit)"
             )

@@ -10,10 +10,16 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from llmendpoints_common.errors import APIError
+
 from llmendpoints_runtime.jobs.asgi import call_app
 from llmendpoints_runtime.jobs.batching import BatchSchedule, TextCollector, TokenBatcher
-from llmendpoints_runtime.jobs.errors import JobFailed
-from llmendpoints_runtime.jobs.models import OPENAI_ROUTES, JobInput, refuse_images_for_text_only
+from llmendpoints_runtime.jobs.models import (
+    OPENAI_ROUTES,
+    JobInput,
+    check_model,
+    refuse_images_for_text_only,
+)
 from llmendpoints_runtime.jobs.port import GenerationRequest, JobEngine
 from llmendpoints_runtime.jobs.sse import SSECutter, SSEEvent
 
@@ -31,8 +37,10 @@ async def run_generation(
 ) -> list[dict[str, Any]]:
     """A prompt/messages job: token batches when streamed, one batch of full texts if not."""
     check_images(engine, job_input)
+    check_model(job_input, engine.served_models())
     request = GenerationRequest(
         request_id=request_id,
+        model=job_input.model,
         prompt=job_input.prompt,
         messages=(
             [m.model_dump(exclude_none=True) for m in job_input.messages]
@@ -148,13 +156,14 @@ def _json_or_text(raw: bytes) -> Any:
         return raw.decode("utf-8", errors="replace")
 
 
-def _route_error(route: str, status: Any, value: Any) -> JobFailed:
+def _route_error(route: str, status: Any, value: Any) -> APIError:
+    """The route's error as ours: its status decides the type, as it did the route's."""
     error = value.get("error") if isinstance(value, dict) else None
     if isinstance(error, dict):
         message = str(error.get("message") or error)
-        error_type = str(error.get("type") or "InternalServerError")
+        param = error.get("param") if isinstance(error.get("param"), str) else None
     else:
         detail = value.get("detail") if isinstance(value, dict) else value
-        message, error_type = str(detail), "InternalServerError"
-    status_code = status if isinstance(status, int) else 500
-    return JobFailed(f"{route}: {message}", error_type=error_type, status_code=status_code)
+        message, param = str(detail), None
+    status_code = status if isinstance(status, int) and status >= 400 else 500
+    return APIError(status_code, f"{route}: {message}", param=param)

@@ -68,13 +68,12 @@ def test_ready_endpoints_become_targets_on_the_port_named_http():
         ScrapeTarget("chat-c", "http://10.0.0.3:8000/metrics"),
         ScrapeTarget("chat-d", "http://[fd00::4]:8000/metrics"),
     )
-    assert view.not_ready == 1
     assert endpointslice_selector("chat") == "kubernetes.io/service-name=chat"
 
 
 def test_a_slice_without_the_http_port_gives_no_target():
     view = targets_from_endpointslices([slice_(endpoint("10.0.0.1", "a"), port_name="metrics")])
-    assert view.ready == () and view.not_ready == 1
+    assert view.ready == ()
 
 
 def test_parse_reads_the_two_gauges_and_ignores_everything_else():

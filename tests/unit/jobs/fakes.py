@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from llmendpoints_runtime.jobs.errors import EngineUnavailable, InvalidRequest
+from llmendpoints_common.errors import BadRequestError, ServiceUnavailableError
 from llmendpoints_runtime.jobs.port import (
     ChoiceDelta,
     EngineLoad,
@@ -63,24 +63,24 @@ class FakeEngine:
     async def wait_ready(self) -> None:
         await self._ready.wait()
         if self.start_error is not None:
-            raise EngineUnavailable(f"the engine failed to start: {self.start_error}")
+            raise ServiceUnavailableError(f"the engine failed to start: {self.start_error}")
 
     def check_sampling_params(self, params: Mapping[str, Any]) -> None:
         for name, value in params.items():
             if name not in KNOWN_PARAMS:
-                raise InvalidRequest(
+                raise BadRequestError(
                     f"input.sampling_params.{name}: unknown sampling parameter",
                     param=f"input.sampling_params.{name}",
                 )
             if name == "max_tokens" and (not isinstance(value, int) or value < 1):
-                raise InvalidRequest(
+                raise BadRequestError(
                     f"input.sampling_params.max_tokens: must be at least 1, got {value}",
                     param="input.sampling_params.max_tokens",
                 )
 
     def check_openai_input(self, route: str, body: Mapping[str, Any] | None) -> None:
         if route == "/v1/chat/completions" and body is not None and "messages" not in body:
-            raise InvalidRequest(
+            raise BadRequestError(
                 "input.openai_input.messages: required field is missing",
                 param="input.openai_input.messages",
             )

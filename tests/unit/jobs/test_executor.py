@@ -1,11 +1,12 @@
 import asyncio
 
 import pytest
-from llmendpoints_runtime.jobs.errors import JobNotFound, QueueFull, WrongJobState
+from llmendpoints_common.errors import ConflictError, RateLimitError
+from llmendpoints_common.webhooks import WebhookSender
+from llmendpoints_runtime.jobs.errors import JobNotFound
 from llmendpoints_runtime.jobs.executor import JobExecutor, status_body
 from llmendpoints_runtime.jobs.models import JobStatus, parse_job_request
 from llmendpoints_runtime.jobs.settings import JobSettings
-from llmendpoints_runtime.jobs.webhook import WebhookSender
 
 from .fakes import FakeEngine
 
@@ -43,7 +44,7 @@ async def test_prompt_job_completes_with_worker_vllm_output() -> None:
     job = await executor.submit(
         request('{"input": {"prompt": "a b c", "sampling_params": {"max_tokens": 3}}}'), sync=True
     )
-    job = await executor.wait(job, 5)
+    job = await executor.wait(job.id, 5)
     body = status_body(job)
     assert body["status"] == "COMPLETED"
     assert body["output"] == [
@@ -58,7 +59,7 @@ async def test_bare_prompt_gets_default_max_tokens_not_16() -> None:
     engine = FakeEngine()
     executor = make(engine, default_max_tokens=40)
     job = await executor.wait(
-        await executor.submit(request('{"input": {"prompt": "x"}}'), sync=True), 5
+        (await executor.submit(request('{"input": {"prompt": "x"}}'), sync=True)).id, 5
     )
     assert job.output[0]["usage"]["output"] == 40
     assert engine.started[0].default_max_tokens == 40
@@ -78,7 +79,7 @@ async def test_streamed_job_publishes_growing_batches() -> None:
         ),
         sync=False,
     )
-    job = await executor.wait(job, 5)
+    job = await executor.wait(job.id, 5)
     assert [len(b["choices"][0]["tokens"]) for b in job.output] == [2, 4, 8, 6]
     _, chunks = await executor.take_stream(job.id)
     assert chunks == job.output
@@ -95,7 +96,7 @@ async def test_per_request_batch_sizes_override_the_environment() -> None:
         ),
         sync=False,
     )
-    job = await executor.wait(job, 5)
+    job = await executor.wait(job.id, 5)
     assert [len(b["choices"][0]["tokens"]) for b in job.output] == [2, 2, 1]
     await executor.drain(1)
 
@@ -110,11 +111,11 @@ async def test_at_most_max_concurrency_jobs_run_and_the_rest_queue() -> None:
     await asyncio.sleep(0.02)
     assert executor.running == 2 and executor.queued == 3
     assert len(engine.active) == 2
-    with pytest.raises(QueueFull) as info:
+    with pytest.raises(RateLimitError) as info:
         await executor.submit(request('{"input": {"prompt": "x"}}'), sync=False)
     assert info.value.status_code == 429
     for job in jobs:
-        await executor.wait(job, 10)
+        await executor.wait(job.id, 10)
     assert {j.status for j in jobs} == {JobStatus.COMPLETED}
     assert executor.queued == 0
     await executor.drain(1)
@@ -133,7 +134,7 @@ async def test_workers_follow_a_growing_concurrency_limit() -> None:
     jobs.append(await executor.submit(body, sync=False))
     await until(lambda: executor.running == 3)
     for job in jobs:
-        await executor.wait(job, 10)
+        await executor.wait(job.id, 10)
     await executor.drain(1)
 
 
@@ -146,9 +147,10 @@ async def test_execution_timeout_ends_timed_out_and_aborts_the_engine_request() 
         ),
         sync=False,
     )
-    job = await executor.wait(job, 5)
+    job = await executor.wait(job.id, 5)
     assert job.status is JobStatus.TIMED_OUT
-    assert job.error["type"] == "TimeoutError" and "100 ms" in job.error["message"]
+    assert job.error["type"] == "RequestTimeoutError" and "100 ms" in job.error["message"]
+    assert job.error["param"] == "policy.executionTimeout" and job.error["code"] == 408
     assert engine.aborted == [job.engine_request_id]
     assert engine.active == set()
     await executor.drain(1)
@@ -164,7 +166,7 @@ async def test_cancel_running_job_aborts_at_once() -> None:
     cancelled = await executor.cancel(job.id)
     assert cancelled.status is JobStatus.CANCELLED
     assert engine.aborted == [job.engine_request_id] and engine.load().running == 0
-    with pytest.raises(WrongJobState) as info:
+    with pytest.raises(ConflictError) as info:
         await executor.cancel(job.id)
     assert info.value.status_code == 409 and "CANCELLED" in info.value.message
     await executor.drain(1)
@@ -198,7 +200,7 @@ async def test_low_priority_jobs_queue_without_asking_for_scale() -> None:
     assert executor.queued == 2 and executor.queued_for_scaling == 1
     engine.become_ready()
     for job in jobs[1:]:
-        await executor.wait(job, 5)
+        await executor.wait(job.id, 5)
     assert executor.queued == 0 and executor.queued_for_scaling == 0
     await executor.drain(1)
 
@@ -212,7 +214,7 @@ async def test_jobs_wait_for_the_engine_then_run() -> None:
     await asyncio.sleep(0.05)
     assert job.status is JobStatus.IN_QUEUE and executor.queued == 1
     engine.become_ready()
-    assert (await executor.wait(job, 5)).status is JobStatus.COMPLETED
+    assert (await executor.wait(job.id, 5)).status is JobStatus.COMPLETED
     await executor.drain(1)
 
 
@@ -221,11 +223,13 @@ async def test_engine_start_failure_fails_queued_jobs_with_a_json_error() -> Non
     executor = make(engine)
     job = await executor.submit(request('{"input": {"prompt": "x"}}'), sync=False)
     engine.fail_start("out of memory")
-    job = await executor.wait(job, 5)
+    job = await executor.wait(job.id, 5)
     assert job.status is JobStatus.FAILED
     assert job.error == {
         "message": "the engine failed to start: out of memory",
         "type": "ServiceUnavailableError",
+        "param": None,
+        "code": 503,
     }
     assert executor.queued == 0
     await executor.drain(1)
@@ -240,12 +244,14 @@ async def test_error_mid_stream_fails_the_job_and_keeps_what_was_streamed() -> N
         ),
         sync=False,
     )
-    job = await executor.wait(job, 5)
+    job = await executor.wait(job.id, 5)
     body = status_body(job)
     assert body["status"] == "FAILED" and "output" not in body
     assert body["error"] == {
         "message": "RuntimeError: the engine broke mid-generation",
         "type": "InternalServerError",
+        "param": None,
+        "code": 500,
     }
     _, chunks = await executor.take_stream(job.id)
     assert [len(c["choices"][0]["tokens"]) for c in chunks] == [1, 3]
@@ -256,20 +262,23 @@ async def test_retry_requeues_failed_job_under_the_same_id() -> None:
     engine = FakeEngine(fail_at_step=0)
     executor = make(engine)
     job = await executor.wait(
-        await executor.submit(
-            request('{"input": {"prompt": "x", "sampling_params": {"max_tokens": 2}}}'), sync=False
-        ),
+        (
+            await executor.submit(
+                request('{"input": {"prompt": "x", "sampling_params": {"max_tokens": 2}}}'),
+                sync=False,
+            )
+        ).id,
         5,
     )
     assert job.status is JobStatus.FAILED
     engine.fail_at_step = None
     retried = await executor.retry(job.id)
     assert retried.id == job.id and retried.status is JobStatus.IN_QUEUE and retried.error is None
-    job = await executor.wait(retried, 5)
+    job = await executor.wait(retried.id, 5)
     assert job.status is JobStatus.COMPLETED and job.attempts == 2
     assert [r.request_id for r in engine.started] == [f"job-{job.id}-1", f"job-{job.id}-2"]
     assert (await executor.health())["jobs"]["retried"] == 1
-    with pytest.raises(WrongJobState):
+    with pytest.raises(ConflictError):
         await executor.retry(job.id)
     await executor.drain(1)
 
@@ -283,7 +292,7 @@ async def test_every_final_state_is_reported_once() -> None:
     ok = await executor.submit(
         request('{"input": {"prompt": "x", "sampling_params": {"max_tokens": 1}}}'), sync=True
     )
-    await executor.wait(ok, 5)
+    await executor.wait(ok.id, 5)
     slow = await executor.submit(
         request('{"input": {"prompt": "x", "sampling_params": {"max_tokens": 500}}}'), sync=False
     )
@@ -295,7 +304,7 @@ async def test_every_final_state_is_reported_once() -> None:
         ),
         sync=False,
     )
-    await executor.wait(timed, 5)
+    await executor.wait(timed.id, 5)
     assert finished == ["COMPLETED", "CANCELLED", "TIMED_OUT"]
     await executor.drain(1)
 
@@ -318,7 +327,7 @@ async def test_webhook_gets_the_final_status_and_is_retried() -> None:
         ),
         sync=False,
     )
-    await executor.wait(job, 5)
+    await executor.wait(job.id, 5)
     await until(lambda: len(posts.calls) == 3)
     url, payload = posts.calls[-1]
     assert url == "http://hooks.example/done"
@@ -349,10 +358,11 @@ async def test_openai_route_job_returns_the_routes_json() -> None:
         request('{"input": {"openai_route": "/v1/completions", "openai_input": {"prompt": "hi"}}}'),
         sync=True,
     )
-    job = await executor.wait(job, 5)
+    job = await executor.wait(job.id, 5)
     assert job.output == {"object": "echo", "route": "/v1/completions", "body": {"prompt": "hi"}}
     models = await executor.wait(
-        await executor.submit(request('{"input": {"openai_route": "/v1/models"}}'), sync=True), 5
+        (await executor.submit(request('{"input": {"openai_route": "/v1/models"}}'), sync=True)).id,
+        5,
     )
     assert models.output["data"][0]["id"] == "demo"
     await executor.drain(1)
@@ -366,7 +376,12 @@ async def test_openai_route_error_fails_the_job_with_the_routes_error() -> None:
         ),
         sync=True,
     )
-    job = await executor.wait(job, 5)
+    job = await executor.wait(job.id, 5)
     assert job.status is JobStatus.FAILED
-    assert job.error == {"message": "/v1/completions: bad things", "type": "BadRequestError"}
+    assert job.error == {
+        "message": "/v1/completions: bad things",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
     await executor.drain(1)

@@ -1,10 +1,12 @@
+import json
+
 import pytest
-from llmendpoints_runtime.jobs.errors import InvalidRequest
+from llmendpoints_common.errors import BadRequestError
 from llmendpoints_runtime.jobs.models import JobStatus, parse_job_request
 
 
-def rejected(body: bytes) -> InvalidRequest:
-    with pytest.raises(InvalidRequest) as info:
+def rejected(body: bytes) -> BadRequestError:
+    with pytest.raises(BadRequestError) as info:
         parse_job_request(body)
     assert info.value.status_code == 400
     return info.value
@@ -95,3 +97,37 @@ def test_final_states() -> None:
         JobStatus.CANCELLED,
         JobStatus.TIMED_OUT,
     }
+
+
+def test_worker_vllm_route_body_method_is_the_openai_route() -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    request = parse_job_request(
+        json.dumps(
+            {"input": {"route": "/v1/chat/completions", "body": chat, "method": "post"}}
+        ).encode()
+    )
+    assert request.input.openai_route == "/v1/chat/completions"
+    assert request.input.openai_input == chat and request.input.is_openai
+    # method defaults as worker-vllm's does: POST with a body, GET without.
+    models = parse_job_request(b'{"input": {"route": "/v1/models"}}')
+    assert models.input.openai_route == "/v1/models" and models.input.openai_input is None
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "words"),
+    [
+        ({"route": "/v1/models", "method": "POST"}, "input.method", "/v1/models takes GET"),
+        ({"route": "/v1/chat/completions", "body": {}, "method": 3}, "input.method", "string"),
+        ({"route": "/v1/other", "body": {"x": 1}}, "input.route", "not one of"),
+        ({"route": 5}, "input.route", "string"),
+        ({"body": {"prompt": "x"}}, "input.body", "needs route"),
+        (
+            {"route": "/v1/completions", "openai_route": "/v1/completions", "body": {}},
+            "input.route",
+            "either route/body/method or openai_route/openai_input",
+        ),
+    ],
+)
+def test_worker_vllm_route_shape_errors_name_its_fields(body, field, words) -> None:
+    error = rejected(json.dumps({"input": body}).encode())
+    assert error.param == field and words in error.message

@@ -5,8 +5,9 @@ import asyncio
 import httpx
 import pytest
 from fastapi import FastAPI
+from llmendpoints_common.webhooks import WebhookSender
+from llmendpoints_runtime.errors import install_exception_handlers
 from llmendpoints_runtime.jobs import JobAPI, JobExecutor, JobSettings, build_job_router
-from llmendpoints_runtime.jobs.webhook import WebhookSender
 
 from .fakes import FakeEngine, fake_openai_app
 
@@ -18,7 +19,10 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 async def setup():
     engine = FakeEngine(step_delay=0.001)
     settings = JobSettings(
-        max_body_bytes=2000, max_runsync_wait_ms=5000, default_runsync_wait_ms=5000
+        max_body_bytes=2000,
+        max_runsync_body_bytes=2900,
+        max_runsync_wait_ms=5000,
+        default_runsync_wait_ms=5000,
     )
     executor = JobExecutor(
         engine, settings, webhooks=WebhookSender(retries=0, delay_seconds=0, timeout_seconds=1)
@@ -26,6 +30,7 @@ async def setup():
     executor.start()
     api = JobAPI(executor=executor, engine=engine, settings=settings)
     app = FastAPI()
+    install_exception_handlers(app)
     app.include_router(build_job_router(api))
     app.include_router(
         build_job_router(api, openai_target=lambda request: engine.openai_app()),
@@ -57,6 +62,9 @@ async def test_runsync_status_and_stream_under_both_prefixes(setup, prefix) -> N
     stream = (await client.get(f"{prefix}/stream/{body['id']}")).json()
     assert stream["status"] == "COMPLETED"
     assert stream["stream"] == [{"output": body["output"][0]}]
+    # POST works as GET does (RunPod's local test server takes both).
+    assert (await client.post(f"{prefix}/status/{body['id']}")).json() == status
+    assert (await client.post(f"{prefix}/stream/{body['id']}")).json()["stream"] == []
 
 
 async def test_run_returns_id_and_queue_status(setup) -> None:
@@ -114,9 +122,27 @@ async def test_bad_input_is_a_json_4xx_and_the_next_request_works(
     for path in ("/run", "/runsync", "/v2/e/run"):
         answer = await client.post(path, content=content)
         assert answer.status_code == status, answer.text
-        error = answer.json()["error"]
-        assert words in error["message"] and error["type"]
+        body = answer.json()
+        assert set(body) == {"error"}  # no job was made: no id, no status
+        error = body["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert words in error["message"] and error["code"] == status
+        assert error["type"] == {400: "BadRequestError", 413: "ContentTooLargeError"}[status]
     assert (await client.post("/runsync", json=GOOD)).json()["status"] == "COMPLETED"
+
+
+async def test_runsync_has_a_larger_body_limit_than_run(setup) -> None:
+    """RunPod's limits: /runsync takes bodies /run refuses (10 vs 20 MB by default)."""
+    client, _ = setup
+    content = b'{"input": {"prompt": "' + b"x" * 2500 + b'"}}'
+    for path in ("/run", "/v2/e/run"):
+        answer = await client.post(path, content=content)
+        assert answer.status_code == 413, answer.text
+        assert "the limit is 2000 bytes" in answer.json()["error"]["message"]
+    for path in ("/runsync", "/v2/e/runsync"):
+        answer = await client.post(path, content=content)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["status"] == "COMPLETED"
 
 
 async def test_a_draining_replica_refuses_new_jobs_with_503(setup) -> None:
@@ -149,12 +175,22 @@ async def test_unknown_ids_and_wrong_states(setup) -> None:
         ("POST", "/retry/x"),
     ]:
         answer = await client.request(method, f"/v2/e{path}")
-        assert (
-            answer.status_code == 404 and "no job with id 'x'" in answer.json()["error"]["message"]
-        )
+        assert answer.status_code == 404, answer.text
+        # The job envelope: the id the request named, and the error object.
+        assert answer.json() == {
+            "id": "x",
+            "error": {
+                "message": "no job with id 'x': it never existed, or its result expired "
+                "(policy.ttl) and was removed",
+                "type": "NotFoundError",
+                "param": "id",
+                "code": 404,
+            },
+        }
     done = (await client.post("/runsync", json=GOOD)).json()
     cancel = await client.post(f"/cancel/{done['id']}")
     assert cancel.status_code == 409 and "COMPLETED" in cancel.json()["error"]["message"]
+    assert cancel.json()["id"] == done["id"] and cancel.json()["error"]["type"] == "ConflictError"
     retry = await client.post(f"/retry/{done['id']}")
     assert (
         retry.status_code == 409 and "only FAILED or TIMED_OUT" in retry.json()["error"]["message"]
@@ -203,7 +239,7 @@ async def test_streamed_openai_job_is_cut_at_event_boundaries() -> None:
             ),
             sync=True,
         )
-        job = await executor.wait(job, 5)
+        job = await executor.wait(job.id, 5)
         assert job.status.value == "COMPLETED"
         if raw:
             # batches of 1, 3, then the rest (2 events + [DONE]), each a run of whole events;
@@ -233,11 +269,37 @@ async def test_error_event_mid_stream_fails_the_openai_job() -> None:
         ),
         sync=True,
     )
-    job = await executor.wait(job, 5)
+    job = await executor.wait(job.id, 5)
     assert job.status.value == "FAILED"
     assert job.error == {
         "message": "/v1/chat/completions: engine died",
         "type": "InternalServerError",
+        "param": None,
+        "code": 500,
     }
     assert job.chunks  # what streamed before the error stays readable
     await executor.drain(1)
+
+
+@pytest.mark.parametrize(
+    ("webhook", "words"),
+    [
+        ("http://169.254.169.254/latest/meta-data/", "169.254.169.254 is a cloud metadata address"),
+        ("http://[::ffff:169.254.169.254]/", "cloud metadata address"),
+        ("http://169.254.1.1:8080/hook", "link-local"),
+        ("http://[fe80::1]/hook", "link-local"),
+        ("http://224.0.0.1/hook", "multicast"),
+    ],
+)
+async def test_webhooks_to_refused_destinations_are_400_naming_webhook(
+    setup, webhook, words
+) -> None:
+    client, _ = setup
+    for path in ("/run", "/v2/e/runsync"):
+        answer = await client.post(path, json={**GOOD, "webhook": webhook})
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["param"] == "webhook" and words in error["message"]
+    # In-cluster receivers (private and loopback addresses, cluster names) are accepted.
+    for webhook in ("http://10.0.0.7:8080/hook", "http://receiver.ns.svc.cluster.local/hook"):
+        assert (await client.post("/run", json={**GOOD, "webhook": webhook})).status_code == 200

@@ -1,7 +1,8 @@
 import httpx
 import pytest
 from fastapi import FastAPI
-from llmendpoints_runtime.jobs.errors import InvalidRequest
+from llmendpoints_common.errors import BadRequestError
+from llmendpoints_runtime.errors import install_exception_handlers
 from llmendpoints_runtime.jobs.port import ServedModels
 from llmendpoints_runtime.sagemaker import (
     build_sagemaker_router,
@@ -58,7 +59,7 @@ def test_payload_shape_picks_the_route(payload, route) -> None:
     ],
 )
 def test_unusable_payloads(payload, words) -> None:
-    with pytest.raises(InvalidRequest) as info:
+    with pytest.raises(BadRequestError) as info:
         invocation_route(payload)
     assert words in info.value.message
 
@@ -80,14 +81,14 @@ def test_model_maps_to_the_served_model_unless_it_names_one(model, expected) -> 
 
 def test_payload_for_a_task_the_model_lacks_is_refused() -> None:
     check_task("/v1/completions", SERVED)
-    with pytest.raises(InvalidRequest) as info:
+    with pytest.raises(BadRequestError) as info:
         check_task("/v1/embeddings", SERVED)
     assert "embeddings" in info.value.message and "serves only generate" in info.value.message
     check_task("/v1/embeddings", ServedModels(base=("e5",), tasks=("embed",)))
 
 
 def test_images_to_a_text_only_model_are_refused_naming_the_part() -> None:
-    with pytest.raises(InvalidRequest) as info:
+    with pytest.raises(BadRequestError) as info:
         check_modalities(IMAGE_CHAT, SERVED)
     assert "text-only" in info.value.message and "messages[1].content[1]" in info.value.message
     check_modalities(IMAGE_CHAT, ServedModels(base=("vlm",), multimodal=True))  # passes
@@ -97,6 +98,7 @@ def test_images_to_a_text_only_model_are_refused_naming_the_part() -> None:
 async def client():
     engine = FakeEngine()
     app = FastAPI()
+    install_exception_handlers(app)
     app.include_router(build_sagemaker_router(engine, max_body_bytes=10_000))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
         yield c, engine
@@ -132,7 +134,10 @@ async def test_bad_invocations_are_json_4xx(client, content, status, words) -> N
     c, _ = client
     answer = await c.post("/invocations", content=content)
     assert answer.status_code == status
-    assert words in answer.json()["error"]["message"]
+    error = answer.json()["error"]
+    assert set(answer.json()) == {"error"}
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    assert words in error["message"]
     assert (await c.post("/invocations", json={"prompt": "ok"})).status_code == 200
 
 

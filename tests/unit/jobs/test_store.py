@@ -1,5 +1,5 @@
 import pytest
-from llmendpoints_runtime.jobs.errors import QueueFull
+from llmendpoints_common.errors import RateLimitError
 from llmendpoints_runtime.jobs.models import JobStatus, parse_job_request
 from llmendpoints_runtime.jobs.store import InMemoryJobStore, Job
 
@@ -58,7 +58,7 @@ async def test_full_store_drops_oldest_finished_then_refuses() -> None:
     await finish(store, first, clock.now)
     await store.add(job("third"))  # evicts "first", the only finished one
     assert await store.get("first") is None
-    with pytest.raises(QueueFull):
+    with pytest.raises(RateLimitError):
         await store.add(job("fourth"))
     assert (await store.counts())[JobStatus.IN_QUEUE] == 2
 

@@ -10,6 +10,7 @@ import pytest
 from llmendpoints_operator import __version__
 from llmendpoints_operator.__main__ import _parser
 from llmendpoints_operator.config import DEFAULT_RUNTIME_IMAGE, OperatorSettings
+from pydantic import ValidationError
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -85,3 +86,31 @@ def test_settings_defaults_and_environment(monkeypatch: pytest.MonkeyPatch) -> N
     settings = OperatorSettings()
     assert settings.runtime_image == "my/runtime:dev"
     assert settings.runtime_security_context == {"readOnlyRootFilesystem": True}
+
+
+def test_the_cluster_domain_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert OperatorSettings().cluster_domain == "cluster.local"
+    monkeypatch.setenv("LLMEP_OPERATOR_CLUSTER_DOMAIN", "corp.example")
+    assert OperatorSettings().cluster_domain == "corp.example"
+    monkeypatch.setenv("LLMEP_OPERATOR_CLUSTER_DOMAIN", "http://corp.example")
+    with pytest.raises(ValidationError, match="cluster_domain"):
+        OperatorSettings()
+
+
+def test_importing_the_handlers_only_registers_them() -> None:
+    """No settings read, no client, no task at import: the operator's state is built by the
+    startup handler (into kopf's memo), so a bad setting cannot break an import."""
+    code = (
+        "import kopf, llmendpoints_operator.handlers as h;"
+        "r = kopf.get_default_registry();"
+        "print(len(r._activities.get_all_handlers()), len(r._changing.get_all_handlers()))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "LLMEP_OPERATOR_RESYNC_SECONDS": "-5"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["3", "3"]  # startup, login, cleanup; create, update, resume

@@ -61,7 +61,11 @@ def test_subresources_and_printer_columns(version: dict[str, Any]) -> None:
         "labelSelectorPath": ".status.selector",
     }
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Model", "Phase", "Ready", "Replicas", "URL", "Age"]
+    assert columns == ["Model", "Phase", "Ready", "Replicas", "Reason", "Cold-Start", "URL", "Age"]
+    by_name = {c["name"]: c for c in version["additionalPrinterColumns"]}
+    # `kubectl get llmep -o wide` says why an endpoint is not ready (ScaledToZero, ...).
+    assert by_name["Reason"]["jsonPath"] == '.status.conditions[?(@.type=="Ready")].reason'
+    assert by_name["Cold-Start"]["jsonPath"] == ".status.autoscaling.coldStart.seconds"
 
 
 def test_schema_is_structural_and_documented(schema: dict[str, Any]) -> None:
@@ -164,6 +168,12 @@ def test_minimal_example_is_just_a_model_name() -> None:
         {"model": {"name": "m"}, "resources": {"requests": {"memory": "12XB"}}},
         {"model": {"name": "m", "hfTokenSecretRef": {"name": "s"}}},
         {"model": {"name": "m"}, "engine": {"dtype": "int3"}},
+        # Adapter names are DNS labels (clients send them as model; they label metrics).
+        {"model": {"name": "m"}, "adapters": [{"name": "My_Adapter", "source": "o/a"}]},
+        {"model": {"name": "m"}, "adapters": [{"name": "v1.2", "source": "o/a"}]},
+        {"model": {"name": "m"}, "adapters": [{"name": "a" * 64, "source": "o/a"}]},
+        {"model": {"name": "m"}, "adapters": [{"name": "a"}]},
+        {"model": {"name": "m"}, "adapters": [{"name": "a", "source": "o/a", "rank": 0}]},
     ],
 )
 def test_schema_rejects_what_it_can_see(bad: dict[str, Any], schema: dict[str, Any]) -> None:
@@ -240,8 +250,23 @@ def _doc(spec: dict[str, Any], name: str = "demo") -> dict[str, Any]:
         (_doc({"cache": {"size": "1Gi", "existingClaim": "c"}}), ".spec.cache"),
         (_doc({"cache": {"accessModes": ["ReadWriteOnce"]}}), ".spec.cache"),
         (
-            _doc({"api": {"ingress": {"enabled": True, "tls": {"secretName": "t"}}}}),
+            _doc(
+                {
+                    "api": {
+                        "ingress": {"enabled": True, "tls": {"secretName": "t"}},
+                        "allowUnauthenticated": True,
+                    }
+                }
+            ),
             ".spec.api.ingress",
+        ),
+        # Published outside the cluster without keys (docs/security.md).
+        (_doc({"api": {"service": {"type": "LoadBalancer"}}}), ".spec.api"),
+        (_doc({"api": {"service": {"type": "NodePort"}}}), ".spec.api"),
+        (_doc({"api": {"ingress": {"enabled": True}}}), ".spec.api"),
+        (
+            _doc({"api": {"ingress": {"enabled": True}, "allowUnauthenticated": False}}),
+            ".spec.api",
         ),
         (_doc({"engine": {"tensorParallelSize": 4}, "resources": {"gpus": 2}}), ".spec"),
         (_doc({"model": {"name": "m", "bakedIntoImage": True}}), ".spec"),
@@ -257,6 +282,23 @@ def _doc(spec: dict[str, Any], name: str = "demo") -> dict[str, Any]:
         ),
         (_doc({}, name="Upper"), "<root>"),
         (_doc({}, name="a" * 50), "<root>"),
+        (
+            _doc(
+                {"adapters": [{"name": "sql", "source": "o/a"}, {"name": "sql", "source": "o/b"}]}
+            ),
+            ".spec.adapters",
+        ),
+        # The base model's served name: metadata.name, or model.servedModelName when set.
+        (_doc({"adapters": [{"name": "demo", "source": "o/a"}]}), "<root>"),
+        (
+            _doc(
+                {
+                    "model": {"name": "m", "servedModelName": "chat"},
+                    "adapters": [{"name": "chat", "source": "o/a"}],
+                }
+            ),
+            "<root>",
+        ),
     ],
 )
 def test_cel_rules_reject_what_the_operator_rejects(
@@ -279,8 +321,52 @@ def test_cel_rules_reject_what_the_operator_rejects(
         _doc({"engine": {"tensorParallelSize": 2}, "resources": {"gpus": 0}}),
         _doc({"cache": {"existingClaim": "c"}}),
         _doc({"model": {"name": "m", "bakedIntoImage": True}, "engine": {"image": "r/i:1"}}),
+        _doc(
+            {
+                "model": {"name": "m", "servedModelName": "chat"},
+                "adapters": [
+                    {"name": "demo", "source": "org/demo-lora", "revision": "v1", "rank": 16},
+                    {"name": "sql", "source": "/models/adapters/sql"},
+                ],
+            }
+        ),
+        _doc({"api": {"service": {"type": "ClusterIP"}, "ingress": {"enabled": False}}}),
+        _doc(
+            {
+                "api": {
+                    "service": {"type": "LoadBalancer"},
+                    "apiKeysSecretRef": {"name": "k", "key": "keys"},
+                }
+            }
+        ),
+        _doc({"api": {"ingress": {"enabled": True}, "allowUnauthenticated": True}}),
     ],
 )
 def test_cel_rules_accept_valid_specs(doc: dict[str, Any], schema: dict[str, Any]) -> None:
     assert _violations(schema, doc) == []
     spec.parse(doc["metadata"]["name"], "ns", doc["spec"])
+
+
+@pytest.mark.parametrize(
+    "adapter",
+    [
+        {"name": "My_Adapter", "source": "o/a"},
+        {"name": "v1.2", "source": "o/a"},
+        {"name": "a" * 64, "source": "o/a"},
+        {"name": "a", "source": "o/a", "rank": 0},
+    ],
+)
+def test_the_operator_refuses_adapters_the_schema_refuses(adapter: dict[str, Any]) -> None:
+    with pytest.raises(spec.InvalidSpecError) as info:
+        spec.parse("demo", "ns", {"model": {"name": "m"}, "adapters": [adapter]})
+    assert str(info.value).startswith("spec.adapters[0].")
+
+
+def test_scale_to_zero_is_left_to_the_operator(schema: dict[str, Any]) -> None:
+    """Only the operator knows whether a gateway holds requests: the CRD accepts minReplicas 0,
+    the operator refuses it without LLMEP_OPERATOR_GATEWAY_URL and takes it with."""
+    doc = _doc({"scaling": {"minReplicas": 0, "maxReplicas": 2, "scaleToZeroAfterSeconds": 60}})
+    assert _violations(schema, doc) == []
+    with pytest.raises(spec.InvalidSpecError, match="LLMEP_OPERATOR_GATEWAY_URL"):
+        spec.parse("demo", "ns", doc["spec"])
+    assert spec.parse("demo", "ns", doc["spec"], scale_to_zero=True).spec.scaling.min_replicas == 0

@@ -7,6 +7,7 @@ review the diff like code.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 from typing import Any
@@ -222,7 +223,8 @@ def test_optional_children_follow_the_spec() -> None:
             "model": {"name": "m", "chatTemplate": "t"},
             "cache": {"size": "1Gi"},
             "scaling": {"maxReplicas": 2},
-            "api": {"ingress": {"enabled": True}},
+            "api": {"ingress": {"enabled": True}, "allowUnauthenticated": True},
+            "adapters": [{"name": "sql", "source": "org/sql-lora"}],
         }
     )
     built = {(o["kind"], o["metadata"]["name"]) for o in manifests.build_children(full, SETTINGS)}
@@ -284,3 +286,110 @@ def test_security_contexts_come_from_settings() -> None:
     assert default["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
     container_sc = _container(default)["securityContext"]
     assert container_sc["allowPrivilegeEscalation"] is False
+
+
+def _lora_env(spec_adapters: list[dict], **engine: Any) -> dict[str, str]:
+    ep = _endpoint({"model": {"name": "m"}, "adapters": spec_adapters, "engine": engine})
+    return {v["name"]: v.get("value") for v in manifests.build_env(ep)}
+
+
+def test_adapters_become_a_mounted_list_and_the_engine_settings_they_need() -> None:
+    ep = _endpoint(
+        {
+            "model": {"name": "m"},
+            "adapters": [
+                {"name": "sql", "source": "org/sql-lora", "revision": "abc", "rank": 8},
+                {"name": "legal", "source": "/models/adapters/legal"},
+            ],
+        }
+    )
+    (configmap,) = [o for o in manifests.build_children(ep, SETTINGS) if o["kind"] == "ConfigMap"]
+    assert configmap["metadata"]["name"] == "demo-adapters"
+    assert json.loads(configmap["data"]["adapters.json"]) == {
+        "adapters": [
+            {"name": "sql", "source": "org/sql-lora", "revision": "abc", "rank": 8},
+            {"name": "legal", "source": "/models/adapters/legal"},
+        ]
+    }
+    pod = manifests.build_pod_template(ep, SETTINGS)
+    assert {"name": "adapters", "configMap": {"name": "demo-adapters"}} in pod["spec"]["volumes"]
+    (mount,) = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "adapters"]
+    assert "subPath" not in mount  # the kubelet refreshes whole-directory mounts only
+    env = {v["name"]: v.get("value") for v in pod["spec"]["containers"][0]["env"]}
+    assert env["LLMEP_ADAPTERS_FILE"] == "/etc/llmendpoints/adapters/adapters.json"
+    assert (env["ENABLE_LORA"], env["MAX_LORAS"], env["MAX_LORA_RANK"]) == ("true", "4", "8")
+
+
+def test_changing_the_adapter_list_does_not_roll_the_pods() -> None:
+    def template(adapters: list[dict]) -> dict[str, Any]:
+        ep = _endpoint({"model": {"name": "m"}, "adapters": adapters})
+        return manifests.build_pod_template(ep, SETTINGS)
+
+    one = template([{"name": "a", "source": "org/a"}])
+    assert one == template([{"name": "b", "source": "org/b", "revision": "v2"}])
+    assert one == template([{"name": f"a{i}", "source": "org/a"} for i in range(4)])
+    # Only a step in the engine's settings does: beyond four adapters MAX_LORAS becomes 8.
+    assert one != template([{"name": f"a{i}", "source": "org/a"} for i in range(5)])
+
+
+@pytest.mark.parametrize(
+    ("ranks", "expected"), [((None,), None), ((8, None), "8"), ((12, 16), "16"), ((300,), "320")]
+)
+def test_max_lora_rank_is_the_smallest_vllm_size_that_fits(ranks, expected) -> None:
+    env = _lora_env(
+        [
+            {"name": f"a{i}", "source": "org/a", **({"rank": r} if r else {})}
+            for i, r in enumerate(ranks)
+        ]
+    )
+    assert env.get("MAX_LORA_RANK") == expected
+
+
+def test_engine_args_and_env_override_the_derived_lora_settings() -> None:
+    adapters = [{"name": "a", "source": "org/a", "rank": 8}]
+    ep = _endpoint(
+        {
+            "model": {"name": "m"},
+            "adapters": adapters,
+            "engine": {
+                "args": {"max-loras": 16},
+                "env": [{"name": "MAX_LORA_RANK", "value": "64"}],
+            },
+        }
+    )
+    names = [v["name"] for v in manifests.build_env(ep)]
+    assert names.count("MAX_LORAS") == 1 and names.count("MAX_LORA_RANK") == 1
+    env = {v["name"]: v["value"] for v in manifests.build_env(ep)}
+    assert (
+        env["MAX_LORAS"] == "16" and env["MAX_LORA_RANK"] == "64" and env["ENABLE_LORA"] == "true"
+    )
+    assert "ENABLE_LORA" not in _lora_env([])
+    assert "LLMEP_ADAPTERS_FILE" not in _lora_env([])
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_runtime_pods_get_no_service_account_token(example: pathlib.Path) -> None:
+    """The runtime never talks to the Kubernetes API: code in it must not hold a token that can."""
+    pod = manifests.build_pod_template(_example(example), SETTINGS)["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    # No ServiceAccount of its own either: one with no RBAC would be the default one by another name.
+    assert "serviceAccountName" not in pod and "serviceAccount" not in pod
+    mounts = [m["mountPath"] for c in pod["containers"] for m in c.get("volumeMounts", [])]
+    assert not [m for m in mounts if m.startswith("/var/run/secrets/kubernetes.io")]
+
+
+def test_pods_get_their_endpoint_id_and_the_shared_queue() -> None:
+    ep = _endpoint({"model": {"name": "org/m"}}, name="chat-a")
+    alone = {v["name"]: v["value"] for v in _container(_all(ep)[0])["env"]}
+    assert alone["ENDPOINT_ID"] == "chat-a"
+    assert "JOBS_QUEUE_URL" not in alone  # no queue configured: the in-pod job store
+    queued = OperatorSettings(
+        runtime_image="registry.example/runtime:1.2.3",
+        jobs_queue_url="nats://llmep:secret@llmendpoints-nats:4222",
+        jobs_queue_replicas=3,
+    )
+    deployment = manifests.build_deployment(ep, queued, replicas=1)
+    env = {v["name"]: v["value"] for v in _container(deployment)["env"]}
+    assert env["JOBS_QUEUE_URL"] == "nats://llmep:secret@llmendpoints-nats:4222"
+    assert env["ENDPOINT_ID"] == "chat-a"
+    assert env["LLMEP_JOBS_QUEUE_REPLICAS"] == "3"

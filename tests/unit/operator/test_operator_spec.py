@@ -140,5 +140,30 @@ def test_scale_to_zero_is_refused_until_the_gateway_exists() -> None:
     (problem,) = _problems(
         {"model": {"name": "m"}, "scaling": {"minReplicas": 0, "maxReplicas": 3}}
     )
-    assert problem.startswith("spec.scaling.minReplicas: 0 is not supported yet")
-    assert "request-holding gateway" in problem
+    assert problem.startswith("spec.scaling.minReplicas: 0 needs the request-holding gateway")
+    assert "LLMEP_OPERATOR_GATEWAY_URL" in problem
+
+
+def test_scale_to_zero_is_allowed_with_the_gateway() -> None:
+    spec = {
+        "model": {"name": "m"},
+        "scaling": {"minReplicas": 0, "maxReplicas": 3, "scaleToZeroAfterSeconds": 120},
+    }
+    scaling = parse("d", "ns", spec, scale_to_zero=True).spec.scaling
+    assert (scaling.min_replicas, scaling.autoscaled) == (0, True)
+    assert scaling.policy().scale_to_zero_after_seconds == 120
+    with pytest.raises(
+        InvalidSpecError,
+        match=r"spec\.scaling\.minReplicas: Input should be greater than or equal to 0",
+    ):
+        parse(
+            "d", "ns", {"model": {"name": "m"}, "scaling": {"minReplicas": -1}}, scale_to_zero=True
+        )
+
+
+def test_routing_is_prefix_aware_unless_set() -> None:
+    assert parse("d", "ns", {"model": {"name": "m"}}).spec.routing == "prefix-aware"
+    spec = {"model": {"name": "m"}, "routing": "round-robin"}
+    assert parse("d", "ns", spec).spec.routing == "round-robin"
+    (problem,) = _problems({"model": {"name": "m"}, "routing": "random"})
+    assert problem.startswith("spec.routing")

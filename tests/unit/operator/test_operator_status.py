@@ -99,6 +99,14 @@ def test_golden_ready_status() -> None:
                 "message": "1/1 replicas available",
                 **stamp,
             },
+            {
+                "type": "Authenticated",
+                "status": "False",
+                "reason": "NoAPIKeys",
+                "message": "spec.api.apiKeysSecretRef is not set: any client that can reach "
+                "Service demo inside the cluster can use the endpoint without a key",
+                **stamp,
+            },
         ],
         "observedGeneration": 4,
         "url": "http://demo.team.svc.cluster.local",
@@ -228,13 +236,19 @@ def test_ingress_url() -> None:
                     "host": "a.example.com",
                     "path": "/llm/",
                     "tls": {"secretName": "t"},
-                }
+                },
+                "apiKeysSecretRef": {"name": "keys", "key": "k"},
             },
         }
     )
     assert _compute(None, endpoint=ep)["ingressUrl"] == "https://a.example.com/llm"
     ep = _ep({"model": {"name": "m"}, "api": {"service": {"port": 8000}}})
     assert _compute(None, endpoint=ep)["url"] == "http://demo.team.svc.cluster.local:8000"
+
+
+def test_with_the_gateway_installed_the_status_url_is_the_gateways() -> None:
+    url = _compute(None, gateway_url="http://llmendpoints-gateway.llmendpoints.svc:8080/")["url"]
+    assert url == "http://llmendpoints-gateway.llmendpoints.svc:8080"
 
 
 def test_cache_state_for_created_and_existing_claims() -> None:
@@ -270,7 +284,8 @@ def test_transition_events() -> None:
         ),
         previous=scaling,
     )
-    assert _events(None, starting) == []
+    # The endpoint has no keys: one warning when it first reports so, not at every transition.
+    assert _events(None, starting) == [("Warning", "Unauthenticated")]
     assert _events(starting, ready) == [("Normal", "Ready")]
     assert _events(ready, ready) == []
     assert _events(ready, updating) == [("Normal", "RollingOut")]
@@ -286,3 +301,83 @@ def test_transition_events() -> None:
         "serving at http://demo.team.svc.cluster.local"
         in status.transition_events(starting, ready)[0].message
     )
+
+
+KEYS = {"apiKeysSecretRef": {"name": "keys", "key": "api-keys"}}
+
+
+@pytest.mark.parametrize(
+    ("api", "condition"),
+    [
+        (KEYS, ("True", "APIKeys")),
+        ({**KEYS, "service": {"type": "LoadBalancer"}}, ("True", "APIKeys")),
+        ({}, ("False", "NoAPIKeys")),
+        (
+            {"service": {"type": "LoadBalancer"}, "allowUnauthenticated": True},
+            ("False", "UnauthenticatedAllowed"),
+        ),
+    ],
+)
+def test_authenticated_condition_says_who_can_use_the_endpoint(
+    api: dict[str, Any], condition: tuple[str, str]
+) -> None:
+    st = _compute(_deployment(1, **AVAILABLE), endpoint=_ep({"model": {"name": "m"}, "api": api}))
+    assert _conditions(st)["Authenticated"] == condition
+    assert _conditions(st)["Ready"] == ("True", "Serving")  # a warning, not an outage
+
+
+def test_authentication_messages_name_the_exposure() -> None:
+    in_cluster = _compute(None, endpoint=_ep())
+    (cond,) = [c for c in in_cluster["conditions"] if c["type"] == "Authenticated"]
+    assert "apiKeysSecretRef" in cond["message"] and "Service demo" in cond["message"]
+    published = _compute(
+        None,
+        endpoint=_ep(
+            {
+                "model": {"name": "m"},
+                "api": {"service": {"type": "NodePort"}, "allowUnauthenticated": True},
+            }
+        ),
+    )
+    (cond,) = [c for c in published["conditions"] if c["type"] == "Authenticated"]
+    assert "service.type NodePort" in cond["message"]
+    assert "allowUnauthenticated" in cond["message"]
+
+
+def test_unauthenticated_warning_is_posted_when_keys_go_away_only() -> None:
+    keyed = _compute(
+        _deployment(1, **AVAILABLE), endpoint=_ep({"model": {"name": "m"}, "api": KEYS})
+    )
+    assert _events(None, keyed) == [("Normal", "Ready")]
+    keyless = _compute(_deployment(1, **AVAILABLE), previous=keyed)
+    assert _events(keyed, keyless) == [("Warning", "Unauthenticated")]
+    assert _events(keyless, _compute(_deployment(1, **AVAILABLE), previous=keyless)) == []
+    assert _events(keyless, keyed) == []
+
+
+def test_an_invalid_spec_keeps_reporting_the_running_workloads_authentication() -> None:
+    keyless = _compute(_deployment(1, **AVAILABLE))
+    invalid = _compute(
+        _deployment(1, **AVAILABLE), endpoint=None, invalid_message="spec.x: bad", previous=keyless
+    )
+    assert _conditions(invalid)["Authenticated"] == ("False", "NoAPIKeys")
+    fresh_invalid = _compute(None, endpoint=None, invalid_message="spec.x: bad")
+    assert "Authenticated" not in _conditions(fresh_invalid)
+
+
+def test_scaled_to_zero_says_why_from_the_autoscalers_annotation() -> None:
+    why = "scale down 1->0: idle for 300 s (scaleToZeroAfterSeconds 300)"
+    zero = DeploymentState.from_object(
+        {
+            "metadata": {"annotations": {"llmendpoints.dev/scaled-to-zero": why}},
+            "spec": {"replicas": 0},
+            "status": {},
+        }
+    )
+    st = _compute(zero)
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert (st["phase"], ready["reason"]) == ("ScaledToZero", "ScaledToZero")
+    assert f"(autoscaler: {why}); the next request or job starts one" in ready["message"]
+    authenticated = [c for c in st["conditions"] if c["type"] == "Authenticated"]
+    (event,) = status.transition_events({"phase": "Ready", "conditions": authenticated}, st)
+    assert (event.reason, event.message) == ("ScaledToZero", ready["message"])

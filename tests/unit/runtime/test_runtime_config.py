@@ -250,3 +250,25 @@ def test_empty_values_mean_not_set():
     assert cfg.vllm_argv == ["--model", "org/model"]
     assert cfg.settings.port == 8000
     assert cfg.settings.static_api_keys() == ()
+
+
+def test_shared_queue_settings():
+    plain = config()
+    assert plain.settings.jobs_queue_url is None  # the in-pod job store
+    queued = config(
+        JOBS_QUEUE_URL="nats://u:p@nats:4222", ENDPOINT_ID="chat-a", LLMEP_JOBS_MAX_ATTEMPTS="5"
+    )
+    assert queued.settings.jobs_queue_url.get_secret_value() == "nats://u:p@nats:4222"
+    assert "u:p" not in repr(queued.settings)  # the password never reaches a log line
+    assert (queued.settings.endpoint_id, queued.settings.jobs_max_attempts) == ("chat-a", 5)
+    assert error_for(JOBS_QUEUE_URL="nats://nats:4222").variable == "ENDPOINT_ID"
+    assert error_for(ENDPOINT_ID="Not_A_Name").variable == "ENDPOINT_ID"
+    assert error_for(LLMEP_JOBS_MAX_ATTEMPTS="0").variable == "LLMEP_JOBS_MAX_ATTEMPTS"
+
+
+def test_webhook_destinations_are_parsed_and_a_bad_entry_is_named():
+    policy = config(LLMEP_WEBHOOK_DESTINATIONS="hooks.example.com, 10.0.0.0/8").settings
+    assert policy.webhook_policy.allowed == ("hooks.example.com", "10.0.0.0/8")
+    assert config().settings.webhook_policy.allowed == ()
+    error = error_for(LLMEP_WEBHOOK_DESTINATIONS="hooks.example.com, https://x/")
+    assert error.variable == "LLMEP_WEBHOOK_DESTINATIONS" and "'https://x/'" in str(error)

@@ -8,10 +8,16 @@ import os
 import time
 
 import pytest
-from llmendpoints_runtime.admission import AdmissionQueue, QueueFull, default_max_concurrency
+from llmendpoints_common.errors import (
+    RateLimitError,
+    describe_validation_errors,
+    error_object,
+    error_type,
+    job_error_body,
+)
+from llmendpoints_runtime.admission import AdmissionQueue, default_max_concurrency
 from llmendpoints_runtime.auth import KeyStore, key_from_headers, key_matches, parse_keys_file
 from llmendpoints_runtime.download import select_files
-from llmendpoints_runtime.errors import describe_validation_error, error_type, openai_error
 from llmendpoints_runtime.health import EngineState, liveness, readiness
 from llmendpoints_runtime.middleware import json_body_problem
 
@@ -33,8 +39,10 @@ async def test_admission_runs_up_to_the_limit_then_queues_in_order():
     second = asyncio.create_task(wait("second"))
     await asyncio.sleep(0)
     assert (queue.running, queue.waiting) == (2, 2)
-    with pytest.raises(QueueFull):
+    with pytest.raises(RateLimitError) as refused:
         await queue.acquire()
+    assert refused.value.status_code == 429 and refused.value.headers == {"retry-after": "1"}
+    assert "2 requests running and 2 queued" in refused.value.message
     queue.release()
     await first
     queue.release()
@@ -171,31 +179,54 @@ def test_liveness_answers():
 
 
 def test_error_shape_and_types():
-    assert openai_error(404, "no such model", param="model") == {
-        "error": {
-            "message": "no such model",
-            "type": "NotFoundError",
-            "param": "model",
-            "code": 404,
-        }
+    assert error_object(404, "no such model", param="model") == {
+        "message": "no such model",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
     }
+    # The OpenAI SDK's names, on every route and every Python version.
     assert error_type(400) == "BadRequestError"
-    assert error_type(401) == "UnauthorizedError"
-    assert error_type(429) == "TooManyRequestsError"
+    assert error_type(401) == "AuthenticationError"
+    assert error_type(413) == "ContentTooLargeError"
+    assert error_type(429) == "RateLimitError"
+    assert error_type(503) == "ServiceUnavailableError"
+
+
+def test_the_job_envelope_is_the_error_object_with_the_named_job():
+    refused = RateLimitError("the job queue is full")
+    assert job_error_body(refused) == {"error": refused.to_error()}
+    assert job_error_body(refused, job_id="j1") == {"id": "j1", "error": refused.to_error()}
+    assert set(refused.to_error()) == {"message", "type", "param", "code"}
 
 
 def test_validation_errors_name_the_field():
-    message, param = describe_validation_error(
+    message, param = describe_validation_errors(
         [
             {
                 "loc": ("body", "sampling_params", "max_tokens"),
                 "msg": "Input should be a valid integer",
                 "type": "int_type",
-            }
+            },
+            {"loc": ("body", "messages", 1, "role"), "msg": "Field required", "type": "missing"},
+            {"loc": ("body", "sampling_param"), "msg": "Extra inputs", "type": "extra_forbidden"},
         ]
     )
     assert param == "sampling_params.max_tokens"
-    assert "`sampling_params.max_tokens`" in message
+    assert message == (
+        "sampling_params.max_tokens: Input should be a valid integer; "
+        "messages[1].role: required field is missing; sampling_param: unknown field"
+    )
+    assert describe_validation_errors(
+        [
+            {
+                "loc": ("body", 3),
+                "msg": "JSON decode error",
+                "type": "json_invalid",
+                "ctx": {"error": "Expecting value"},
+            }
+        ]
+    ) == ("request body is not valid JSON: Expecting value", None)
 
 
 # -- download plan -----------------------------------------------------------------------------
@@ -247,10 +278,11 @@ def test_demo_model_is_deterministic_and_complete(tmp_path):
 # -- the OpenAI fast path ----------------------------------------------------------------------
 
 
-def test_no_router_of_ours_may_claim_vllms_openai_paths(monkeypatch):
+def test_no_router_of_ours_may_claim_vllms_openai_paths():
     """/v1/... goes straight to vLLM's app; a router of ours there would be silently bypassed."""
     from fastapi import APIRouter
-    from llmendpoints_runtime import app as app_module
+    from llmendpoints_runtime.app import create_app
+    from llmendpoints_runtime.compose import build_runtime
     from llmendpoints_runtime.config import load_config
 
     router = APIRouter()
@@ -259,7 +291,79 @@ def test_no_router_of_ours_may_claim_vllms_openai_paths(monkeypatch):
     async def shadow() -> dict:
         return {}
 
-    monkeypatch.setattr(app_module, "extra_routers", lambda runtime: [router])
-    runtime = app_module.build_runtime(load_config({"MODEL_NAME": "org/m"}))
+    runtime = build_runtime(load_config({"MODEL_NAME": "org/m"}))
     with pytest.raises(RuntimeError, match="/v1/shadow"):
-        app_module.create_app(runtime, start_engine=False)
+        create_app(runtime, [router], start_engine=False)
+
+
+def test_shutdown_drains_the_features_before_the_engine_stops():
+    from fastapi.testclient import TestClient
+    from llmendpoints_runtime.compose import build_runtime, create_app
+    from llmendpoints_runtime.config import load_config
+
+    runtime = build_runtime(load_config({"MODEL_NAME": "org/m", "DRAIN_TIMEOUT_SECONDS": "7"}))
+    app = create_app(runtime, start_engine=False)
+    assert len(runtime.drainers) == 1  # the job API's
+    seen: list[tuple[float, EngineState]] = []
+
+    async def feature_drain(timeout: float) -> None:
+        seen.append((timeout, runtime.health.state))
+
+    runtime.drainers.append(feature_drain)
+    with TestClient(app):
+        assert seen == []
+    # Ran at shutdown, with the drain's time, while the engine had not been stopped yet.
+    assert len(seen) == 1 and 6 < seen[0][0] <= 7
+    assert seen[0][1] is EngineState.INITIALIZING
+    assert runtime.health.state is EngineState.STOPPED
+
+
+def test_one_openapi_schema_with_vllms_operations_and_ours():
+    from llmendpoints_runtime.openapi import merge_openapi
+
+    ours = {
+        "openapi": "3.1.0",
+        "info": {"title": "LLM Endpoints runtime", "version": "1"},
+        "paths": {
+            "/invocations": {"post": {"responses": {"200": {}, "400": {}, "422": {}}}},
+            "/run": {
+                "post": {
+                    "responses": {"200": {}, "429": {}},
+                    "requestBody": {
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "$ref": "#/components/schemas/JobRequest0",
+                                    "$defs": {"JobInput": {"type": "object"}},
+                                }
+                            }
+                        }
+                    },
+                }
+            },
+        },
+        "components": {"schemas": {"ErrorBody": {"type": "object"}}},
+    }
+    theirs = {
+        "openapi": "3.1.0",
+        "info": {"title": "vLLM", "version": "0.32"},
+        "paths": {
+            "/v1/chat/completions": {"post": {"responses": {"200": {}}}},
+            "/invocations": {"post": {"summary": "vLLM's own"}},
+            "/health": {"get": {"summary": "vLLM's health"}},
+        },
+        "components": {"schemas": {"ChatCompletionRequest": {"type": "object"}}},
+    }
+    merged = merge_openapi(ours, theirs, shadowed=["/health"])
+    assert sorted(merged["paths"]) == ["/invocations", "/run", "/v1/chat/completions"]
+    assert merged["paths"]["/invocations"]["post"]["responses"] == {"200": {}, "400": {}}
+    assert merged["info"]["title"] == "LLM Endpoints runtime"
+    body = merged["paths"]["/run"]["post"]["requestBody"]["content"]["application/json"]
+    assert "$defs" not in body["schema"]
+    assert set(merged["components"]["schemas"]) == {
+        "ErrorBody",
+        "ChatCompletionRequest",
+        "JobInput",
+    }
+    # Before the engine is up there is no vLLM schema: ours alone.
+    assert sorted(merge_openapi(ours, None)["paths"]) == ["/invocations", "/run"]

@@ -1,0 +1,162 @@
+"""A stand-in OpenAI backend for gateway benchmarks and fault-injection tests: no model, so
+thousands of streams cost the backend next to nothing and failures can be made on purpose.
+
+    python bench/gateway_standin.py --port 9001 [--ready-after 3]
+
+- ``GET /ready?strict=1``: 503 for ``--ready-after`` seconds, then 200.
+- ``POST /v1/chat/completions`` and ``/v1/completions``: with ``"stream": true`` an SSE stream
+  of ``standin_chunks`` events (default 8) ``standin_interval`` seconds apart (default 0.01),
+  then ``[DONE]``; without, one JSON completion. ``standin_fail``: ``"before"`` exits the process
+  without answering (a crash), ``"midstream"`` closes it after two events (``standin_fail_on``: only on the replica of that
+  ``--name``).
+- ``GET /stats``: requests seen, streams ended by the client's disconnect, the last
+  ``x-request-id`` and which replica this is (``--name``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+
+
+class Standin:
+    def __init__(self, name: str, ready_after: float):
+        self.name = name
+        self.ready_at = time.monotonic() + ready_after
+        self.stats = {
+            "name": name,
+            "requests": 0,
+            "disconnects": 0,
+            "open": 0,
+            "last_request_id": None,
+        }
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                await send({"type": message["type"] + ".complete"})
+                if message["type"] == "lifespan.shutdown":
+                    return
+        path = scope["path"]
+        if path == "/ready":
+            ok = time.monotonic() >= self.ready_at
+            return await _json(
+                send, 200 if ok else 503, {"status": "ready" if ok else "initializing"}
+            )
+        if path == "/stats":
+            return await _json(send, 200, self.stats)
+        if path not in ("/v1/chat/completions", "/v1/completions"):
+            return await _json(send, 404, {"error": {"message": "not found"}})
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        request = json.loads(body)
+        self.stats["requests"] += 1
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                self.stats["last_request_id"] = value.decode()
+        fail = request.get("standin_fail")
+        if request.get("standin_fail_on") not in (None, self.name):
+            fail = None
+        if fail == "before":
+            os._exit(3)  # a replica that crashes: the connection resets before any byte
+        chunks = int(request.get("standin_chunks", 8))
+        interval = float(request.get("standin_interval", 0.01))
+        if not request.get("stream"):
+            await asyncio.sleep(interval * chunks)
+            return await _json(
+                send,
+                200,
+                {
+                    "id": "cmpl-standin",
+                    "object": "chat.completion",
+                    "model": request.get("model"),
+                    "replica": self.name,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "finish_reason": "stop",
+                            "message": {"role": "assistant", "content": "x" * chunks},
+                        }
+                    ],
+                },
+            )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
+        self.stats["open"] += 1
+        gone = asyncio.ensure_future(receive())  # http.disconnect when the client leaves
+        try:
+            for i in range(chunks):
+                if fail == "midstream" and i == 2:
+                    raise ConnectionAbortedError("standin: failing mid-stream")
+                event = {
+                    "id": "cmpl-standin",
+                    "object": "chat.completion.chunk",
+                    "model": request.get("model"),
+                    "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}],
+                }
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": b"data: " + json.dumps(event).encode() + b"\n\n",
+                        "more_body": True,
+                    }
+                )
+                done, _ = await asyncio.wait({gone}, timeout=interval)
+                if done:
+                    self.stats["disconnects"] += 1
+                    return
+            await send(
+                {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
+            )
+        finally:
+            gone.cancel()
+            self.stats["open"] -= 1
+
+
+async def _json(send, status, body):
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
+    await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+
+
+def main() -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--name", default=None)
+    parser.add_argument("--ready-after", type=float, default=0.0)
+    args = parser.parse_args()
+    app = Standin(args.name or f"standin-{args.port}", args.ready_after)
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=args.port,
+        http="httptools",
+        loop="uvloop",
+        log_level="warning",
+        backlog=4096,
+        timeout_keep_alive=30,
+    )
+
+
+if __name__ == "__main__":
+    main()

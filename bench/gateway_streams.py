@@ -1,0 +1,300 @@
+"""The gateway under many streams, with stand-in backends (bench/gateway_standin.py), and the two
+candidate HTTP stacks (bench/gateway_stacks.py) under the same load for comparison.
+
+    .venv/bin/python bench/gateway_streams.py                     # ~2 minutes
+    .venv/bin/python bench/gateway_streams.py --streams 2000 --requests 3000 --targets gateway
+
+For each target (the real gateway, the minimal bare-ASGI proxy, the minimal aiohttp-server
+proxy), in its own process in front of two stand-in backends:
+
+1. CPU per proxied request: ``--requests`` streamed chat completions (8 SSE events each), 100 at
+   a time; the target process's user+system CPU time over the run divided by the requests.
+2. Open streams: ``--streams`` streaming requests opened at once and held open (the backends
+   send an event every 0.5 s for ~15 s); once every one has its first event, the target's RSS
+   is sampled; memory per open stream = (RSS with all open - RSS idle) / streams. Every stream
+   must end with ``[DONE]`` and status 200: any other ending is an error.
+
+Target (DESIGN.md): 2,000 concurrent open streams on 2 cores with no error; CPU per proxied
+request and memory per open stream reported. Results: JSON in bench/out/gateway_streams.json and
+a Markdown section on stdout (for bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import aiohttp
+import httpx
+import psutil
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "bench" / "out"
+PY = sys.executable
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        argv,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def wait_http(url: str, timeout: float = 30) -> None:
+    """Until something answers HTTP at ``url`` (any status)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url, timeout=1)
+            return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise TimeoutError(url)
+
+
+@dataclass
+class Result:
+    target: str
+    requests: int
+    cpu_ms_per_request: float
+    requests_per_s: float
+    streams: int
+    streams_ok: int
+    stream_errors: dict
+    rss_idle_mib: float
+    rss_open_mib: float
+    kib_per_open_stream: float
+    open_all_s: float
+
+
+def body(chunks: int, interval: float) -> bytes:
+    return json.dumps(
+        {
+            "model": "standin",
+            "stream": True,
+            "standin_chunks": chunks,
+            "standin_interval": interval,
+            "messages": [
+                {"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "hello"},
+            ],
+        }
+    ).encode()
+
+
+async def one_stream(session, url, data, first: asyncio.Event | None, opened: list) -> str:
+    try:
+        async with session.post(url, data=data, headers={"content-type": "application/json"}) as r:
+            if r.status != 200:
+                return f"status {r.status}"
+            tail = b""
+            got_first = False
+            async for chunk in r.content.iter_any():
+                if not got_first:
+                    got_first = True
+                    opened.append(1)
+                tail = (tail + chunk)[-64:]
+            return "ok" if tail.rstrip().endswith(b"data: [DONE]") else "truncated"
+    except Exception as exc:
+        return type(exc).__name__
+
+
+async def cpu_phase(url: str, proc: psutil.Process, requests: int, concurrency: int = 100):
+    data = body(8, 0.001)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=120)
+    ) as s:
+        for _ in range(50):  # warm-up
+            await one_stream(s, url, data, None, [])
+        queue = iter(range(requests))
+        outcomes: list[str] = []
+
+        async def worker():
+            for _ in queue:
+                outcomes.append(await one_stream(s, url, data, None, []))
+
+        before = proc.cpu_times()
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+        after = proc.cpu_times()
+    cpu = (after.user - before.user) + (after.system - before.system)
+    bad = [o for o in outcomes if o != "ok"]
+    assert not bad, f"errors in the CPU phase: {bad[:5]}"
+    return cpu / requests * 1000, requests / wall
+
+
+async def open_streams_phase(url: str, proc: psutil.Process, streams: int):
+    rss_idle = proc.memory_info().rss
+    data = body(30, 0.5)
+    opened: list = []
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    timeout = aiohttp.ClientTimeout(total=300, sock_connect=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as s:
+        started = time.perf_counter()
+        tasks = [
+            asyncio.create_task(one_stream(s, url, data, None, opened)) for _ in range(streams)
+        ]
+        rss_open = rss_idle
+        open_all = float("nan")
+        while not all(t.done() for t in tasks):
+            await asyncio.sleep(0.25)
+            rss_open = max(rss_open, proc.memory_info().rss)
+            if len(opened) >= streams and open_all != open_all:
+                open_all = time.perf_counter() - started
+        outcomes = [t.result() for t in tasks]
+    errors: dict[str, int] = {}
+    for o in outcomes:
+        if o != "ok":
+            errors[o] = errors.get(o, 0) + 1
+    return rss_idle, rss_open, outcomes.count("ok"), errors, open_all
+
+
+def start_target(name: str, port: int, backends: list[str], tmp: Path) -> subprocess.Popen:
+    if name == "gateway":
+        endpoints = tmp / "endpoints.yaml"
+        endpoints.write_text(
+            yaml.safe_dump(
+                {"endpoints": [{"name": "standin", "models": ["standin"], "backends": backends}]}
+            )
+        )
+        env = {
+            "GATEWAY_ENDPOINTS_FILE": str(endpoints),
+            "PORT": str(port),
+            "HOST": "127.0.0.1",
+            "LOG_LEVEL": "warning",
+            "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in ("gateway", "common")),
+        }
+        return spawn([PY, "-m", "llmendpoints_gateway", "serve"], tmp / "gateway.log", env)
+    argv = [
+        PY,
+        str(REPO / "bench" / "gateway_stacks.py"),
+        name,
+        "--port",
+        str(port),
+        "--backends",
+        ",".join(backends),
+    ]
+    return spawn(argv, tmp / f"{name}.log")
+
+
+async def run_target(name: str, backends: list[str], args, tmp: Path) -> Result:
+    port = free_port()
+    process = start_target(name, port, backends, tmp)
+    try:
+        wait_http(
+            f"http://127.0.0.1:{port}/v1/models"
+            if name == "gateway"
+            else f"http://127.0.0.1:{port}/"
+        )
+        if name == "gateway":
+            deadline = time.monotonic() + 10
+            while httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0][
+                "ready_replicas"
+            ] < len(backends):
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        proc = psutil.Process(process.pid)
+        cpu_ms, rps = await cpu_phase(url, proc, args.requests)
+        rss_idle, rss_open, ok, errors, open_all = await open_streams_phase(url, proc, args.streams)
+        return Result(
+            name,
+            args.requests,
+            round(cpu_ms, 3),
+            round(rps, 1),
+            args.streams,
+            ok,
+            errors,
+            round(rss_idle / 2**20, 1),
+            round(rss_open / 2**20, 1),
+            round((rss_open - rss_idle) / args.streams / 1024, 1),
+            round(open_all, 2),
+        )
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def markdown(results: list[Result], args) -> str:
+    lines = [
+        f"### Gateway: {args.streams} open streams and CPU per proxied request ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+        "",
+        f"`{' '.join(['.venv/bin/python', 'bench/gateway_streams.py', *sys.argv[1:]])}` on {os.cpu_count()} cores "
+        f"({platform.machine()}, shared), two stand-in backends; load client in the same machine.",
+        "",
+        "| target | CPU ms / proxied request | requests/s (100 concurrent) | streams OK | errors | RSS idle MiB | RSS all open MiB | KiB / open stream | all open after s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.target} | {r.cpu_ms_per_request} | {r.requests_per_s} | {r.streams_ok}/{r.streams} | "
+            f"{r.stream_errors or 0} | {r.rss_idle_mib} | {r.rss_open_mib} | {r.kib_per_open_stream} | {r.open_all_s} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+async def main_async(args) -> int:
+    tmp = OUT / "gateway_streams"
+    tmp.mkdir(parents=True, exist_ok=True)
+    backends, standins = [], []
+    for i in range(2):
+        port = free_port()
+        standins.append(
+            spawn(
+                [
+                    PY,
+                    str(REPO / "bench" / "gateway_standin.py"),
+                    "--port",
+                    str(port),
+                    "--name",
+                    f"s{i}",
+                ],
+                tmp / f"standin-{i}.log",
+            )
+        )
+        backends.append(f"http://127.0.0.1:{port}")
+    try:
+        for b in backends:
+            wait_http(b + "/ready")
+        results = [await run_target(name, backends, args, tmp) for name in args.targets.split(",")]
+    finally:
+        for p in standins:
+            p.terminate()
+            p.wait(30)
+    (OUT / "gateway_streams.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
+    print(markdown(results, args))
+    return 0 if all(r.streams_ok == r.streams for r in results) else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--streams", type=int, default=2000)
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--targets", default="gateway,asgi,aiohttp")
+    return asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""Through the gateway vs straight to the runtime, and prefix-aware vs round-robin routing.
+
+    .venv/bin/python bench/gateway_vs_direct.py                   # both parts, ~10 min on 2 cores
+    .venv/bin/python bench/gateway_vs_direct.py --part overhead --rounds 3
+    .venv/bin/python bench/gateway_vs_direct.py --part prefix
+
+Part ``overhead``: one runtime (demo model), one gateway in front of it (static endpoints file).
+vLLM's own benchmark client (as in bench/runtime_vs_vllm.py: random dataset, streamed
+/v1/completions, --ignore-eos) alternates direct, gateway, direct, gateway... Reported: request
+throughput ratio gateway/direct (target >= 0.97), median TTFT added by the gateway (target
+<= 2 ms), and the gateway process's CPU per proxied request.
+
+Part ``prefix``: two runtimes with prefix caching; a multi-turn chat load (conversations sharing
+one long system prompt, each turn resending the whole history) through the gateway, once with the
+endpoint on ``prefix-aware`` and once on ``round-robin`` (a fresh system prompt per run, so the
+first run does not warm the second). Reported: vLLM's own prefix-cache hit rate
+(vllm:prefix_cache_hits / vllm:prefix_cache_queries, summed over both replicas) and the median
+TTFT for each.
+
+Results: bench/out/gateway_vs_direct.json and a Markdown section on stdout (for bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import httpx
+import psutil
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import runtime_vs_vllm as rv
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "bench" / "out"
+
+
+@contextlib.contextmanager
+def gateway(endpoints: list[dict], log_path: Path) -> Iterator[tuple[str, int]]:
+    port = rv.free_port()
+    config = log_path.with_suffix(".yaml")
+    config.write_text(yaml.safe_dump({"endpoints": endpoints}))
+    env = {
+        **os.environ,
+        "GATEWAY_ENDPOINTS_FILE": str(config),
+        "PORT": str(port),
+        "HOST": "127.0.0.1",
+        "LOG_LEVEL": "warning",
+        "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in ("gateway", "common")),
+    }
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "llmendpoints_gateway", "serve"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 60
+            while True:
+                assert time.monotonic() < deadline, f"gateway not ready; see {log_path}"
+                with contextlib.suppress(httpx.TransportError):
+                    models = httpx.get(url + "/v1/models", timeout=2).json()["data"]
+                    if all(m["ready_replicas"] > 0 for m in models):
+                        break
+                time.sleep(0.2)
+            yield url, process.pid
+        finally:
+            process.terminate()
+            process.wait(30)
+
+
+def cpu_seconds(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def overhead(args, model: Path, out: Path) -> dict:
+    load = rv.Load(
+        num_prompts=args.num_prompts,
+        input_len=128,
+        output_len=32,
+        concurrency=args.concurrency,
+        warmups=8,
+        seed=0,
+    )
+    runs: dict[str, list[dict]] = {"direct": [], "gateway": []}
+    with (
+        rv.running_server(rv.OURS, model, out / "runtime.log") as runtime,
+        gateway(
+            [{"name": "demo", "models": [rv.SERVED_NAME], "backends": [runtime.url]}],
+            out / "gateway.log",
+        ) as (gw_url, gw_pid),
+    ):
+        for round_ in range(args.rounds):
+            for side, url in (("direct", runtime.url), ("gateway", gw_url)):
+                before = cpu_seconds(gw_pid)
+                data = rv.run_client(
+                    url, model, load, out, f"{side}-{round_}.json", out / f"{side}-{round_}.log"
+                )
+                gw_cpu = cpu_seconds(gw_pid) - before
+                runs[side].append(
+                    {
+                        "request_throughput": data["request_throughput"],
+                        "median_ttft_ms": data["median_ttft_ms"],
+                        "completed": data["completed"],
+                        "failed": data.get("failed", 0),
+                        "gateway_cpu_ms_per_request": gw_cpu
+                        * 1000
+                        / (load.num_prompts + load.warmups),
+                    }
+                )
+                print(f"  round {round_} {side}: {runs[side][-1]}", flush=True)
+    ratios = [
+        g["request_throughput"] / d["request_throughput"]
+        for d, g in zip(runs["direct"], runs["gateway"], strict=True)
+    ]
+    added = [
+        g["median_ttft_ms"] - d["median_ttft_ms"]
+        for d, g in zip(runs["direct"], runs["gateway"], strict=True)
+    ]
+    return {
+        "load": load.__dict__,
+        "runs": runs,
+        "throughput_ratio_median": statistics.median(ratios),
+        "throughput_ratios": ratios,
+        "ttft_added_ms_median": statistics.median(added),
+        "ttft_added_ms": added,
+        "gateway_cpu_ms_per_request": statistics.median(
+            r["gateway_cpu_ms_per_request"] for r in runs["gateway"]
+        ),
+        "failed": sum(r["failed"] for side in runs.values() for r in side),
+    }
+
+
+def vllm_counter(url: str, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def conversations(
+    url: str, model: str, system: str, n: int, turns: int, concurrency: int
+) -> list[float]:
+    """Multi-turn chats sharing ``system``; returns the TTFT (s) of every request."""
+    ttfts: list[float] = []
+    limit = asyncio.Semaphore(concurrency)
+
+    async def chat(session, c: int):
+        messages = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": f"Conversation {c}: hello."},
+        ]
+        for t in range(turns):
+            async with limit:
+                started = time.perf_counter()
+                first = None
+                text = []
+                body = {
+                    "model": model,
+                    "messages": messages,
+                    "max_tokens": 8,
+                    "stream": True,
+                    "ignore_eos": True,
+                }
+                async with session.post(url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    async for line in r.content:
+                        if line.startswith(b"data: {"):
+                            if first is None:
+                                first = time.perf_counter() - started
+                            delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
+                            text.append(delta or "")
+                ttfts.append(first)
+            messages += [
+                {"role": "assistant", "content": "".join(text)},
+                {"role": "user", "content": f"And then {t}?"},
+            ]
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await asyncio.gather(*(chat(session, c) for c in range(n)))
+    return ttfts
+
+
+def prefix(args, model: Path, out: Path) -> dict:
+    served = f"{rv.SERVED_NAME} {rv.SERVED_NAME}-rr"
+    results = {}
+    with contextlib.ExitStack() as stack:
+        starting = []
+        for i in range(2):  # started together, waited for together
+            port = rv.free_port()
+            argv, env = rv.server_command(rv.OURS, model, port)
+            env.pop("OPENAI_SERVED_MODEL_NAME_OVERRIDE")
+            # A long shared system prompt (~530 demo-tokenizer tokens) plus the turns.
+            env.update(SERVED_MODEL_NAME=served, ENABLE_PREFIX_CACHING="true", MAX_MODEL_LEN="2048")
+            starting.append(
+                stack.enter_context(_process(argv, env, port, out / f"replica-{i}.log"))
+            )
+        replicas = [next(waiter) for waiter in starting]
+        gw_url, _ = stack.enter_context(
+            gateway(
+                [
+                    {
+                        "name": "pa",
+                        "models": [rv.SERVED_NAME],
+                        "backends": replicas,
+                        "routing": "prefix-aware",
+                    },
+                    {
+                        "name": "rr",
+                        "models": [f"{rv.SERVED_NAME}-rr"],
+                        "backends": replicas,
+                        "routing": "round-robin",
+                    },
+                ],
+                out / "gateway-prefix.log",
+            )
+        )
+        rng = random.Random(0)
+        for strategy, model_name in (
+            ("round-robin", f"{rv.SERVED_NAME}-rr"),
+            ("prefix-aware", rv.SERVED_NAME),
+        ):
+            words = " ".join(
+                rng.choice(["alpha", "beta", "gamma", "delta", "omega", "sigma"])
+                for _ in range(120)
+            )
+            system = f"You are assistant {strategy}. Rules: {words}."
+            hits0 = sum(vllm_counter(r, "vllm:prefix_cache_hits_total") for r in replicas)
+            queries0 = sum(vllm_counter(r, "vllm:prefix_cache_queries_total") for r in replicas)
+            ttfts = asyncio.run(
+                conversations(gw_url, model_name, system, args.conversations, args.turns, 8)
+            )
+            hits = sum(vllm_counter(r, "vllm:prefix_cache_hits_total") for r in replicas) - hits0
+            queries = (
+                sum(vllm_counter(r, "vllm:prefix_cache_queries_total") for r in replicas) - queries0
+            )
+            results[strategy] = {
+                "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+                "median_ttft_ms": statistics.median(ttfts) * 1000,
+                "requests": len(ttfts),
+            }
+            print(f"  {strategy}: {results[strategy]}", flush=True)
+    return results
+
+
+@contextlib.contextmanager
+def _process(argv, env, port, log_path) -> Iterator[Iterator[str]]:
+    """Start a runtime; yields a one-item iterator that waits for it to be ready (so several
+    can start at once)."""
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        url = f"http://127.0.0.1:{port}"
+
+        def ready() -> Iterator[str]:
+            deadline = time.monotonic() + 900
+            while True:
+                assert process.poll() is None, f"runtime exited; see {log_path}"
+                assert time.monotonic() < deadline, f"runtime not ready; see {log_path}"
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(url + "/ready?strict=1", timeout=2).status_code == 200:
+                        break
+                time.sleep(0.5)
+            yield url
+
+        try:
+            yield ready()
+        finally:
+            process.terminate()
+            process.wait(60)
+
+
+def markdown(result: dict, argv: list[str]) -> str:
+    lines = [
+        f"### Gateway vs direct, and prefix-aware vs round-robin ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+        "",
+        f"`.venv/bin/python bench/gateway_vs_direct.py {' '.join(argv)}` on {os.cpu_count()} shared cores.",
+        "",
+    ]
+    if "overhead" in result:
+        o = result["overhead"]
+        lines += [
+            f"Overhead ({o['load']['num_prompts']} prompts, input 128, output 32, concurrency {o['load']['concurrency']}, "
+            f"{len(o['throughput_ratios'])} A/B rounds, vLLM's client):",
+            "",
+            "| measure | value | target |",
+            "| --- | --- | --- |",
+            f"| request throughput gateway/direct (median of rounds) | {o['throughput_ratio_median']:.3f} ({', '.join(f'{r:.3f}' for r in o['throughput_ratios'])}) | >= 0.97 |",
+            f"| median TTFT added by the gateway, ms (median of rounds) | {o['ttft_added_ms_median']:.2f} ({', '.join(f'{a:.2f}' for a in o['ttft_added_ms'])}) | <= 2 |",
+            f"| gateway CPU per proxied request, ms | {o['gateway_cpu_ms_per_request']:.3f} | reported |",
+            f"| failed requests | {o['failed']} | 0 |",
+            "",
+        ]
+    if "prefix" in result:
+        p = result["prefix"]
+        lines += [
+            "Prefix-aware vs round-robin (2 replicas, prefix caching, multi-turn chats sharing a system prompt):",
+            "",
+            "| routing | vLLM prefix-cache hit rate | median TTFT ms | requests |",
+            "| --- | --- | --- | --- |",
+        ]
+        for strategy, r in p.items():
+            lines.append(
+                f"| {strategy} | {r['prefix_cache_hit_rate']:.3f} | {r['median_ttft_ms']:.1f} | {r['requests']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--part", choices=["overhead", "prefix", "both"], default="both")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=5)
+    args = parser.parse_args()
+    out = OUT / "gateway_vs_direct"
+    out.mkdir(parents=True, exist_ok=True)
+    model = rv.ensure_demo_model(OUT / "demo-model")
+    result: dict = {}
+    if args.part in ("overhead", "both"):
+        result["overhead"] = overhead(args, model, out)
+    if args.part in ("prefix", "both"):
+        result["prefix"] = prefix(args, model, out)
+    (OUT / "gateway_vs_direct.json").write_text(json.dumps(result, indent=2))
+    print(markdown(result, sys.argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

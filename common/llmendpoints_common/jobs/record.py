@@ -1,0 +1,177 @@
+"""A job as the shared queue keeps it, and the pure rules for how its state may change.
+
+One record per job (the value of ``<endpoint>.<job id>`` in ``LLMEP_JOB_STATE``). Every writer
+-- the pod or gateway that accepted the job, the worker running it, whoever cancels, retries or
+reads its stream -- reads the record, applies one of the functions below, and writes the result
+back only if nobody wrote in between (compare-and-set on the key's revision). So each change is
+decided on the latest state, and exactly one writer moves a job into a final state: that writer
+alone sends the webhook.
+
+Times are epoch seconds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmendpoints_common.jobs.models import FINAL_STATUSES, JobStatus
+from pydantic import BaseModel, ConfigDict
+
+
+class JobRecord(BaseModel):
+    # Extra fields are kept out, not refused: during a rolling upgrade a newer pod may write
+    # fields an older one does not know.
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    endpoint: str
+    # The name of the API key that submitted the job (never the key); "" with no keys.
+    owner: str
+    # The validated job request as JSON (input, webhook, policy).
+    request: dict[str, Any]
+    sync: bool
+    status: JobStatus = JobStatus.IN_QUEUE
+    submitted_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    # How long the result is kept after the job ends (policy.ttl, else 30 min /run, 1 min /runsync).
+    retention_seconds: float
+    # Engine attempts ever made; names the engine request and tags stream chunks, so a chunk of
+    # an abandoned attempt is never mistaken for one of the current attempt.
+    attempt: int = 0
+    # Attempts in the current run (bounded by the queue's max attempts); /retry starts a new run.
+    tries: int = 0
+    runs: int = 1
+    # The chunk stream's sequence up to which /stream has handed chunks out.
+    stream_cursor: int = 0
+    worker: str | None = None
+    output: Any = None
+    error: dict[str, Any] | None = None
+
+    @property
+    def low_priority(self) -> bool:
+        return bool(self.request.get("policy", {}).get("lowPriority", False))
+
+    @property
+    def webhook(self) -> str | None:
+        return self.request.get("webhook")
+
+    @property
+    def execution_timeout_ms(self) -> int | None:
+        return self.request.get("policy", {}).get("executionTimeout")
+
+    @property
+    def engine_request_id(self) -> str:
+        return f"job-{self.id}-{self.attempt}"
+
+    def encode(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> JobRecord:
+        return cls.model_validate_json(data)
+
+
+class Conflict(Exception):
+    """The change does not apply to the job's current state (the caller answers 409)."""
+
+
+# ---- transitions (pure: a record in, a new record out) ------------------------------------
+
+
+def claim(record: JobRecord, *, now: float, worker: str) -> JobRecord:
+    """A worker starts an attempt of a queued job, or takes over one whose worker vanished
+    (the queue redelivered it after a heartbeat timeout: the record still says IN_PROGRESS)."""
+    if record.status not in (JobStatus.IN_QUEUE, JobStatus.IN_PROGRESS):
+        raise Conflict(f"job {record.id} is {record.status.value}")
+    return record.model_copy(
+        update={
+            "status": JobStatus.IN_PROGRESS,
+            "started_at": record.started_at if record.started_at is not None else now,
+            "attempt": record.attempt + 1,
+            "tries": record.tries + 1,
+            "worker": worker,
+        }
+    )
+
+
+def out_of_attempts(record: JobRecord, max_attempts: int) -> bool:
+    """True when a redelivered job has used all its attempts and must end ``FAILED``."""
+    return record.tries >= max_attempts
+
+
+def gave_up_error(record: JobRecord, max_attempts: int) -> dict[str, Any]:
+    last = f" (the last one on {record.worker})" if record.worker else ""
+    return {
+        "message": (
+            f"the job was attempted {record.tries} times and no attempt finished{last}: each "
+            f"worker stopped answering (killed or cut off from the queue) while running it; "
+            f"at most {max_attempts} attempts are made (LLMEP_JOBS_MAX_ATTEMPTS)"
+        ),
+        "type": "InternalServerError",
+        "param": None,
+        "code": "attempts_exhausted",
+    }
+
+
+def finish(
+    record: JobRecord,
+    status: JobStatus,
+    *,
+    now: float,
+    attempt: int | None = None,
+    output: Any = None,
+    error: dict[str, Any] | None = None,
+) -> JobRecord:
+    """End the job. ``attempt`` (a worker's own attempt number) makes a worker whose attempt
+    was superseded -- cancelled, or taken over after it looked dead -- change nothing."""
+    if record.status in FINAL_STATUSES:
+        raise Conflict(f"job {record.id} already ended {record.status.value}")
+    if attempt is not None and (
+        record.attempt != attempt or record.status != JobStatus.IN_PROGRESS
+    ):
+        raise Conflict(f"attempt {attempt} of job {record.id} is no longer the current one")
+    return record.model_copy(
+        update={
+            "status": status,
+            "finished_at": now,
+            "started_at": record.started_at
+            if record.started_at is not None or status is JobStatus.CANCELLED
+            else now,
+            "output": output if status is JobStatus.COMPLETED else None,
+            "error": error,
+        }
+    )
+
+
+def cancel(record: JobRecord, *, now: float) -> JobRecord:
+    if record.status not in (JobStatus.IN_QUEUE, JobStatus.IN_PROGRESS):
+        raise Conflict(
+            f"job {record.id} is {record.status.value}; only IN_QUEUE or IN_PROGRESS jobs can "
+            "be cancelled"
+        )
+    return finish(record, JobStatus.CANCELLED, now=now)
+
+
+RETRYABLE = frozenset({JobStatus.FAILED, JobStatus.TIMED_OUT})
+
+
+def requeue_for_retry(record: JobRecord) -> JobRecord:
+    """``/retry``: a FAILED or TIMED_OUT job runs again from the start, as a new run."""
+    if record.status not in RETRYABLE:
+        raise Conflict(
+            f"job {record.id} is {record.status.value}; only FAILED or TIMED_OUT jobs can be "
+            "retried"
+        )
+    return record.model_copy(
+        update={
+            "status": JobStatus.IN_QUEUE,
+            "started_at": None,
+            "finished_at": None,
+            "output": None,
+            "error": None,
+            "tries": 0,
+            "runs": record.runs + 1,
+            "worker": None,
+        }
+    )

@@ -1,0 +1,1 @@
+"""The shared job queue on NATS JetStream: names every deployable agrees on, the client."""

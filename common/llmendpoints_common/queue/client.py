@@ -1,0 +1,607 @@
+"""Every verb of the job API on the shared queue, with no engine: what a runtime pod that is
+not running the job, and the gateway with no runtime pod at all, answer with.
+
+- ``submit``: the record is written first, then the job's message is queued; only when both are
+  stored does the caller get an id. If the queue cannot store either, the caller gets 503 with
+  ``Retry-After`` and the half-written record is removed.
+- ``wait``: subscribes to the record's key and returns when the job ends or the wait runs out.
+- ``take_stream``: chunks of the current attempt after the job's shared cursor, in order; the
+  cursor moves by compare-and-set, so two readers never get the same chunk.
+- ``cancel``: a queued job's message is deleted; a running job's worker is told on
+  ``llmep.cancel.<endpoint>.<id>`` and aborts the engine request (it also notices the record at
+  its next heartbeat, should the message be missed).
+- Ownership: every verb but ``health`` takes the caller's ``owner`` (the API key's name; None for
+  an admin, who sees every job). Another owner's job is answered exactly like an unknown one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import nats
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, NotFoundError
+
+from llmendpoints_common.errors import (
+    APIError as HTTPError,
+)
+from llmendpoints_common.errors import (
+    ConflictError,
+    ContentTooLargeError,
+    RateLimitError,
+    ServiceUnavailableError,
+)
+from llmendpoints_common.errors import (
+    NotFoundError as JobNotFoundError,
+)
+from llmendpoints_common.jobs.models import FINAL_STATUSES, JobRequest, JobStatus
+from llmendpoints_common.jobs.record import (
+    Conflict,
+    JobRecord,
+    cancel,
+    requeue_for_retry,
+)
+from llmendpoints_common.queue import names
+from llmendpoints_common.queue.depth import endpoint_depth
+from llmendpoints_common.queue.state import JobStates, StaleRevision
+from llmendpoints_common.queue.topology import QueueLayout, ensure_streams
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = 5
+ATTEMPT_HEADER = "Llmep-Attempt"
+# How long a waiter re-reads a job whose end it was told of, while the write lands (seconds).
+_READ_BACK_DELAYS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+# A /runsync's watch that no wait() took within this long is dropped.
+_UNCLAIMED_WATCH_SECONDS = 10.0
+_MSG_ID = "Nats-Msg-Id"
+# JetStream's error code for "maximum messages per subject exceeded" (the endpoint's queue is
+# at LLMEP_JOBS_MAX_QUEUE_LENGTH).
+_QUEUE_FULL_CODES = {10077, 10078}
+
+
+@dataclass(frozen=True)
+class QueueJobSettings:
+    # Results are kept this long after a job ends (RunPod: 30 min after /run, 1 min after
+    # /runsync) unless the job's policy.ttl says otherwise.
+    run_retention_seconds: float = 30 * 60.0
+    runsync_retention_seconds: float = 60.0
+    # A /run repeated with the same Idempotency-Key within this window gets the first job's id.
+    idempotency_window_seconds: float = 600.0
+    # How long a call to the queue may take before the caller gets 503.
+    request_timeout_seconds: float = 5.0
+
+
+class QueueConnection:
+    """One connection to NATS, reconnecting forever; the job API answers 503 while it is down."""
+
+    def __init__(self, nc: NATS, js: JetStreamContext) -> None:
+        self.nc = nc
+        self.js = js
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        name: str,
+        layout: QueueLayout | None = None,
+        request_timeout: float = 5.0,
+        connect_timeout: float = 5.0,
+    ) -> QueueConnection:
+        nc = await nats.connect(
+            url,
+            name=name,
+            connect_timeout=connect_timeout,
+            # Keep trying while the queue restarts: workers must come back on their own.
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=1,
+            allow_reconnect=True,
+            error_cb=_log_error,
+            disconnected_cb=_log_event("disconnected from the job queue"),
+            reconnected_cb=_log_event("reconnected to the job queue"),
+        )
+        js = nc.jetstream(timeout=request_timeout)
+        await ensure_streams(js, layout or QueueLayout())
+        return cls(nc, js)
+
+    @property
+    def connected(self) -> bool:
+        return self.nc.is_connected
+
+    async def close(self) -> None:
+        # Not drain(): it waits up to 30 s for pull subscriptions that have nothing to finish.
+        with contextlib.suppress(Exception):
+            await self.nc.flush(timeout=2)
+        with contextlib.suppress(Exception):
+            await self.nc.close()
+
+
+async def _log_error(exc: Exception) -> None:
+    log.warning("job queue connection: %s: %s", type(exc).__name__, exc)
+
+
+def _log_event(text: str) -> Callable[[], Any]:
+    async def callback() -> None:
+        log.warning(text)
+
+    return callback
+
+
+@contextlib.asynccontextmanager
+async def queue_call(what: str) -> AsyncIterator[None]:
+    """Turn "the queue could not do it" into 503 + Retry-After; HTTP errors pass through."""
+    try:
+        yield
+    except HTTPError:
+        raise
+    except nats.errors.MaxPayloadError:
+        raise ContentTooLargeError(
+            f"{what}: the job is larger than the queue's message limit (max_payload of the "
+            "NATS server); send a smaller input"
+        ) from None
+    except (TimeoutError, nats.errors.Error, OSError) as exc:
+        detail = getattr(exc, "description", None) or str(exc) or type(exc).__name__
+        raise ServiceUnavailableError(
+            f"{what}: the job queue is unreachable ({detail}); retry in {RETRY_AFTER_SECONDS} s",
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        ) from None
+
+
+def owner_digest(owner: str, idempotency_key: str) -> str:
+    """Idempotency keys are per owner: two tenants may pick the same key."""
+    return hashlib.sha256(f"{owner}\0{idempotency_key}".encode()).hexdigest()[:32]
+
+
+def record_ttl(record: JobRecord, now: float) -> float | None:
+    """How long a record is still kept: unbounded while the job can still run."""
+    if record.finished_at is None:
+        return None
+    return max(1.0, record.finished_at + record.retention_seconds - now)
+
+
+class QueueJobService:
+    """The job API's verbs for one endpoint's jobs on the shared queue."""
+
+    def __init__(
+        self,
+        connection: QueueConnection,
+        endpoint: str,
+        settings: QueueJobSettings | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        on_final: Callable[[JobRecord], None] | None = None,
+    ) -> None:
+        names.token(endpoint)  # refuse a bad endpoint id now, not at the first job
+        self.connection = connection
+        self.endpoint = endpoint
+        self.settings = settings or QueueJobSettings()
+        self.states = JobStates(connection.js, endpoint)
+        self._clock = clock
+        # Whoever moves a job into a final state calls this once (the runtime sends webhooks).
+        self._on_final = on_final
+        self._finished_here: dict[JobStatus, int] = dict.fromkeys(FINAL_STATUSES, 0)
+        # Subscriptions opened by a sync submit for the wait that follows it.
+        self._watches: dict[str, tuple[Any, JobRecord]] = {}
+        self._background: set[asyncio.Future[Any]] = set()
+        self._retried = 0
+
+    @property
+    def js(self) -> JetStreamContext:
+        return self.connection.js
+
+    # ---- submit ------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        request: JobRequest,
+        *,
+        sync: bool,
+        owner: str,
+        idempotency_key: str | None = None,
+    ) -> JobRecord:
+        self._require_connection("/run")
+        job_id = str(uuid.uuid4())
+        async with queue_call("the job was not accepted"):
+            if idempotency_key is not None:
+                first = await self._claim_idempotency_key(owner, idempotency_key, job_id)
+                if first is not None:
+                    return first
+            # A /runsync waits next: watch the record from before it exists, so the wait needs
+            # no read of its own and misses no change.
+            watch = (
+                await self.connection.nc.subscribe(self.states.subject(job_id)) if sync else None
+            )
+            try:
+                record = await self._store_and_queue(request, job_id, sync=sync, owner=owner)
+            except BaseException:
+                if watch is not None:
+                    with contextlib.suppress(Exception):
+                        await watch.unsubscribe()
+                if idempotency_key is not None:
+                    with contextlib.suppress(Exception):
+                        await self._release_idempotency_key(owner, idempotency_key)
+                raise
+            if watch is not None:
+                self._watches[job_id] = (watch, record)
+                asyncio.get_running_loop().call_later(
+                    _UNCLAIMED_WATCH_SECONDS, self._drop_watch, job_id
+                )
+            return record
+
+    def _drop_watch(self, job_id: str) -> None:
+        if (entry := self._watches.pop(job_id, None)) is not None:
+            task = asyncio.ensure_future(entry[0].unsubscribe())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _store_and_queue(
+        self, request: JobRequest, job_id: str, *, sync: bool, owner: str
+    ) -> JobRecord:
+        ttl_ms = request.policy.ttl
+        retention = (
+            ttl_ms / 1000
+            if ttl_ms is not None
+            else (
+                self.settings.runsync_retention_seconds
+                if sync
+                else self.settings.run_retention_seconds
+            )
+        )
+        record = JobRecord(
+            id=job_id,
+            endpoint=self.endpoint,
+            owner=owner,
+            request=request.model_dump(mode="json", exclude_none=True),
+            sync=sync,
+            submitted_at=self._clock(),
+            retention_seconds=retention,
+        )
+        await self.states.write(record, revision=0)
+        try:
+            await self._enqueue(record)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.states.remove(job_id)
+            raise
+        return record
+
+    async def _enqueue(self, record: JobRecord) -> int:
+        priority = "low" if record.low_priority else "normal"
+        try:
+            ack = await self.js.publish(
+                names.jobs_subject(self.endpoint, priority),
+                record.id.encode(),
+                # The queue drops a second copy of the same run (a publish retried after a
+                # lost acknowledgement).
+                headers={_MSG_ID: f"{record.id}.{record.runs}"},
+            )
+        except APIError as exc:
+            if exc.err_code in _QUEUE_FULL_CODES or "maximum messages" in (exc.description or ""):
+                raise RateLimitError(
+                    f"the job queue of endpoint {self.endpoint!r} is full; retry later",
+                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+                ) from None
+            raise
+        return ack.seq
+
+    def _idempotency_subject(self, owner: str, key: str) -> str:
+        return names.kv_subject(
+            names.IDEMPOTENCY_BUCKET,
+            names.idempotency_key(self.endpoint, owner_digest(owner, key)),
+        )
+
+    async def _claim_idempotency_key(self, owner: str, key: str, job_id: str) -> JobRecord | None:
+        """None when this request is the first with the key; else the first job."""
+        subject = self._idempotency_subject(owner, key)
+        try:
+            await self.js.publish(
+                subject,
+                job_id.encode(),
+                headers={"Nats-Expected-Last-Subject-Sequence": "0"},
+                msg_ttl=max(1, round(self.settings.idempotency_window_seconds)),
+            )
+            return None
+        except APIError as exc:
+            if exc.err_code != 10071:
+                raise
+        raw = await self.js.get_msg(
+            names.kv_stream(names.IDEMPOTENCY_BUCKET), subject=subject, direct=True
+        )
+        first_id = (raw.data or b"").decode()
+        current = await self.states.read(first_id)
+        if current is None:
+            # The first request is between storing its key and its record (or its result
+            # expired): the id is what it was promised.
+            return JobRecord(
+                id=first_id,
+                endpoint=self.endpoint,
+                owner=owner,
+                request={},
+                sync=False,
+                submitted_at=self._clock(),
+                retention_seconds=0,
+            )
+        return current[0]
+
+    async def _release_idempotency_key(self, owner: str, key: str) -> None:
+        await self.js.purge_stream(
+            names.kv_stream(names.IDEMPOTENCY_BUCKET),
+            subject=self._idempotency_subject(owner, key),
+        )
+
+    # ---- reading -----------------------------------------------------------------------
+
+    async def get(self, job_id: str, *, owner: str | None) -> JobRecord:
+        self._require_connection("/status")
+        async with queue_call("the job's status could not be read"):
+            return await self._read_owned(job_id, owner)
+
+    async def wait(self, job_id: str, timeout_seconds: float, *, owner: str | None) -> JobRecord:
+        """The job once it ends, or its latest state when ``timeout_seconds`` run out."""
+        self._require_connection("/runsync")
+        async with queue_call("the job's status could not be read"):
+            if (watched := self._watches.pop(job_id, None)) is not None:
+                subscription, record = watched
+                self._check_owner(record, job_id, owner)
+            else:
+                subscription = await self.connection.nc.subscribe(self.states.subject(job_id))
+            try:
+                if watched is None:
+                    record = await self._read_owned(job_id, owner)
+                deadline = time.monotonic() + timeout_seconds
+                while not record.status.is_final:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    try:
+                        message = await subscription.next_msg(timeout=remaining)
+                    except nats.errors.TimeoutError:
+                        record = await self._read_owned(job_id, owner)
+                        break
+                    if not message.data or JobRecord.decode(message.data).status.is_final:
+                        record = await self._read_back_end(job_id, owner)
+                return record
+            finally:
+                with contextlib.suppress(Exception):
+                    await subscription.unsubscribe()
+
+    async def _read_back_end(self, job_id: str, owner: str | None) -> JobRecord:
+        """A core subscriber sees a write as the server routes it: possibly before the stream
+        has stored it, and even when JetStream then refuses it (a compare-and-set that lost).
+        So an end is believed only once read back from the stream; the read is repeated for a
+        moment while the write lands, and a refused end just means waiting on."""
+        record = await self._read_owned(job_id, owner)
+        for delay in _READ_BACK_DELAYS:
+            if record.status.is_final:
+                break
+            await asyncio.sleep(delay)
+            record = await self._read_owned(job_id, owner)
+        return record
+
+    async def take_stream(self, job_id: str, *, owner: str | None) -> tuple[JobRecord, list[Any]]:
+        """Chunks of the current attempt produced since the last call (by anyone), in order."""
+        self._require_connection("/stream")
+        async with queue_call("the job's stream could not be read"):
+            while True:
+                current = await self.states.read(job_id)
+                record = self._owned(current, job_id, owner)
+                assert current is not None
+                revision = current[1]
+                chunks, cursor = await self._chunks_after(record)
+                if cursor == record.stream_cursor:
+                    return record, []
+                moved = record.model_copy(update={"stream_cursor": cursor})
+                try:
+                    await self.states.write(
+                        moved, revision=revision, ttl_seconds=record_ttl(moved, self._clock())
+                    )
+                except StaleRevision:
+                    continue  # another reader or the worker wrote first: read again
+                return moved, chunks
+
+    async def _chunks_after(self, record: JobRecord) -> tuple[list[Any], int]:
+        subject = names.chunks_subject(self.endpoint, record.id)
+        attempt = str(record.attempt)
+        chunks: list[Any] = []
+        cursor = record.stream_cursor
+        while True:
+            try:
+                raw = await self.js.get_msg(
+                    names.CHUNKS_STREAM, seq=cursor + 1, subject=subject, direct=True, next=True
+                )
+            except NotFoundError:
+                return chunks, cursor
+            cursor = raw.seq
+            # Chunks of an attempt that was abandoned (its worker died) are skipped: the
+            # current attempt starts the output again from its first chunk.
+            if (raw.headers or {}).get(ATTEMPT_HEADER) == attempt and raw.data is not None:
+                chunks.append(json.loads(raw.data))
+
+    # ---- changing a job ----------------------------------------------------------------
+
+    async def cancel(self, job_id: str, *, owner: str | None) -> JobRecord:
+        self._require_connection("/cancel")
+        async with queue_call("the job was not cancelled"):
+            now = self._clock()
+            result = await self.states.update(
+                job_id,
+                lambda r: _conflict_to_409(cancel, self._check_owner(r, job_id, owner), now=now),
+                ttl=lambda r: record_ttl(r, now),
+            )
+            if result is None:
+                raise _not_found(job_id)
+            before, after = result
+            if before.status is JobStatus.IN_QUEUE:
+                await self._unqueue(job_id)
+            else:
+                await self.connection.nc.publish(names.cancel_subject(self.endpoint, job_id))
+            self.ended(after)
+            return after
+
+    async def retry(self, job_id: str, *, owner: str | None) -> JobRecord:
+        self._require_connection("/retry")
+        async with queue_call("the job was not queued again"):
+            result = await self.states.update(
+                job_id,
+                lambda r: _conflict_to_409(requeue_for_retry, self._check_owner(r, job_id, owner)),
+            )
+            if result is None:
+                raise _not_found(job_id)
+            before, record = result
+            with contextlib.suppress(Exception):
+                await self.js.purge_stream(
+                    names.CHUNKS_STREAM, subject=names.chunks_subject(self.endpoint, job_id)
+                )
+            try:
+                await self._enqueue(record)
+            except BaseException:
+                # Put the job back as it was: a retry that did not queue must not leave a job
+                # IN_QUEUE that no worker will ever take.
+                with contextlib.suppress(Exception):
+                    await self.states.update(
+                        job_id, lambda _: before, ttl=lambda r: record_ttl(r, self._clock())
+                    )
+                raise
+            self._retried += 1
+            # What the retry did (a worker may already have taken the job since).
+            return record
+
+    async def purge_queue(self, *, owner: str | None) -> int:
+        """Cancel the caller's queued jobs (every queued job for an admin: ``owner=None``)."""
+        self._require_connection("/purge-queue")
+        removed = 0
+        async with queue_call("the queue was not purged"):
+            for seq, job_id in await self._queued_messages():
+                now = self._clock()
+                try:
+                    result = await self.states.update(
+                        job_id,
+                        lambda r, now=now: _purge_one(r, owner, now),
+                        ttl=lambda r, now=now: record_ttl(r, now),
+                    )
+                except _Skip:
+                    continue
+                if result is None:
+                    continue
+                _, after = result
+                with contextlib.suppress(NotFoundError, APIError):
+                    await self.js.delete_msg(names.JOBS_STREAM, seq)
+                self.ended(after)
+                removed += 1
+        return removed
+
+    async def _queued_messages(self) -> list[tuple[int, str]]:
+        """(sequence, job id) of the endpoint's queue messages (queued and running), oldest
+        first. Read one by one: only /purge-queue and the cancel of a queued job need them."""
+        found: list[tuple[int, str]] = []
+        seq = 0
+        subject = names.jobs_filter(self.endpoint)
+        while True:
+            try:
+                raw = await self.js.get_msg(
+                    names.JOBS_STREAM, seq=seq + 1, subject=subject, next=True
+                )
+            except NotFoundError:
+                return found
+            seq = raw.seq
+            if raw.data:
+                found.append((seq, raw.data.decode()))
+
+    async def _unqueue(self, job_id: str) -> None:
+        """Take a cancelled job's message out of the queue, so the depth the autoscaler reads
+        drops at once (a worker that meets it first just acknowledges it)."""
+        for seq, queued_id in await self._queued_messages():
+            if queued_id == job_id:
+                with contextlib.suppress(NotFoundError, APIError):
+                    await self.js.delete_msg(names.JOBS_STREAM, seq)
+                return
+
+    async def health(self) -> dict[str, Any]:
+        """RunPod's ``/health`` shape from the queue: queued and running jobs of the endpoint
+        (all pods); the final-state counts are the jobs that ended through this process."""
+        self._require_connection("/health")
+        async with queue_call("the queue's depth could not be read"):
+            depth = await endpoint_depth(self.js, self.endpoint)
+        return {
+            "jobs": {
+                "inQueue": depth.queued,
+                "inProgress": depth.running,
+                "completed": self._finished_here[JobStatus.COMPLETED],
+                "failed": self._finished_here[JobStatus.FAILED],
+                "cancelled": self._finished_here[JobStatus.CANCELLED],
+                "timedOut": self._finished_here[JobStatus.TIMED_OUT],
+                "retried": self._retried,
+            },
+            "queue": {"connected": self.connection.connected},
+        }
+
+    def ended(self, record: JobRecord) -> None:
+        """Called once per job end by the writer that ended it."""
+        self._finished_here[record.status] = self._finished_here.get(record.status, 0) + 1
+        if self._on_final is not None:
+            self._on_final(record)
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def _require_connection(self, what: str) -> None:
+        if not self.connection.connected:
+            raise ServiceUnavailableError(
+                f"{what}: the job queue is unreachable (reconnecting); retry in "
+                f"{RETRY_AFTER_SECONDS} s",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            )
+
+    async def _read_owned(self, job_id: str, owner: str | None) -> JobRecord:
+        return self._owned(await self.states.read(job_id), job_id, owner)
+
+    def _owned(
+        self, current: tuple[JobRecord, int] | None, job_id: str, owner: str | None
+    ) -> JobRecord:
+        if current is None:
+            raise _not_found(job_id)
+        return self._check_owner(current[0], job_id, owner)
+
+    @staticmethod
+    def _check_owner(record: JobRecord, job_id: str, owner: str | None) -> JobRecord:
+        if owner is not None and record.owner != owner:
+            raise _not_found(job_id)
+        return record
+
+
+class _Skip(Exception):
+    pass
+
+
+def _purge_one(record: JobRecord, owner: str | None, now: float) -> JobRecord:
+    if record.status is not JobStatus.IN_QUEUE or (owner is not None and record.owner != owner):
+        raise _Skip
+    return cancel(record, now=now)
+
+
+def _conflict_to_409(
+    change: Callable[..., JobRecord], record: JobRecord, **kwargs: Any
+) -> JobRecord:
+    try:
+        return change(record, **kwargs)
+    except Conflict as exc:
+        raise ConflictError(str(exc), param="id") from None
+
+
+def _not_found(job_id: str) -> JobNotFoundError:
+    return JobNotFoundError(
+        f"no job with id {job_id!r}: it never existed, or its result expired "
+        "(policy.ttl) and was removed",
+        param="id",
+    )

@@ -1,0 +1,95 @@
+"""Job records in the ``LLMEP_JOB_STATE`` bucket, changed only by compare-and-set.
+
+Writes go straight to the bucket's stream (``$KV.LLMEP_JOB_STATE.<key>``) so that a write can
+carry both the expected revision (``Nats-Expected-Last-Subject-Sequence``: nobody wrote in
+between) and a time to live (``Nats-TTL``: a finished job's record disappears when its
+retention ends, so ``/status`` then answers 404 with no sweeper). Reads are direct gets of the
+key's last value (answered by any replica of the stream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, NotFoundError
+
+from llmendpoints_common.jobs.record import JobRecord
+from llmendpoints_common.queue import names
+
+# JetStream's error code for "wrong last sequence" (someone else wrote the key first).
+_WRONG_LAST_SEQUENCE = 10071
+_EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
+
+
+class StaleRevision(Exception):
+    """The record changed since it was read; read it again and re-decide."""
+
+
+class JobStates:
+    """The records of one endpoint's jobs."""
+
+    def __init__(self, js: JetStreamContext, endpoint: str) -> None:
+        self._js = js
+        self.endpoint = endpoint
+        self._stream = names.kv_stream(names.JOB_STATE_BUCKET)
+
+    def subject(self, job_id: str) -> str:
+        return names.kv_subject(names.JOB_STATE_BUCKET, names.job_key(self.endpoint, job_id))
+
+    async def read(self, job_id: str) -> tuple[JobRecord, int] | None:
+        """The record and its revision, or None (never stored, expired, or not a job id)."""
+        try:
+            subject = self.subject(job_id)
+        except ValueError:
+            return None
+        try:
+            raw = await self._js.get_msg(self._stream, subject=subject, direct=True)
+        except NotFoundError:
+            return None
+        if not raw.data:
+            return None
+        return JobRecord.decode(raw.data), raw.seq
+
+    async def write(
+        self, record: JobRecord, *, revision: int, ttl_seconds: float | None = None
+    ) -> int:
+        """Store ``record`` if the key is still at ``revision`` (0: the key must not exist).
+        Returns the new revision; raises StaleRevision otherwise."""
+        try:
+            ack = await self._js.publish(
+                self.subject(record.id),
+                record.encode(),
+                headers={_EXPECTED_LAST: str(revision)},
+                msg_ttl=None if ttl_seconds is None else max(1, round(ttl_seconds)),
+            )
+        except APIError as exc:
+            if exc.err_code == _WRONG_LAST_SEQUENCE:
+                raise StaleRevision(record.id) from None
+            raise
+        return ack.seq
+
+    async def update(
+        self,
+        job_id: str,
+        change: Callable[[JobRecord], JobRecord],
+        *,
+        ttl: Callable[[JobRecord], float | None] = lambda _: None,
+    ) -> tuple[JobRecord, JobRecord] | None:
+        """Apply ``change`` to the latest record until the write wins; returns (before, after),
+        or None when there is no such job. ``change`` raises to refuse (nothing is written)."""
+        while True:
+            current = await self.read(job_id)
+            if current is None:
+                return None
+            record, revision = current
+            changed = change(record)
+            try:
+                await self.write(changed, revision=revision, ttl_seconds=ttl(changed))
+            except StaleRevision:
+                continue
+            return record, changed
+
+    async def remove(self, job_id: str) -> None:
+        """Forget a record (a submission that could not be queued)."""
+        await self._js.purge_stream(self._stream, subject=self.subject(job_id))

@@ -1,0 +1,130 @@
+"""Creating the queue's streams, buckets and consumers (idempotent; whoever connects first).
+
+Every process that uses the queue calls :func:`ensure_streams` on connect and
+:func:`ensure_consumers` for each endpoint it works for. Existing streams are left as they are
+(their configuration is whatever the first creator chose, or what an operator set by hand), so
+a rolling upgrade never fights over configuration.
+
+- ``LLMEP_JOBS``: work-queue retention (a message is removed when a worker acknowledges it),
+  file storage; at most ``max_queue_length`` queued messages per endpoint and priority, further
+  submissions are refused at once (discard-new per subject -> 429), never dropped later.
+- ``KV_LLMEP_JOB_STATE``: one value per key, per-message TTL (a finished job's record expires
+  after its retention), direct gets (reads served by any replica).
+- ``KV_LLMEP_JOB_IDEMPOTENCY``: the same shape, entries live for the idempotency window.
+- ``LLMEP_JOB_CHUNKS``: stream output, per-message TTL, bounded by ``chunk_max_age``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+from nats.js import api as js_api
+from nats.js.errors import BadRequestError, NotFoundError
+
+from llmendpoints_common.queue import names
+
+# JetStream's error code for "stream name already in use" (two processes created it at once).
+_STREAM_NAME_IN_USE = 10058
+_CONSUMER_EXISTS = 10148
+
+
+@dataclass(frozen=True)
+class QueueLayout:
+    """What the first creator of the streams decides."""
+
+    # Replicas of each stream: 1 on one server, 3 on the chart's cluster.
+    replicas: int = 1
+    # Queued jobs per endpoint and priority beyond which /run answers 429.
+    max_queue_length: int = 10_000
+    # A worker that has not reported progress this long is presumed dead: its job is
+    # delivered to another worker.
+    heartbeat_timeout_seconds: float = 30.0
+    # Upper bound on how long stream chunks are kept (each also expires with its job).
+    chunk_max_age_seconds: float = 24 * 3600.0
+
+
+def _kv_stream(bucket: str, replicas: int) -> js_api.StreamConfig:
+    # The layout nats-py and the nats CLI expect of a key-value bucket, plus per-message TTL.
+    return js_api.StreamConfig(
+        name=names.kv_stream(bucket),
+        subjects=[f"$KV.{bucket}.>"],
+        max_msgs_per_subject=1,
+        discard=js_api.DiscardPolicy.NEW,
+        allow_rollup_hdrs=True,
+        deny_delete=True,
+        allow_direct=True,
+        allow_msg_ttl=True,
+        storage=js_api.StorageType.FILE,
+        num_replicas=replicas,
+    )
+
+
+def stream_configs(layout: QueueLayout) -> list[js_api.StreamConfig]:
+    return [
+        js_api.StreamConfig(
+            name=names.JOBS_STREAM,
+            subjects=["llmep.jobs.>"],
+            retention=js_api.RetentionPolicy.WORK_QUEUE,
+            storage=js_api.StorageType.FILE,
+            max_msgs_per_subject=layout.max_queue_length,
+            discard=js_api.DiscardPolicy.NEW,
+            discard_new_per_subject=True,
+            duplicate_window=120.0,
+            num_replicas=layout.replicas,
+        ),
+        _kv_stream(names.JOB_STATE_BUCKET, layout.replicas),
+        _kv_stream(names.IDEMPOTENCY_BUCKET, layout.replicas),
+        js_api.StreamConfig(
+            name=names.CHUNKS_STREAM,
+            subjects=["llmep.chunks.>"],
+            storage=js_api.StorageType.FILE,
+            max_age=layout.chunk_max_age_seconds,
+            allow_direct=True,
+            allow_msg_ttl=True,
+            num_replicas=layout.replicas,
+        ),
+    ]
+
+
+async def ensure_streams(js: JetStreamContext, layout: QueueLayout) -> None:
+    for config in stream_configs(layout):
+        try:
+            await js.stream_info(config.name)
+            continue
+        except NotFoundError:
+            pass
+        try:
+            await js.add_stream(config)
+        except BadRequestError as exc:
+            if exc.err_code != _STREAM_NAME_IN_USE:
+                raise
+
+
+def consumer_config(endpoint: str, priority: str, layout: QueueLayout) -> js_api.ConsumerConfig:
+    return js_api.ConsumerConfig(
+        durable_name=names.jobs_consumer(endpoint, priority),
+        filter_subject=names.jobs_subject(endpoint, priority),
+        deliver_policy=js_api.DeliverPolicy.ALL,
+        ack_policy=js_api.AckPolicy.EXPLICIT,
+        ack_wait=layout.heartbeat_timeout_seconds,
+        # Unbounded here: attempts are counted in the job's record, so the last one ends the
+        # job FAILED with a message instead of a message silently parked by the server.
+        max_deliver=-1,
+        num_replicas=layout.replicas,
+    )
+
+
+async def ensure_consumers(js: JetStreamContext, endpoint: str, layout: QueueLayout) -> None:
+    for priority in names.PRIORITIES:
+        durable = names.jobs_consumer(endpoint, priority)
+        try:
+            await js.consumer_info(names.JOBS_STREAM, durable)
+            continue
+        except NotFoundError:
+            pass
+        try:
+            await js.add_consumer(names.JOBS_STREAM, consumer_config(endpoint, priority, layout))
+        except BadRequestError as exc:
+            if exc.err_code != _CONSUMER_EXISTS:
+                raise

@@ -1,0 +1,432 @@
+"""A worker of the shared queue: takes an endpoint's jobs while it has free capacity, runs each
+through a given ``execute`` function, and writes the outcome. No engine here: the runtime passes
+``execute`` (its engine calls), ``abort`` and how many more jobs it can run now.
+
+Guarantees (see docs/jobs.md, "Shared queue"):
+
+- **Never more than it can run:** it asks the queue for at most ``free_slots()`` messages, and
+  asks again only when a slot frees. Normal jobs first, FIFO; ``lowPriority`` jobs only when no
+  normal one is waiting.
+- **Nothing accepted is lost:** a job's message is acknowledged only after its final state is
+  stored. While a job runs, the worker tells the queue every ``heartbeat_interval`` that it is
+  still at work; a worker that stops doing so (SIGKILL, lost network) has its job delivered to
+  another worker after the consumer's ``ack_wait`` (the heartbeat timeout). The new attempt
+  starts the job again; ``max_attempts`` bound how often (then ``FAILED``, saying so).
+- **One outcome per job:** every state change is a compare-and-set on the job's record; an
+  attempt that was superseded (cancelled, or taken over after it looked dead) changes nothing.
+- **Cancel from anywhere:** a cancel published on ``llmep.cancel.<endpoint>.<id>`` aborts the
+  engine request at once; the heartbeat also checks the record, so a missed message delays
+  the abort by at most one heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import nats.errors
+from nats.aio.msg import Msg
+
+from llmendpoints_common.errors import APIError, error_from_exception
+from llmendpoints_common.jobs.models import JobStatus
+from llmendpoints_common.jobs.record import (
+    Conflict,
+    JobRecord,
+    claim,
+    finish,
+    gave_up_error,
+    out_of_attempts,
+)
+from llmendpoints_common.queue import names
+from llmendpoints_common.queue.client import ATTEMPT_HEADER, QueueJobService, record_ttl
+from llmendpoints_common.queue.state import StaleRevision
+from llmendpoints_common.queue.topology import QueueLayout, ensure_consumers
+
+log = logging.getLogger(__name__)
+
+Publish = Callable[[Any], None]
+Execute = Callable[[JobRecord, Publish], Awaitable[Any]]
+Abort = Callable[[JobRecord], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    # Attempts per job (a redelivery after a worker vanished is an attempt).
+    max_attempts: int = 3
+    # How often a running job's worker reports progress (well under the heartbeat timeout).
+    heartbeat_interval_seconds: float = 10.0
+    # policy.executionTimeout when the job sets none.
+    default_execution_timeout_seconds: float = 600.0
+    # How long one pull waits for a job before looking at low-priority jobs again.
+    poll_seconds: float = 2.0
+    # How long a finished attempt's outcome is retried against an unreachable queue.
+    outcome_write_patience_seconds: float = 120.0
+
+
+@dataclass
+class _Attempt:
+    record: JobRecord
+    task: asyncio.Task[Any]
+    cancelled: bool = False
+
+
+class _Superseded(Exception):
+    """This attempt is no longer the job's current one."""
+
+
+class QueueWorker:
+    def __init__(
+        self,
+        service: QueueJobService,
+        *,
+        name: str,
+        execute: Execute,
+        abort: Abort,
+        free_slots: Callable[[], int],
+        settings: WorkerSettings | None = None,
+        layout: QueueLayout | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.service = service
+        self.name = name
+        self._execute = execute
+        self._abort = abort
+        self._free_slots = free_slots
+        self.settings = settings or WorkerSettings()
+        self._layout = layout or QueueLayout()
+        self._clock = clock
+        self._running: dict[str, _Attempt] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._slot_freed = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._subscriptions: dict[str, Any] = {}
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def endpoint(self) -> str:
+        return self.service.endpoint
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._pull_loop(), name=f"queue-worker-{self.name}")
+
+    async def stop(self, timeout: float) -> None:
+        """Take no new job; give running ones ``timeout`` s; hand the rest back to the queue
+        at once (another worker takes them without waiting for the heartbeat timeout)."""
+        self._stopping = True
+        self._slot_freed.set()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._loop_task
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout)
+        for task in list(self._tasks):
+            task.cancel()  # each hands its job back (nak) and aborts its engine request
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for sub in self._subscriptions.values():
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _connect_consumers(self) -> None:
+        js = self.service.js
+        await ensure_consumers(js, self.endpoint, self._layout)
+        for priority in names.PRIORITIES:
+            self._subscriptions[priority] = await js.pull_subscribe_bind(
+                durable=names.jobs_consumer(self.endpoint, priority), stream=names.JOBS_STREAM
+            )
+        self._subscriptions["cancel"] = await self.service.connection.nc.subscribe(
+            names.cancel_subject(self.endpoint), cb=self._on_cancel_message
+        )
+
+    # ---- taking jobs ---------------------------------------------------------------------
+
+    async def _pull_loop(self) -> None:
+        while not self._stopping:
+            try:
+                if not self._subscriptions:
+                    await self._connect_consumers()
+                # Jobs taken but still being claimed count too: never more than it can run.
+                free = self._free_slots() - len(self._tasks)
+                if free <= 0:
+                    self._slot_freed.clear()
+                    # The limit can also grow (the engine's batch size becomes known).
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._slot_freed.wait(), 1.0)
+                    continue
+                if not self.service.connection.connected:
+                    await asyncio.sleep(0.5)
+                    continue
+                # One at a time: a pull for several waits (nats-py) until all arrive or the
+                # pull expires, holding the first job back; one is a round trip when jobs wait.
+                messages = await self._fetch("normal", 1, self.settings.poll_seconds)
+                if not messages:
+                    messages = await self._fetch("low", 1, 0.05)
+                for message in messages:
+                    self._spawn(message)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the queue is unreachable: keep serving, try again
+                log.warning("job queue worker: %s: %s; retrying in 1 s", type(exc).__name__, exc)
+                for sub in self._subscriptions.values():
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
+                self._subscriptions.clear()
+                await asyncio.sleep(1.0)
+
+    async def _fetch(self, priority: str, batch: int, timeout: float) -> list[Msg]:
+        try:
+            return await self._subscriptions[priority].fetch(batch, timeout=timeout)
+        except nats.errors.TimeoutError:
+            return []
+
+    def _spawn(self, message: Msg) -> None:
+        task = asyncio.create_task(self._take(message))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- one job -------------------------------------------------------------------------
+
+    async def _take(self, message: Msg) -> None:
+        job_id = message.data.decode()
+        try:
+            await self._take_job(message, job_id)
+        except asyncio.CancelledError:
+            # Shutting down mid-job: hand it back now rather than after the heartbeat timeout.
+            with contextlib.suppress(Exception):
+                await message.nak()
+            raise
+        except Exception:
+            # Unexpected: leave the message unacknowledged; it is delivered again.
+            log.exception("job %s: worker failed; the queue delivers it again", job_id)
+        finally:
+            self._slot_freed.set()
+
+    async def _take_job(self, message: Msg, job_id: str) -> None:
+        states = self.service.states
+        current = await states.read(job_id)
+        if current is None or current[0].status.is_final:
+            await message.ack()  # cancelled, purged or expired while queued
+            return
+        record, revision = current
+        if record.status is JobStatus.IN_PROGRESS and out_of_attempts(
+            record, self.settings.max_attempts
+        ):
+            await self._give_up(message, record)
+            return
+        now = self._clock()
+        claimed = claim(record, now=now, worker=self.name)
+        try:
+            revision = await states.write(claimed, revision=revision)
+        except StaleRevision:  # changed since read (cancelled, stream read): decide again
+            try:
+                result = await states.update(job_id, lambda r: claim(r, now=now, worker=self.name))
+            except Conflict:
+                await message.ack()  # ended meanwhile
+                return
+            if result is None:
+                await message.ack()
+                return
+            claimed, revision = result[1], None
+        await self._run_attempt(message, claimed, revision)
+
+    async def _give_up(self, message: Msg, record: JobRecord) -> None:
+        now = self._clock()
+        error = gave_up_error(record, self.settings.max_attempts)
+        with contextlib.suppress(Conflict):
+            result = await self.service.states.update(
+                record.id,
+                lambda r: finish(r, JobStatus.FAILED, now=now, error=error),
+                ttl=lambda r: record_ttl(r, now),
+            )
+            if result is not None:
+                self.service.ended(result[1])
+        await message.ack()
+
+    async def _run_attempt(self, message: Msg, record: JobRecord, revision: int | None) -> None:
+        timeout_ms = record.execution_timeout_ms
+        budget = (
+            timeout_ms / 1000
+            if timeout_ms is not None
+            else self.settings.default_execution_timeout_seconds
+        )
+        # Chunks live as long as their job can: its execution, then its retention.
+        publisher = _ChunkPublisher(self.service, record, ttl=budget + record.retention_seconds)
+        task = asyncio.create_task(self._execute(record, publisher.publish))
+        attempt = _Attempt(record, task)
+        self._running[record.id] = attempt
+        heartbeat = asyncio.create_task(self._heartbeat(message, attempt))
+        # executionTimeout bounds the job's whole execution, not one attempt: an attempt that
+        # takes over from a dead worker gets what is left.
+        started = record.started_at if record.started_at is not None else self._clock()
+        remaining = max(0.0, started + budget - self._clock())
+        try:
+            done, _ = await asyncio.wait({task}, timeout=remaining)
+            if not done:
+                await self._stop_attempt(attempt)
+                status, output, error = (
+                    JobStatus.TIMED_OUT,
+                    None,
+                    {
+                        "message": f"the job ran longer than policy.executionTimeout "
+                        f"({round(budget * 1000)} ms) and was aborted",
+                        "type": "TimeoutError",
+                        "param": "policy.executionTimeout",
+                        "code": 408,
+                    },
+                )
+            elif attempt.cancelled or task.cancelled():
+                await message.ack()  # whoever cancelled wrote CANCELLED
+                return
+            elif (exc := task.exception()) is not None:
+                if not isinstance(exc, APIError):
+                    log.error("job %s failed", record.id, exc_info=exc)
+                status, output, error = JobStatus.FAILED, None, error_from_exception(exc)
+            else:
+                status, output, error = JobStatus.COMPLETED, task.result(), None
+            await publisher.flush()  # every chunk is stored before the job says it ended
+            await self._write_outcome(message, record, revision, status, output, error)
+        finally:
+            heartbeat.cancel()
+            if not task.done():
+                await self._stop_attempt(attempt)
+            await publisher.close()
+            if self._running.get(record.id) is attempt:
+                del self._running[record.id]
+
+    async def _write_outcome(
+        self,
+        message: Msg,
+        record: JobRecord,
+        revision: int | None,
+        status: JobStatus,
+        output: Any,
+        error: dict[str, Any] | None,
+    ) -> None:
+        deadline = time.monotonic() + self.settings.outcome_write_patience_seconds
+        if revision is not None:
+            # Usually nobody wrote since the claim: one compare-and-set, no read.
+            now = self._clock()
+            ended = finish(
+                record, status, now=now, attempt=record.attempt, output=output, error=error
+            )
+            with contextlib.suppress(StaleRevision, nats.errors.Error, OSError):
+                await self.service.states.write(
+                    ended, revision=revision, ttl_seconds=record_ttl(ended, now)
+                )
+                self.service.ended(ended)
+                await message.ack()
+                return
+        while True:
+            now = self._clock()
+            try:
+                result = await self.service.states.update(
+                    record.id,
+                    lambda r, now=now: finish(
+                        r, status, now=now, attempt=record.attempt, output=output, error=error
+                    ),
+                    ttl=lambda r, now=now: record_ttl(r, now),
+                )
+                break
+            except Conflict:
+                current = await self.service.states.read(record.id)
+                if current is not None and current[0].attempt != record.attempt:
+                    # Another worker took the job over: its delivery owns the message.
+                    return
+                await message.ack()  # cancelled meanwhile
+                return
+            except (nats.errors.Error, OSError) as exc:
+                if time.monotonic() > deadline:
+                    log.error(
+                        "job %s: outcome not stored (%s); it runs again elsewhere", record.id, exc
+                    )
+                    return
+                await asyncio.sleep(1.0)
+        if result is not None:
+            self.service.ended(result[1])
+        await message.ack()
+
+    async def _heartbeat(self, message: Msg, attempt: _Attempt) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_seconds)
+            with contextlib.suppress(Exception):
+                await message.in_progress()
+            with contextlib.suppress(Exception):
+                current = await self.service.states.read(attempt.record.id)
+                if current is not None and (
+                    current[0].status.is_final or current[0].attempt != attempt.record.attempt
+                ):
+                    await self._cancel_attempt(attempt)
+                    return
+
+    async def _on_cancel_message(self, message: Msg) -> None:
+        job_id = message.subject.rsplit(".", 1)[-1]
+        if (attempt := self._running.get(job_id)) is not None:
+            await self._cancel_attempt(attempt)
+
+    async def _cancel_attempt(self, attempt: _Attempt) -> None:
+        attempt.cancelled = True
+        await self._stop_attempt(attempt)
+
+    async def _stop_attempt(self, attempt: _Attempt) -> None:
+        """Abort the engine request first (it stops at once), then the task."""
+        try:
+            await self._abort(attempt.record)
+        except Exception:
+            log.exception("aborting job %s failed", attempt.record.id)
+        attempt.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await attempt.task
+
+
+class _ChunkPublisher:
+    """Stores a job's stream chunks in order, one at a time, tagged with the attempt."""
+
+    def __init__(self, service: QueueJobService, record: JobRecord, *, ttl: float) -> None:
+        self._js = service.js
+        self._subject = names.chunks_subject(service.endpoint, record.id)
+        self._record = record
+        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._count = 0
+        self._task = asyncio.create_task(self._drain())
+        self._ttl = max(1, round(ttl))
+
+    def publish(self, chunk: Any) -> None:
+        self._queue.put_nowait(json.dumps(chunk).encode())
+
+    async def _drain(self) -> None:
+        while (data := await self._queue.get()) is not None:
+            self._count += 1
+            headers = {
+                ATTEMPT_HEADER: str(self._record.attempt),
+                "Nats-Msg-Id": f"{self._record.id}.{self._record.attempt}.{self._count}",
+            }
+            while True:
+                try:
+                    await self._js.publish(self._subject, data, headers=headers, msg_ttl=self._ttl)
+                    break
+                except (nats.errors.Error, OSError) as exc:
+                    log.warning("job %s: chunk not stored yet (%s)", self._record.id, exc)
+                    await asyncio.sleep(0.5)
+
+    async def flush(self) -> None:
+        self._queue.put_nowait(None)
+        await self._task
+
+    async def close(self) -> None:
+        if not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

@@ -1,0 +1,127 @@
+"""Static endpoints (GATEWAY_ENDPOINTS_FILE), for local runs and tests.
+
+    endpoints:
+      - name: demo                   # endpoint id: /v2/demo/... ; jobs for it
+        models: [demo]               # OpenAI "model" values routed here
+        backends: ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+        routing: prefix-aware        # optional: prefix-aware (default), least-loaded, round-robin
+
+Each backend is probed (``GET /ready?strict=1``: 200 only when its engine serves) every
+GATEWAY_PROBE_INTERVAL_SECONDS; only ready backends get requests, and an endpoint with none
+ready holds them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import yaml
+
+from llmendpoints_gateway.registry import Registry
+from llmendpoints_gateway.routing import Strategy
+
+logger = logging.getLogger("llmendpoints.gateway.discovery")
+
+
+@dataclass(frozen=True)
+class StaticEndpoint:
+    name: str
+    models: tuple[str, ...]
+    backends: tuple[str, ...]
+    routing: Strategy = Strategy.PREFIX_AWARE
+
+
+class EndpointsFileError(ValueError):
+    pass
+
+
+def parse_endpoints(text: str) -> list[StaticEndpoint]:
+    """PURE: the file's text -> endpoints; errors name the entry and field."""
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise EndpointsFileError(f"not valid YAML: {exc}") from None
+    if not isinstance(document, Mapping) or not isinstance(document.get("endpoints"), list):
+        raise EndpointsFileError("expected a mapping with an `endpoints` list")
+    result: list[StaticEndpoint] = []
+    for i, entry in enumerate(document["endpoints"]):
+        where = f"endpoints[{i}]"
+        if not isinstance(entry, Mapping):
+            raise EndpointsFileError(f"{where}: must be a mapping with name, models, backends")
+        name = entry.get("name")
+        if not isinstance(name, str) or not name:
+            raise EndpointsFileError(f"{where}.name: a non-empty string is required")
+        models = _strings(entry.get("models", [name]), f"{where}.models")
+        backends = tuple(
+            b.rstrip("/") for b in _strings(entry.get("backends", []), f"{where}.backends")
+        )
+        for backend in backends:
+            if not backend.startswith(("http://", "https://")):
+                raise EndpointsFileError(f"{where}.backends: {backend!r} is not an http(s) URL")
+        try:
+            routing = Strategy(entry.get("routing", Strategy.PREFIX_AWARE))
+        except ValueError:
+            raise EndpointsFileError(
+                f"{where}.routing: must be one of {[s.value for s in Strategy]}"
+            ) from None
+        result.append(StaticEndpoint(name, models, backends, routing))
+    names = [e.name for e in result]
+    if len(set(names)) != len(names):
+        raise EndpointsFileError("endpoint names must be unique")
+    return result
+
+
+def _strings(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise EndpointsFileError(f"{where}: must be a list of non-empty strings")
+    return tuple(value)
+
+
+class StaticDiscovery:
+    def __init__(self, path: str, registry: Registry, probe_interval: float):
+        self.path = path
+        self.registry = registry
+        self.probe_interval = probe_interval
+        self._tasks: list[asyncio.Task] = []
+        self._ready: dict[str, set[str]] = {}
+
+    async def start(self) -> None:
+        with open(self.path, encoding="utf-8") as handle:
+            endpoints = parse_endpoints(handle.read())
+        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
+        self._session = session
+        for ep in endpoints:
+            self.registry.upsert(ep.name, ep.models, ep.routing)
+            self._ready[ep.name] = set()
+            for backend in ep.backends:
+                self._tasks.append(asyncio.create_task(self._probe(ep.name, backend)))
+        logger.info("static endpoints from %s: %s", self.path, [e.name for e in endpoints])
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._session.close()
+
+    async def _probe(self, endpoint: str, backend: str) -> None:
+        ready = self._ready[endpoint]
+        was: bool | None = None
+        while True:
+            try:
+                async with self._session.get(backend + "/ready?strict=1") as response:
+                    now = response.status == 200
+            except (TimeoutError, aiohttp.ClientError):
+                now = False
+            if now != was:
+                logger.info(
+                    "backend %s of %s is %s", backend, endpoint, "ready" if now else "not ready"
+                )
+                was = now
+                (ready.add if now else ready.discard)(backend)
+                self.registry.set_ready(endpoint, ready)
+            await asyncio.sleep(self.probe_interval)

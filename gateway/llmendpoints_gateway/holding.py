@@ -1,0 +1,100 @@
+"""Holding requests while an endpoint has no ready replica: a bounded FIFO of waiters.
+
+A request that finds no ready replica waits here; the moment discovery reports one ready,
+every waiter is released in arrival order and routed normally. Beyond the queue's length, past
+the hold timeout, or when the gateway shuts down, the waiter gets a 503 with Retry-After. A
+client that disconnects while held is simply removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+from llmendpoints_common.errors import ServiceUnavailableError
+
+RETRY_AFTER_SECONDS = 5
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request was held."""
+
+
+def unavailable(message: str, retry_after: int = RETRY_AFTER_SECONDS) -> ServiceUnavailableError:
+    return ServiceUnavailableError(
+        message, code="endpoint_unavailable", headers={"retry-after": str(retry_after)}
+    )
+
+
+class HoldQueue:
+    def __init__(
+        self,
+        endpoint: str,
+        max_length: int,
+        on_change: Callable[[int], None] = lambda n: None,
+        on_reject: Callable[[str], None] = lambda reason: None,
+    ):
+        self.endpoint = endpoint
+        self.max_length = max_length
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._closed = False
+        self._on_change = on_change
+        self._on_reject = on_reject
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    async def wait(self, timeout: float, disconnected: Awaitable[object]) -> None:
+        """Return when released; raise 503 (full, timeout, closing) or ClientGone."""
+        if self._closed:
+            self._on_reject("shutdown")
+            raise unavailable("the gateway is shutting down; retry")
+        if len(self._waiters) >= self.max_length:
+            self._on_reject("queue_full")
+            raise unavailable(
+                f"endpoint {self.endpoint!r} has no ready replica and its hold queue is full "
+                f"({self.max_length} requests); retry later"
+            )
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        self._on_change(len(self._waiters))
+        gone = asyncio.ensure_future(disconnected)
+        try:
+            done, _ = await asyncio.wait(
+                {waiter, gone}, timeout=timeout, return_when="FIRST_COMPLETED"
+            )
+            if waiter in done:
+                waiter.result()  # raises the 503 set by close()
+                return
+            if gone in done:
+                raise ClientGone()
+            self._on_reject("timeout")
+            raise unavailable(
+                f"endpoint {self.endpoint!r} has had no ready replica for {timeout:.0f} s; retry later"
+            )
+        finally:
+            gone.cancel()
+            if not waiter.done():
+                waiter.cancel()
+            with contextlib.suppress(ValueError):  # already released
+                self._waiters.remove(waiter)
+            self._on_change(len(self._waiters))
+
+    def release_all(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+        self._on_change(0)
+
+    def close(self) -> None:
+        """Shutting down: every waiter gets a 503 with Retry-After; new ones too."""
+        self._closed = True
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self._on_reject("shutdown")
+                waiter.set_exception(unavailable("the gateway is shutting down; retry"))
+        self._on_change(0)

@@ -1,0 +1,180 @@
+"""What the gateway knows: endpoints, the models they serve, their ready replicas, and the
+gateway's own in-flight count per replica. Discovery (static file or Kubernetes) writes it; the
+request path reads it. Single event loop: no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from llmendpoints_gateway.holding import HoldQueue
+from llmendpoints_gateway.metrics import GatewayMetrics
+from llmendpoints_gateway.routing import Outcome, Router, Strategy
+
+logger = logging.getLogger("llmendpoints.gateway.registry")
+
+# How long a replica that refused a connection is routed around.
+SUSPEND_SECONDS = 2.0
+
+
+@dataclass
+class Endpoint:
+    name: str
+    models: tuple[str, ...]
+    router: Router
+    hold: HoldQueue
+    ready: tuple[str, ...] = ()  # what requests are routed to: discovered, not suspended
+    discovered: frozenset[str] = frozenset()
+    suspended: set[str] = field(default_factory=set)
+    loads: dict[str, int] = field(default_factory=dict)
+
+    def choose(
+        self, key: bytes | None, exclude: frozenset[str] = frozenset()
+    ) -> tuple[str, Outcome] | None:
+        return self.router.choose(key, self.loads, exclude)
+
+
+class Registry:
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        hold_queue_length: int,
+        load_factor: float,
+        on_held: Callable[[str, int], None] = lambda endpoint, n: None,
+    ):
+        self.metrics = metrics
+        self.hold_queue_length = hold_queue_length
+        self.load_factor = load_factor
+        self.on_held = on_held
+        self.endpoints: dict[str, Endpoint] = {}
+        self._by_model: dict[str, Endpoint] = {}
+        self.closed = False
+
+    # -- reads (request path) --
+
+    def by_model(self, model: str) -> Endpoint | None:
+        return self._by_model.get(model)
+
+    def get(self, name: str) -> Endpoint | None:
+        return self.endpoints.get(name)
+
+    def in_flight(self) -> int:
+        return sum(sum(ep.loads.values()) for ep in self.endpoints.values())
+
+    def held(self) -> int:
+        return sum(len(ep.hold) for ep in self.endpoints.values())
+
+    # -- writes (discovery) --
+
+    def upsert(self, name: str, models: Iterable[str], strategy: Strategy) -> Endpoint:
+        models = tuple(dict.fromkeys(models))
+        ep = self.endpoints.get(name)
+        if ep is None:
+            metrics = self.metrics
+            hold = HoldQueue(
+                name,
+                self.hold_queue_length,
+                on_change=lambda n: self._held_changed(name, n),
+                on_reject=lambda reason: metrics.hold_rejected.labels(name, reason).inc(),
+            )
+            ep = Endpoint(name, models, Router(strategy, self.load_factor), hold)
+            if self.closed:
+                hold.close()
+            self.endpoints[name] = ep
+            logger.info("endpoint %s: models %s, routing %s", name, list(models), strategy)
+        else:
+            if ep.models != models or ep.router.strategy is not strategy:
+                logger.info("endpoint %s: models %s, routing %s", name, list(models), strategy)
+            ep.models = models
+            ep.router.strategy = strategy
+        self._index()
+        return ep
+
+    def remove(self, name: str) -> None:
+        ep = self.endpoints.pop(name, None)
+        if ep is None:
+            return
+        ep.hold.close()
+        self.metrics.ready_replicas.labels(name).set(0)
+        self._index()
+        logger.info("endpoint %s removed", name)
+
+    def set_ready(self, name: str, replicas: Iterable[str]) -> None:
+        """Discovery's view: these replicas of the endpoint are ready."""
+        ep = self.endpoints.get(name)
+        if ep is None:
+            return
+        ep.discovered = frozenset(replicas)
+        self._publish(ep)
+
+    def mark_failed(self, name: str, replica: str) -> None:
+        """A replica refused or reset a connection: route around it for SUSPEND_SECONDS, then
+        trust discovery again (a pod that is really gone leaves its EndpointSlice, a static
+        backend fails its probe)."""
+        ep = self.endpoints.get(name)
+        if ep is None or replica not in ep.ready:
+            return
+        ep.suspended.add(replica)
+        self._publish(ep)
+
+        def resume() -> None:
+            ep.suspended.discard(replica)
+            self._publish(ep)
+
+        asyncio.get_running_loop().call_later(SUSPEND_SECONDS, resume)
+
+    def _publish(self, ep: Endpoint) -> None:
+        ready = tuple(sorted(ep.discovered - ep.suspended))
+        if ready == ep.ready:
+            return
+        logger.info("endpoint %s: %d ready replica(s) %s", ep.name, len(ready), list(ready))
+        ep.ready = ready
+        ep.router.set_replicas(ready)
+        self.metrics.ready_replicas.labels(ep.name).set(len(ready))
+        if ready:
+            ep.hold.release_all()
+
+    def close(self) -> None:
+        """Shutting down: held requests get 503 now; nothing is held from here on."""
+        self.closed = True
+        for ep in self.endpoints.values():
+            ep.hold.close()
+
+    # -- load accounting --
+
+    def acquire(self, ep: Endpoint, replica: str) -> None:
+        n = ep.loads.get(replica, 0) + 1
+        ep.loads[replica] = n
+        self.metrics.in_flight.labels(ep.name, replica).set(n)
+
+    def release(self, ep: Endpoint, replica: str) -> None:
+        n = ep.loads.get(replica, 1) - 1
+        if n <= 0:
+            ep.loads.pop(replica, None)
+            n = 0
+        else:
+            ep.loads[replica] = n
+        self.metrics.in_flight.labels(ep.name, replica).set(n)
+
+    def _index(self) -> None:
+        by_model: dict[str, Endpoint] = {}
+        for ep in sorted(self.endpoints.values(), key=lambda e: e.name):
+            for model in ep.models:
+                if model in by_model:
+                    logger.warning(
+                        "model %r is served by both %s and %s; routing it to %s",
+                        model,
+                        by_model[model].name,
+                        ep.name,
+                        by_model[model].name,
+                    )
+                    continue
+                by_model[model] = ep
+        self._by_model = by_model
+
+    def _held_changed(self, name: str, n: int) -> None:
+        self.metrics.held.labels(name).set(n)
+        self.on_held(name, n)

@@ -1,0 +1,451 @@
+"""The reconcile and the status publishing: one endpoint's children made to match its spec.
+
+`Reconciler` is given everything it works with - the API client (kube.py's narrow interface),
+kopf's in-memory indexes, the settings, an Event poster, its metrics, a clock - and keeps the
+per-endpoint state that must outlive one call (locks, the last status written). handlers.py wires
+it to kopf; tests drive it with a fake client and plain dicts as indexes.
+
+- `reconcile` admits the spec (admission.admit: parse, managed variables, cluster policy), applies every child with a fixed name and an owner reference,
+  writes the Deployment's replicas only as manifests.replicas_to_write says, deletes the optional
+  children the spec no longer asks for, and publishes the status. Idempotent: running it twice
+  changes nothing. An invalid spec publishes the status (Ready=False/InvalidSpec naming the
+  field), creates nothing, and raises InvalidSpecError; an API refusal raises kube.ApiError.
+- `publish_status` computes the status from the indexes (status.compute, pure) and writes it
+  when it changed, posting Events for notable transitions.
+- `resync_forever` reconciles every endpoint once per period (drift correction).
+- `autoscaled_subjects` lists what the autoscaler decides the size of now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import kopf
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from llmendpoints_operator import kube, manifests, status
+from llmendpoints_operator.adapter_status import STATUS_KEY as ADAPTERS_KEY
+from llmendpoints_operator.admission import admit
+from llmendpoints_operator.autoscaling.controller import STATUS_KEY as AUTOSCALING_KEY
+from llmendpoints_operator.autoscaling.controller import Subject
+from llmendpoints_operator.config import OperatorSettings
+from llmendpoints_operator.events import PostEvent
+from llmendpoints_operator.spec import Endpoint, InvalidSpecError
+
+# status keys written by others (the autoscaler; the adapter watcher), never by a reconcile
+_OTHER_WRITERS = (AUTOSCALING_KEY, ADAPTERS_KEY)
+
+Key = tuple[str, str]  # (namespace, endpoint name)
+# kopf.Index[K, V] is a Mapping of K to a collection of V; so is a dict of lists in tests.
+Index = Mapping[Any, Collection[Any]]
+
+
+class KubeApi(Protocol):
+    """The part of kube.KubeClient the reconcile uses."""
+
+    async def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    async def patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        patch: Mapping[str, Any],
+        *,
+        subresource: str | None = None,
+    ) -> dict[str, Any]: ...
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Indexes:
+    """kopf's in-memory indexes (the @kopf.index functions in handlers.py)."""
+
+    llmendpoints: Index  # Key -> snapshot(endpoint)
+    runtime_deployments: Index  # Key -> status.DeploymentState
+    claim_phases: Index  # (namespace, claim) -> phase
+    claim_users: Index  # (namespace, claim) -> endpoint name
+
+    @classmethod
+    def of(cls, kwargs: Mapping[str, Any]) -> Indexes:
+        """The indexes kopf passes to every handler as keyword arguments (by function name)."""
+        return cls(**{name: kwargs[name] for name in cls.__dataclass_fields__})
+
+    def endpoint(self, key: Key) -> dict[str, Any] | None:
+        return _one(self.llmendpoints, key)
+
+    def deployment(self, key: Key) -> status.DeploymentState | None:
+        return _one(self.runtime_deployments, key)
+
+
+def _one(index: Index, key: Any) -> Any:
+    store = index.get(key)
+    return next(iter(store), None) if store else None
+
+
+def snapshot(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What is needed to reconcile or publish an endpoint outside its own handlers."""
+    meta = body.get("metadata") or {}
+    return {
+        "apiVersion": body.get("apiVersion", manifests.API_VERSION),
+        "kind": body.get("kind", manifests.KIND),
+        "metadata": {
+            key: meta[key]
+            for key in ("name", "namespace", "uid", "generation", "labels", "deletionTimestamp")
+            if key in meta
+        },
+        # No copies: kopf parses every watch event into fresh dicts and never mutates them.
+        "spec": body.get("spec") or {},
+        "status": body.get("status") or {},
+    }
+
+
+def lenient_cache_state(
+    name: str, raw_spec: Mapping[str, Any], phases: Mapping[str, str]
+) -> status.CacheState:
+    """Read leniently from the raw spec: an invalid spec still reports its last cache volume."""
+    cache = raw_spec.get("cache") if isinstance(raw_spec, Mapping) else None
+    if not isinstance(cache, Mapping) or not (cache.get("existingClaim") or cache.get("size")):
+        return status.CacheState()
+    existing = cache.get("existingClaim")
+    claim = str(existing) if existing else manifests.cache_claim_name(name)
+    return status.CacheState(claim_name=claim, phase=phases.get(claim), existing=bool(existing))
+
+
+class _ClaimPhases(Mapping[str, str]):
+    """Claim name -> phase for one namespace, read from the claim_phases index."""
+
+    def __init__(self, index: Index, namespace: str):
+        self._index, self._namespace = index, namespace
+
+    def __getitem__(self, claim: str) -> str:
+        value = _one(self._index, (self._namespace, claim))
+        if value is None:
+            raise KeyError(claim)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(claim for ns, claim in self._index if ns == self._namespace)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class ReconcileMetrics:
+    """The reconcile's own Prometheus metrics (docs/operator.md, "Metrics")."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        registry = registry or CollectorRegistry(auto_describe=True)
+        self.reconciles = Counter(
+            "llmendpoints_operator_reconciles_total",
+            "Reconciles of LLMEndpoints, by trigger and result (ok, invalid, error).",
+            ["trigger", "result"],
+            registry=registry,
+        )
+        self.seconds = Histogram(
+            "llmendpoints_operator_reconcile_duration_seconds",
+            "Wall time of one reconcile, including its API requests.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=registry,
+        )
+
+
+def _utc_now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+class Reconciler:
+    def __init__(
+        self,
+        *,
+        kube: Callable[[], KubeApi],
+        indexes: Indexes,
+        settings: OperatorSettings,
+        post_event: PostEvent,
+        metrics: ReconcileMetrics | None = None,
+        clock: Callable[[], datetime.datetime] = _utc_now,
+    ) -> None:
+        self._kube = kube
+        self.indexes = indexes
+        self._settings = settings
+        self._post_event = post_event
+        self._metrics = metrics or ReconcileMetrics()
+        self._clock = clock
+        self._reconcile_locks: defaultdict[Key, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._status_locks: defaultdict[Key, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # The last status written per endpoint: the watch stream may lag behind our own writes.
+        self._published: dict[Key, dict[str, Any]] = {}
+
+    # --- the reconcile ------------------------------------------------------------------------
+
+    async def reconcile(
+        self, endpoint: Mapping[str, Any], *, prune: bool, logger: logging.Logger, trigger: str
+    ) -> None:
+        """Make the children match the spec, then publish the status.
+
+        Raises InvalidSpecError (after publishing it) and kube.ApiError. `prune` deletes the
+        optional children the spec no longer asks for (pointless on a new endpoint). `trigger`
+        (create, update, resume, resync, deployment-deleted) labels the metrics."""
+        started = time.perf_counter()
+        result = "error"
+        try:
+            await self._reconcile(endpoint, prune=prune, logger=logger)
+            result = "ok"
+        except InvalidSpecError:
+            result = "invalid"
+            raise
+        finally:
+            self._metrics.reconciles.labels(trigger, result).inc()
+            self._metrics.seconds.observe(time.perf_counter() - started)
+
+    def reconciling(self, key: Key) -> bool:
+        """A reconcile of this endpoint is running: it publishes the status when done, from the
+        then-current indexes, so a publish triggered by a child's event now would be wasted."""
+        lock = self._reconcile_locks.get(key)
+        return lock is not None and lock.locked()
+
+    async def _reconcile(
+        self, endpoint: Mapping[str, Any], *, prune: bool, logger: logging.Logger
+    ) -> None:
+        meta = endpoint["metadata"]
+        name, namespace = meta["name"], meta["namespace"]
+        key = (namespace, name)
+        generation = meta.get("generation")
+        async with self._reconcile_locks[key]:
+            try:
+                ep = admit(name, namespace, endpoint.get("spec"), self._settings)
+            except InvalidSpecError as exc:
+                logger.warning("Invalid spec: %s", exc)
+                await self.publish_status(endpoint, observed_generation=generation)
+                raise
+
+            client = self._kube()
+            children = manifests.build_children(ep, self._settings)
+            kopf.adopt(children, owner=endpoint)
+            for child in children:
+                await client.apply(child)
+
+            current = self.indexes.deployment(key)
+            created, written = await self._write_deployment(ep, endpoint, current, client)
+
+            if prune:
+                wanted = {(c["kind"], c["metadata"]["name"]) for c in children}
+                for ref in manifests.optional_children(name):
+                    if (ref.kind, ref.name) not in wanted and await client.delete(
+                        ref.api_version, ref.kind, namespace, ref.name
+                    ):
+                        logger.info(
+                            "Deleted %s %s: the spec no longer asks for it", ref.kind, ref.name
+                        )
+
+            if created:
+                kinds = ", ".join(f"{c['kind']} {c['metadata']['name']}" for c in children)
+                self._post_event(
+                    endpoint,
+                    "Normal",
+                    "Created",
+                    f"created Deployment {manifests.deployment_name(name)}, {kinds}",
+                )
+            await self.publish_status(
+                endpoint,
+                observed_generation=generation,
+                parsed=ep,
+                # Fresher than the index, whose watch event for our write may not have come yet.
+                deployment=status.DeploymentState.from_object(written),
+            )
+
+    async def _write_deployment(
+        self,
+        ep: Endpoint,
+        owner: Mapping[str, Any],
+        current: status.DeploymentState | None,
+        client: KubeApi,
+    ) -> tuple[bool, dict[str, Any]]:
+        """Create or apply the Deployment; write replicas only as manifests.replicas_to_write says.
+
+        Returns whether this call created it, and the Deployment as the API returned it."""
+        if current is None:
+            deployment = manifests.build_deployment(
+                ep, self._settings, replicas=manifests.replicas_to_write(ep, None)
+            )
+            kopf.adopt(deployment, owner=owner)
+            try:
+                # POST, not apply: replicas is then owned by an Update operation, and later
+                # applies (which leave replicas out) never remove it.
+                return True, await client.create(deployment)
+            except kube.Conflict:
+                pass  # it exists but our index has not seen it yet: apply, replicas untouched
+        deployment = manifests.build_deployment(ep, self._settings, replicas=None)
+        kopf.adopt(deployment, owner=owner)
+        written = await client.apply(deployment)
+        if current is not None:
+            replicas = manifests.replicas_to_write(ep, current.desired)
+            if replicas is not None:
+                # A merge patch (an Update operation, like the create): never part of an apply.
+                written = await client.patch(
+                    "apps/v1",
+                    "Deployment",
+                    ep.namespace,
+                    manifests.deployment_name(ep.name),
+                    {"spec": {"replicas": replicas}},
+                )
+        return False, written
+
+    # --- status -------------------------------------------------------------------------------
+
+    async def publish_status(
+        self,
+        snapshot: Mapping[str, Any],
+        *,
+        observed_generation: int | None = None,
+        parsed: Endpoint | None = None,
+        deployment: status.DeploymentState | None = None,
+    ) -> None:
+        """Compute the status from the indexes and write it if it changed; post transition Events.
+
+        `observed_generation` is given only by the reconcile (it has acted on that generation);
+        publishes triggered by children keep the previous one."""
+        meta = snapshot["metadata"]
+        name, namespace = meta["name"], meta["namespace"]
+        key = (namespace, name)
+        raw_spec = snapshot.get("spec") or {}
+        invalid: str | None = None
+        if parsed is None:
+            try:
+                parsed = admit(name, namespace, raw_spec, self._settings)
+            except InvalidSpecError as exc:
+                invalid = str(exc)
+        async with self._status_locks[key]:
+            previous = self._published.get(key, snapshot.get("status") or {})
+            phases = _ClaimPhases(self.indexes.claim_phases, namespace)
+            cache = (
+                status.cache_state_for(parsed, phases)
+                if parsed is not None
+                else lenient_cache_state(name, raw_spec, phases)
+            )
+            new = status.compute(
+                name=name,
+                namespace=namespace,
+                endpoint=parsed,
+                invalid_message=invalid,
+                observed=status.Observed(
+                    deployment=deployment or self.indexes.deployment(key), cache=cache
+                ),
+                previous=previous,
+                now=self._clock().strftime("%Y-%m-%dT%H:%M:%SZ"),
+                observed_generation=observed_generation,
+                cluster_domain=self._settings.cluster_domain,
+                gateway_url=self._settings.gateway_url,
+            )
+            # Blocks other writers own: the autoscaler's and the adapter watcher's.
+            others = {k: v for k, v in previous.items() if k not in _OTHER_WRITERS}
+            if status.without_times(new) == status.without_times(others):
+                return
+            # A merge patch: keys no longer reported must be nulled explicitly (but never the
+            # autoscaler's block, which only the autoscaler writes).
+            gone = [k for k in previous if k not in new and k not in _OTHER_WRITERS]
+            try:
+                await self._kube().patch(
+                    manifests.API_VERSION,
+                    manifests.KIND,
+                    namespace,
+                    name,
+                    {"status": {**dict.fromkeys(gone), **new}},
+                    subresource="status",
+                )
+            except kube.NotFound:
+                self._published.pop(key, None)
+                return  # the endpoint was deleted meanwhile
+            self._published[key] = new
+        for event in status.transition_events(previous, new):
+            self._post_event(snapshot, event.type, event.reason, event.message)
+
+    # --- the resync ---------------------------------------------------------------------------
+
+    async def resync_forever(self, period: float) -> None:
+        """Reconcile every endpoint once per `period` seconds, spread over the period.
+
+        One task for the whole operator rather than a kopf timer per endpoint: kopf timers put a
+        finalizer on every object, and then deleting an endpoint needs a running operator."""
+        logger = logging.getLogger("llmendpoints_operator.resync")
+        while True:
+            snapshots = [s for store in self.indexes.llmendpoints.values() for s in store]
+            self.forget_deleted()
+            if not snapshots:
+                await asyncio.sleep(period)
+                continue
+            for old in snapshots:
+                await asyncio.sleep(period / len(snapshots))
+                await self.resync_one(
+                    (old["metadata"]["namespace"], old["metadata"]["name"]), logger
+                )
+
+    async def resync_one(self, key: Key, logger: logging.Logger) -> None:
+        current = self.indexes.endpoint(key)
+        if current is None or current["metadata"].get("deletionTimestamp"):
+            return  # deleted meanwhile
+        # Compare with the status as stored, not as last written: repairs edits by others.
+        self._published.pop(key, None)
+        try:
+            await self.reconcile(current, prune=True, logger=logger, trigger="resync")
+        except InvalidSpecError:
+            pass  # reported when the spec was written; the status still says it
+        except Exception as exc:  # one endpoint's failure must not stop the others' resync
+            logger.exception("Resync of %s/%s failed", *key)
+            self._post_event(current, "Warning", "ReconcileFailed", str(exc))
+
+    def forget_deleted(self) -> None:
+        """Drop the per-endpoint state of endpoints that no longer exist."""
+        endpoints = self.indexes.llmendpoints
+        for key in [k for k in self._published if k not in endpoints]:
+            self._published.pop(key, None)
+        for locks in (self._reconcile_locks, self._status_locks):
+            for key in [k for k, lock in locks.items() if k not in endpoints]:
+                if not locks[key].locked():
+                    del locks[key]
+
+
+def autoscaled_subjects(indexes: Indexes, settings: OperatorSettings) -> list[Subject]:
+    """The endpoints whose size the autoscaler decides now: admitted spec (admission.admit),
+    bounds that leave a choice, no `spec.scaling.replicas` pin, and a Deployment."""
+    subjects = []
+    for key, store in list(indexes.llmendpoints.items()):
+        endpoint = next(iter(store), None)
+        if endpoint is None or endpoint["metadata"].get("deletionTimestamp"):
+            continue
+        raw = (endpoint.get("spec") or {}).get("scaling") or {}
+        if not raw.get("maxReplicas") or raw.get("replicas") is not None:
+            continue  # a fixed size or a pin (a cheap check before parsing)
+        deployment = indexes.deployment(key)
+        if deployment is None:
+            continue
+        try:
+            ep = admit(key[1], key[0], endpoint.get("spec"), settings)
+        except InvalidSpecError:
+            continue
+        if not ep.spec.scaling.autoscaled:
+            continue
+        subjects.append(
+            Subject(
+                owner=endpoint,
+                api_version=manifests.API_VERSION,
+                kind=manifests.KIND,
+                policy=ep.spec.scaling.policy(),
+                service=manifests.service_name(ep.name),
+                deployment=manifests.deployment_name(ep.name),
+                replicas=deployment.desired,
+                ready_replicas=deployment.ready,
+            )
+        )
+    return subjects

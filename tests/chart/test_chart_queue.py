@@ -1,0 +1,131 @@
+"""The chart's shared job queue: NATS JetStream run by the release (queue.enabled) or an existing
+one (queue.url / queue.existingSecret), and the operator's LLMEP_OPERATOR_JOBS_QUEUE_URL."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from .helm_kit import CHART, only, pod_specs, render, run_helm
+
+NATS_SERVER = Path(sys.executable).parent / "nats-server"
+QUEUE = {"queue": {"enabled": True}}
+
+
+def operator_env(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in env}
+
+
+def test_queue_off_by_default(helm: Path, tmp_path: Path) -> None:
+    docs = render(helm, tmp_path)
+    assert not [d for d in docs if d["kind"] == "StatefulSet"]
+    assert "LLMEP_OPERATOR_JOBS_QUEUE_URL" not in operator_env(docs)
+
+
+@pytest.mark.parametrize("kube_version", ["1.29", kubernetes_validate.utils.latest_version()])
+def test_enabled_queue_renders_valid_documents(helm: Path, tmp_path: Path, kube_version) -> None:
+    for doc in render(helm, tmp_path, QUEUE):
+        kubernetes_validate.validate(doc, kube_version, strict=True)
+    result = run_helm(helm, "lint", "--strict", str(CHART), values=QUEUE, tmp_path=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_enabled_queue_is_a_replicated_durable_nats_cluster(helm: Path, tmp_path: Path) -> None:
+    docs = render(helm, tmp_path, QUEUE)
+    nats = only(docs, "StatefulSet")
+    spec = nats["spec"]
+    assert spec["replicas"] == 3
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    image = container["image"]
+    assert image.startswith("nats:") and image != "nats:latest"  # the official image, pinned
+    claim = spec["volumeClaimTemplates"][0]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "10Gi"
+    assert {"name": "data", "mountPath": "/data"} in container["volumeMounts"]
+    anti = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert anti[0]["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert only(docs, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    secret = only(docs, "Secret")
+    assert set(secret["data"]) == {"username", "password", "url"}
+    env = operator_env(docs)
+    assert env["LLMEP_OPERATOR_JOBS_QUEUE_URL"] == {
+        "secretKeyRef": {"name": secret["metadata"]["name"], "key": "url"}
+    }
+    assert env["LLMEP_OPERATOR_JOBS_QUEUE_REPLICAS"] == "3"
+
+
+def test_hard_anti_affinity_requires_distinct_nodes(helm: Path, tmp_path: Path) -> None:
+    values = {"queue": {"enabled": True, "nats": {"antiAffinity": "hard"}}}
+    pod = only(render(helm, tmp_path, values), "StatefulSet")["spec"]["template"]["spec"]
+    assert pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_rendered_nats_configuration_is_accepted_by_nats_server(
+    helm: Path, tmp_path: Path, replicas: int
+) -> None:
+    values = {"queue": {"enabled": True, "nats": {"replicas": replicas}}}
+    config = only(render(helm, tmp_path, values), "ConfigMap")["data"]["nats.conf"]
+    path = tmp_path / "nats.conf"
+    path.write_text(config.replace("/data/jetstream", str(tmp_path / "js")))
+    result = subprocess.run(
+        [str(NATS_SERVER), "-c", str(path), "-t"],
+        capture_output=True,
+        text=True,
+        env={"POD_NAME": "llmendpoints-nats-0", "NATS_PASSWORD": "secret"},
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert "max_payload: 33554432" in config
+
+
+def test_existing_nats_by_url_or_secret(helm: Path, tmp_path: Path) -> None:
+    by_url = render(helm, tmp_path, {"queue": {"url": "nats://nats.infra:4222"}})
+    assert operator_env(by_url)["LLMEP_OPERATOR_JOBS_QUEUE_URL"] == "nats://nats.infra:4222"
+    assert not [d for d in by_url if d["kind"] == "StatefulSet"]
+    by_secret = render(
+        helm,
+        tmp_path,
+        {"queue": {"existingSecret": "queue-creds", "existingSecretKey": "nats-url"}},
+    )
+    assert operator_env(by_secret)["LLMEP_OPERATOR_JOBS_QUEUE_URL"] == {
+        "secretKeyRef": {"name": "queue-creds", "key": "nats-url"}
+    }
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"queue": {"enabled": "yes"}},
+        {"queue": {"url": "http://nats:4222"}},
+        {"queue": {"nats": {"replicas": 2}}},
+        {"queue": {"nats": {"maxPayload": 1048576}}},
+        {"queue": {"nats": {"antiAffinity": "maybe"}}},
+        {"queue": {"natz": {}}},
+    ],
+)
+def test_schema_refuses_bad_queue_values(helm: Path, tmp_path: Path, values) -> None:
+    result = run_helm(helm, "template", "x", str(CHART), values=values, tmp_path=tmp_path)
+    assert result.returncode != 0
+    assert "queue" in result.stderr
+
+
+def test_every_queue_container_is_locked_down(helm: Path, tmp_path: Path) -> None:
+    docs = render(helm, tmp_path, QUEUE)
+    for name, pod in pod_specs(docs):
+        for container in pod["containers"]:
+            ctx = container["securityContext"]
+            assert ctx["allowPrivilegeEscalation"] is False, name
+            assert ctx["capabilities"]["drop"] == ["ALL"], name
+        assert yaml.safe_dump(pod)  # renders

@@ -1,0 +1,231 @@
+"""The chart's gateway (gateway.enabled): rendered by the real helm, validated against the real
+Kubernetes schemas, and checked for what the gateway needs and nothing more."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from .helm_kit import CHART, pod_specs, render, run_helm
+
+GATEWAY_ALL: dict[str, Any] = {
+    "gateway": {
+        "enabled": True,
+        "apiKeysSecret": "gateway-keys",
+        "jobsQueueUrl": "nats://nats.llm-system:4222",
+        "autoscaling": {"enabled": True},
+        "ingress": {
+            "enabled": True,
+            "className": "nginx",
+            "host": "llm.example.com",
+            "tlsSecretName": "llm-tls",
+        },
+        "httpRoute": {
+            "enabled": True,
+            "parentRefs": [{"name": "public", "namespace": "gateway-system"}],
+            "hostnames": ["llm.example.com"],
+        },
+        "networkPolicy": {"enabled": True, "namespaces": ["team-a", "team-b"]},
+    }
+}
+
+
+def _gateway_docs(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        d
+        for d in docs
+        if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "gateway"
+    ]
+
+
+def _one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"{len(found)} {kind}"
+    return found[0]
+
+
+def test_off_by_default(helm: Path, tmp_path: Path) -> None:
+    docs = render(helm, tmp_path)
+    assert not _gateway_docs(docs)
+    operator = _one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert "LLMEP_OPERATOR_GATEWAY_URL" not in {e["name"] for e in operator["env"]}
+
+
+@pytest.mark.parametrize("kube_version", ["1.29", kubernetes_validate.utils.latest_version()])
+def test_every_gateway_document_validates_strictly(
+    helm: Path, tmp_path: Path, kube_version: str
+) -> None:
+    docs = _gateway_docs(render(helm, tmp_path, GATEWAY_ALL))
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == sorted(
+        [
+            "Deployment",
+            "Service",
+            "PodDisruptionBudget",
+            "HorizontalPodAutoscaler",
+            "Ingress",
+            "HTTPRoute",
+            "NetworkPolicy",
+            "NetworkPolicy",
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRoleBinding",
+        ]
+    )
+    for doc in docs:
+        if doc["kind"] != "HTTPRoute":  # a Gateway API CRD: not in kubernetes-validate
+            kubernetes_validate.validate(doc, kube_version, strict=True)
+    route = _one(docs, "HTTPRoute")
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert route["spec"]["rules"][0]["backendRefs"] == [
+        {"name": "llmendpoints-gateway", "port": 80}
+    ]
+
+
+def test_gateway_deployment_is_highly_available_and_locked_down(helm: Path, tmp_path: Path) -> None:
+    docs = _gateway_docs(render(helm, tmp_path, {"gateway": {"enabled": True}}))
+    deployment = _one(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    assert _one(docs, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
+    ((_, pod),) = pod_specs(docs)
+    anti = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+    assert anti["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    container = pod["containers"][0]
+    ctx, pod_ctx = container["securityContext"], pod["securityContext"]
+    assert pod_ctx["runAsNonRoot"] is True and pod_ctx["runAsUser"] == 10001
+    assert ctx["readOnlyRootFilesystem"] is True and ctx["allowPrivilegeEscalation"] is False
+    assert ctx["capabilities"]["drop"] == ["ALL"]
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["PORT"] == "8080" and "JOBS_QUEUE_URL" not in env and "API_KEYS_FILE" not in env
+    # The drain gets its time before the kubelet kills the pod.
+    assert pod["terminationGracePeriodSeconds"] > float(env["DRAIN_TIMEOUT_SECONDS"])
+
+
+def test_gateway_settings_reach_the_container_as_the_variables_it_reads(
+    helm: Path, tmp_path: Path
+) -> None:
+    from llmendpoints_gateway.config import GatewaySettings
+
+    docs = render(helm, tmp_path, GATEWAY_ALL)
+    container = _one(_gateway_docs(docs), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    read = {info.validation_alias for info in GatewaySettings.model_fields.values()}
+    names = {e["name"] for e in container["env"]}
+    assert names <= read, names - read
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["JOBS_QUEUE_URL"] == "nats://nats.llm-system:4222"
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "gateway-keys")
+    assert env["API_KEYS_FILE"] == f"{mount['mountPath']}/api-keys"
+    # The operator learns the gateway's URL: status URLs point there.
+    operator = next(d for d in docs if d["kind"] == "Deployment" and d not in _gateway_docs(docs))
+    operator_env = {
+        e["name"]: e.get("value")
+        for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert (
+        operator_env["LLMEP_OPERATOR_GATEWAY_URL"] == "http://llmendpoints-gateway.llm-system.svc"
+    )
+
+
+def test_gateway_rbac_reads_only_what_discovery_needs(helm: Path, tmp_path: Path) -> None:
+    docs = _gateway_docs(render(helm, tmp_path, {"gateway": {"enabled": True}}))
+    role = _one(docs, "ClusterRole")
+    grants = {
+        (g, r): set(rule["verbs"])
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+    }
+    assert grants == {
+        ("llmendpoints.dev", "llmendpoints"): {"list", "watch"},
+        ("discovery.k8s.io", "endpointslices"): {"list", "watch"},
+        ("", "secrets"): {"get"},  # named key Secrets only: no list, no watch
+    }
+    binding = _one(docs, "ClusterRoleBinding")
+    account = _one(docs, "ServiceAccount")["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == account
+    assert _one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == account
+    namespaced = _gateway_docs(
+        render(helm, tmp_path, {"gateway": {"enabled": True, "namespace": "team-a"}})
+    )
+    assert _one(namespaced, "Role")["metadata"]["namespace"] == "team-a"
+    assert not [d for d in namespaced if d["kind"] == "ClusterRole"]
+
+
+def test_network_policy_admits_only_the_gateway_and_the_operator(
+    helm: Path, tmp_path: Path
+) -> None:
+    from llmendpoints_operator import manifests
+
+    policies = [d for d in render(helm, tmp_path, GATEWAY_ALL) if d["kind"] == "NetworkPolicy"]
+    assert sorted(p["metadata"]["namespace"] for p in policies) == ["team-a", "team-b"]
+    policy = policies[0]["spec"]
+    runtime_labels = manifests.labels("chat")
+    assert policy["podSelector"]["matchLabels"].items() <= runtime_labels.items()
+    peers = policy["ingress"][0]["from"]
+    components = sorted(
+        p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in peers
+    )
+    assert components == ["gateway", "operator"]
+    assert all(
+        p["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "llm-system"}
+        for p in peers
+    )
+
+
+def test_install_notes_give_the_one_url(helm: Path, tmp_path: Path) -> None:
+    result = run_helm(
+        helm,
+        "install",
+        "llmendpoints",
+        str(CHART),
+        "-n",
+        "llm-system",
+        "--dry-run=client",
+        values={"gateway": {"enabled": True}},
+        tmp_path=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.split("NOTES:", 1)[1]
+    assert "http://llmendpoints-gateway.llm-system.svc/v1" in notes
+
+
+def _env(docs: list[dict[str, Any]], name: str) -> dict[str, dict[str, Any]]:
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == name]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+@pytest.mark.parametrize(
+    ("queue", "expected"),
+    [
+        ({"enabled": True}, {"secretKeyRef": {"name": "llmendpoints-nats", "key": "url"}}),
+        (
+            {"existingSecret": "nats-creds", "existingSecretKey": "uri"},
+            {"secretKeyRef": {"name": "nats-creds", "key": "uri"}},
+        ),
+        ({"url": "nats://nats.shared:4222"}, "nats://nats.shared:4222"),
+    ],
+)
+def test_the_gateway_and_the_operator_read_the_same_queue(
+    helm: Path, tmp_path: Path, queue: dict[str, Any], expected: Any
+) -> None:
+    """Held requests reach the autoscaler only if both talk to one queue, and scale to zero
+    needs both: the gateway gets the release's queue unless gateway.jobsQueueUrl says otherwise."""
+    docs = render(helm, tmp_path, {"gateway": {"enabled": True}, "queue": queue})
+    gateway = _env(docs, "llmendpoints-gateway")["JOBS_QUEUE_URL"]
+    operator = _env(docs, "llmendpoints")["LLMEP_OPERATOR_JOBS_QUEUE_URL"]
+    for entry in (gateway, operator):
+        value = entry.get("valueFrom", entry.get("value"))
+        assert value == expected
+    assert "LLMEP_OPERATOR_GATEWAY_URL" in _env(docs, "llmendpoints")
+
+
+def test_without_a_queue_the_gateway_has_none(helm: Path, tmp_path: Path) -> None:
+    docs = render(helm, tmp_path, {"gateway": {"enabled": True}})
+    assert "JOBS_QUEUE_URL" not in _env(docs, "llmendpoints-gateway")
+    assert "LLMEP_OPERATOR_JOBS_QUEUE_URL" not in _env(docs, "llmendpoints")

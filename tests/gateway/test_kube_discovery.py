@@ -1,0 +1,190 @@
+"""Kubernetes discovery: the real gateway process against kmock's in-memory Kubernetes API.
+
+LLMEndpoints give endpoint names, served models, routing and key Secrets; EndpointSlices give
+ready pods (stand-in backends here: discovery is what is under test). Every change is made
+through the API, so the gateway sees it the way it would in a cluster: on its watch streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import kmock
+import pytest
+import pytest_asyncio
+from integration.kube_emulator import LLMEP, Cluster, endpoint
+
+from .harness import Process, launch_gateway, launch_standin
+
+pytestmark = [pytest.mark.kube, pytest.mark.asyncio(loop_scope="module")]
+
+NS = "models"
+SLICES = "discovery.k8s.io/v1/endpointslices"
+SECRETS = "v1/secrets"
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("kube-gateway")
+
+
+@pytest.fixture(scope="module")
+def standins(logs):
+    procs = {name: launch_standin(logs, name) for name in ("a1", "a2", "b1")}
+    for proc in procs.values():
+        proc.wait_http("/ready")
+    yield procs
+    for proc in procs.values():
+        proc.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster() -> AsyncIterator[Cluster]:
+    async with Cluster() as cluster:
+        cluster.kmock.resources[SECRETS] = kmock.ResourceInfo(
+            kind="Secret",
+            namespaced=True,
+            verbs={"get", "list", "watch", "create", "patch", "delete"},
+        )
+        yield cluster
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def gateway(cluster: Cluster, logs: Path) -> AsyncIterator[Process]:
+    gw = launch_gateway(logs, KUBECONFIG=str(cluster.write_kubeconfig(logs / "kubeconfig")))
+    try:
+        await _until(lambda: _status(gw, "/health") == 200, "the gateway listens")
+        yield gw
+    finally:
+        gw.stop()
+
+
+def _status(gw: Process, path: str) -> int:
+    try:
+        return httpx.get(gw.url + path, timeout=2).status_code
+    except httpx.TransportError:
+        return 0
+
+
+async def _until(predicate, what: str, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await asyncio.to_thread(predicate)
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def _secret(name: str, *keys: str) -> dict:
+    data = base64.b64encode("\n".join(keys).encode()).decode()
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "namespace": NS},
+        "data": {"keys": data},
+    }
+
+
+def _slice(name: str, service: str, backend: Process, ready: bool = True) -> dict:
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "labels": {"kubernetes.io/service-name": service},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": backend.port, "protocol": "TCP"}],
+        "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": ready}}],
+    }
+
+
+def _models(gw: Process, key: str) -> dict[str, int]:
+    response = httpx.get(
+        gw.url + "/v1/models", headers={"authorization": f"Bearer {key}"}, timeout=5
+    )
+    return {m["id"]: m["ready_replicas"] for m in response.json().get("data", [])}
+
+
+def _chat(gw: Process, key: str, model: str, timeout: float = 10) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    return httpx.post(
+        gw.url + "/v1/chat/completions",
+        json=body,
+        timeout=timeout,
+        headers={"authorization": f"Bearer {key}"},
+    )
+
+
+async def test_endpoints_pods_and_keys_come_from_the_cluster(cluster, gateway, standins):
+    await cluster.create(SECRETS, NS, _secret("alpha-keys", "ka"))
+    await cluster.create(SECRETS, NS, _secret("beta-keys", "kb"))
+    api = {"apiKeysSecretRef": {"name": "alpha-keys", "key": "keys"}}
+    await cluster.create(
+        LLMEP,
+        NS,
+        endpoint(
+            "alpha", NS, {"model": {"name": "m", "servedModelName": "alpha-model"}, "api": api}
+        ),
+    )
+    api = {"apiKeysSecretRef": {"name": "beta-keys", "key": "keys"}}
+    await cluster.create(
+        LLMEP,
+        NS,
+        endpoint("beta", NS, {"model": {"name": "m"}, "api": api, "routing": "round-robin"}),
+    )
+    await cluster.create(SLICES, NS, _slice("alpha-1", "alpha", standins["a1"]))
+    await cluster.create(SLICES, NS, _slice("alpha-2", "alpha", standins["a2"]))
+    await cluster.create(SLICES, NS, _slice("beta-1", "beta", standins["b1"]))
+
+    await _until(lambda: _models(gateway, "ka") == {"alpha-model": 2}, "alpha with 2 ready pods")
+    await _until(lambda: _models(gateway, "kb") == {"beta": 1}, "beta (its name is its model)")
+    assert (await asyncio.to_thread(_chat, gateway, "ka", "alpha-model")).status_code == 200
+    assert (await asyncio.to_thread(_chat, gateway, "kb", "beta")).json()["replica"] == "b1"
+    # A key of alpha is refused on beta and the other way round; no key at all is a 401.
+    assert (await asyncio.to_thread(_chat, gateway, "ka", "beta")).status_code == 404
+    assert (await asyncio.to_thread(_chat, gateway, "kb", "alpha-model")).status_code == 404
+    assert (await asyncio.to_thread(_chat, gateway, "nope", "beta")).status_code == 401
+
+
+async def test_pods_leaving_and_becoming_ready_reach_routing(cluster, gateway, standins):
+    for name in ("alpha-1", "alpha-2"):
+        await cluster.patch(
+            SLICES,
+            NS,
+            name,
+            {"endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": False}}]},
+        )
+    await _until(lambda: _models(gateway, "ka") == {"alpha-model": 0}, "alpha with no ready pod")
+    held = asyncio.create_task(asyncio.to_thread(_chat, gateway, "ka", "alpha-model", 30))
+    await _until(
+        lambda: (
+            'llmendpoints_gateway_held_requests{endpoint="alpha"} 1.0'
+            in httpx.get(gateway.url + "/metrics").text
+        ),
+        "the request is held",
+    )
+    before = httpx.get(standins["a2"].url + "/stats").json()["requests"]
+    await cluster.patch(
+        SLICES,
+        NS,
+        "alpha-2",
+        {"endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}]},
+    )
+    response = await asyncio.wait_for(held, 10)
+    assert response.status_code == 200 and response.json()["replica"] == "a2"
+    assert httpx.get(standins["a2"].url + "/stats").json()["requests"] == before + 1
+
+
+async def test_a_deleted_endpoint_is_gone(cluster, gateway):
+    await cluster.delete(LLMEP, NS, "beta")
+    await _until(lambda: _models(gateway, "kb") == {}, "beta gone")
+    assert (await asyncio.to_thread(_chat, gateway, "kb", "beta")).status_code == 404

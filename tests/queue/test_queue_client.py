@@ -1,0 +1,157 @@
+"""The queue's job verbs with no engine and no worker: what the gateway relies on."""
+
+from __future__ import annotations
+
+import pytest
+import pytest_asyncio
+from llmendpoints_common.errors import (
+    ConflictError,
+    NotFoundError,
+    RateLimitError,
+    ServiceUnavailableError,
+)
+from llmendpoints_common.jobs.models import JobStatus, parse_job_request
+from llmendpoints_common.queue.client import QueueConnection, QueueJobService
+from llmendpoints_common.queue.depth import endpoint_depth
+from llmendpoints_common.queue.topology import QueueLayout, ensure_consumers
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+ENDPOINT = "client-test"
+
+
+def request(body: str):
+    return parse_job_request(body.encode())
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def connection(nats_server):
+    connection = await QueueConnection.connect(
+        nats_server.url, name="test", layout=QueueLayout(max_queue_length=5)
+    )
+    yield connection
+    await connection.close()
+
+
+@pytest.fixture
+def service(connection, request):
+    # One endpoint per test: each starts with an empty queue.
+    name = f"{ENDPOINT}-{request.node.name.replace('_', '-')}"[:60].lower()
+    return QueueJobService(connection, name)
+
+
+async def test_depth_with_no_consumer_counts_stream_messages(service):
+    depth = await endpoint_depth(service.js, service.endpoint)
+    assert (depth.queued, depth.queued_low_priority, depth.running) == (0, 0, 0)
+    await service.submit(request('{"input": {"prompt": "a"}}'), sync=False, owner="alice")
+    await service.submit(
+        request('{"input": {"prompt": "b"}, "policy": {"lowPriority": true}}'),
+        sync=False,
+        owner="alice",
+    )
+    depth = await endpoint_depth(service.js, service.endpoint)
+    assert (depth.queued, depth.queued_low_priority, depth.running) == (2, 1, 0)
+    assert depth.for_scaling == 1
+
+
+async def test_depth_counts_taken_messages_as_running(service, connection):
+    await ensure_consumers(connection.js, service.endpoint, QueueLayout())
+    await service.submit(request('{"input": {"prompt": "a"}}'), sync=False, owner="")
+    await service.submit(request('{"input": {"prompt": "b"}}'), sync=False, owner="")
+    from llmendpoints_common.queue import names
+
+    sub = await connection.js.pull_subscribe_bind(
+        names.jobs_consumer(service.endpoint), stream=names.JOBS_STREAM
+    )
+    [msg] = await sub.fetch(1, timeout=2)
+    depth = await endpoint_depth(service.js, service.endpoint)
+    assert (depth.queued, depth.running) == (1, 1)
+    await msg.ack()
+
+
+async def test_submitted_job_is_readable_by_its_owner_only(service):
+    job = await service.submit(request('{"input": {"prompt": "a"}}'), sync=False, owner="alice")
+    assert (await service.get(job.id, owner="alice")).status is JobStatus.IN_QUEUE
+    assert (await service.get(job.id, owner=None)).owner == "alice"  # an admin sees it
+    with pytest.raises(NotFoundError):
+        await service.get(job.id, owner="bob")
+    with pytest.raises(NotFoundError):
+        await service.cancel(job.id, owner="bob")
+    with pytest.raises(NotFoundError):
+        await service.take_stream(job.id, owner="bob")
+
+
+async def test_unknown_and_malformed_ids_are_404(service):
+    for job_id in ("no-such-job", "not a job id", "a.b", "x" * 300):
+        with pytest.raises(NotFoundError) as caught:
+            await service.get(job_id, owner=None)
+        assert caught.value.param == "id"
+
+
+async def test_cancel_queued_job_removes_it_from_the_queue(service):
+    job = await service.submit(request('{"input": {"prompt": "a"}}'), sync=False, owner="")
+    assert (await endpoint_depth(service.js, service.endpoint)).queued == 1
+    cancelled = await service.cancel(job.id, owner="")
+    assert cancelled.status is JobStatus.CANCELLED
+    assert (await endpoint_depth(service.js, service.endpoint)).queued == 0
+    with pytest.raises(ConflictError):
+        await service.cancel(job.id, owner="")
+    with pytest.raises(ConflictError):
+        await service.retry(job.id, owner="")
+
+
+async def test_purge_takes_only_the_callers_queued_jobs(service):
+    mine = [
+        await service.submit(request('{"input": {"prompt": "a"}}'), sync=False, owner="alice")
+        for _ in range(2)
+    ]
+    theirs = await service.submit(request('{"input": {"prompt": "a"}}'), sync=False, owner="bob")
+    assert await service.purge_queue(owner="alice") == 2
+    assert [(await service.get(j.id, owner="alice")).status for j in mine] == [
+        JobStatus.CANCELLED
+    ] * 2
+    assert (await service.get(theirs.id, owner="bob")).status is JobStatus.IN_QUEUE
+    assert await service.purge_queue(owner=None) == 1  # admin: everyone's
+    assert (await endpoint_depth(service.js, service.endpoint)).queued == 0
+
+
+async def test_idempotency_key_returns_the_first_job(service):
+    body = request('{"input": {"prompt": "a"}}')
+    first = await service.submit(body, sync=False, owner="alice", idempotency_key="k1")
+    again = await service.submit(body, sync=False, owner="alice", idempotency_key="k1")
+    other_owner = await service.submit(body, sync=False, owner="bob", idempotency_key="k1")
+    other_key = await service.submit(body, sync=False, owner="alice", idempotency_key="k2")
+    assert again.id == first.id
+    assert len({first.id, other_owner.id, other_key.id}) == 3
+    assert (await endpoint_depth(service.js, service.endpoint)).queued == 3
+
+
+async def test_full_queue_is_429_and_stores_nothing(service):
+    for _ in range(5):
+        await service.submit(request('{"input": {"prompt": "a"}}'), sync=False, owner="")
+    with pytest.raises(RateLimitError) as caught:
+        await service.submit(request('{"input": {"prompt": "a"}}'), sync=False, owner="")
+    assert caught.value.headers["Retry-After"]
+    assert (await endpoint_depth(service.js, service.endpoint)).queued == 5
+
+
+async def test_wait_returns_current_state_when_time_runs_out(service):
+    job = await service.submit(request('{"input": {"prompt": "a"}}'), sync=True, owner="")
+    waited = await service.wait(job.id, 0.2, owner="")
+    assert waited.status is JobStatus.IN_QUEUE
+
+
+async def test_unreachable_queue_is_503_with_retry_after(tmp_path):
+    from nats_kit import NatsServer, free_port
+
+    server = NatsServer(store_dir=tmp_path, port=free_port(), log_path=tmp_path / "log")
+    server.start()
+    connection = await QueueConnection.connect(server.url, name="t", request_timeout=1.0)
+    service = QueueJobService(connection, "gone")
+    server.stop()
+    try:
+        with pytest.raises(ServiceUnavailableError) as caught:
+            await service.submit(request('{"input": {"prompt": "a"}}'), sync=False, owner="")
+        assert caught.value.headers["Retry-After"] == "5"
+    finally:
+        await connection.nc.close()

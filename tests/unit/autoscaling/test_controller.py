@@ -1,0 +1,106 @@
+"""controller.Autoscaler.tick with a fake API client and a fake scraper: what one decision
+writes (the Deployment's replicas, status.autoscaling) and which Event it posts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from llmendpoints_operator.autoscaling.controller import Autoscaler, Subject
+from llmendpoints_operator.autoscaling.metrics import AutoscalerMetrics
+from llmendpoints_operator.autoscaling.policy import ScalingPolicy
+from llmendpoints_operator.autoscaling.scrape import ScrapeResult, ScrapeTarget, observe
+
+SLICE = {  # as the EndpointSlice controller writes it (the only slices the autoscaler trusts)
+    "metadata": {
+        "labels": {
+            "kubernetes.io/service-name": "chat",
+            "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
+        }
+    },
+    "ports": [{"name": "http", "port": 8000}],
+    "endpoints": [{"addresses": ["10.0.0.1"], "targetRef": {"kind": "Pod", "name": "chat-a"}}],
+}
+
+
+class FakeKube:
+    def __init__(self) -> None:
+        self.patches: list[tuple[str, str | None, Mapping[str, Any]]] = []
+
+    async def list(
+        self, api_version: str, kind: str, namespace: str, *, label_selector: str
+    ) -> list[dict[str, Any]]:
+        assert (kind, label_selector) == ("EndpointSlice", "kubernetes.io/service-name=chat")
+        return [SLICE]
+
+    async def patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        patch: Mapping[str, Any],
+        *,
+        subresource: str | None = None,
+    ) -> dict[str, Any]:
+        self.patches.append((kind, subresource, patch))
+        return {}
+
+
+class FakeScraper:
+    def __init__(self, queue_depth: float, in_flight: float) -> None:
+        self.pod = (queue_depth, in_flight)
+
+    async def scrape(self, targets: Iterable[ScrapeTarget]) -> ScrapeResult:
+        assert [t.url for t in targets] == ["http://10.0.0.1:8000/metrics"]
+        return ScrapeResult(observe([self.pod]))
+
+    async def close(self) -> None:
+        pass
+
+
+def _tick_setup(queue_depth: float) -> tuple[Autoscaler, FakeKube, list[tuple[str, str, str]]]:
+    kube, events = FakeKube(), []
+    scaler = Autoscaler(
+        kube=lambda: kube,
+        post_event=lambda obj, type_, reason, message: events.append((type_, reason, message)),
+        metrics=AutoscalerMetrics(),
+        scraper=FakeScraper(queue_depth, in_flight=4),  # type: ignore[arg-type]
+        clock=lambda: 1_700_000_000.0,
+    )
+    return scaler, kube, events
+
+
+SUBJECT = Subject(
+    owner={"metadata": {"namespace": "team", "name": "chat"}, "status": {}},
+    api_version="llmendpoints.dev/v1alpha1",
+    kind="LLMEndpoint",
+    policy=ScalingPolicy(minReplicas=1, maxReplicas=4),
+    service="chat",
+    deployment="chat",
+    replicas=1,
+    ready_replicas=1,
+)
+
+
+async def test_a_scale_change_patches_the_deployment_and_posts_its_event() -> None:
+    scaler, kube, events = _tick_setup(queue_depth=20)
+
+    decision = await scaler.tick(SUBJECT)
+
+    assert decision is not None and decision.replicas == 2
+    assert kube.patches[0] == ("Deployment", None, {"spec": {"replicas": 2}})
+    assert events == [("Normal", "ScaleUp", decision.reason)]
+    kind, subresource, patch = kube.patches[1]
+    assert (kind, subresource) == ("LLMEndpoint", "status")
+    assert patch["status"]["autoscaling"]["lastDecisions"][0]["to"] == 2
+
+
+async def test_a_hold_writes_status_but_neither_replicas_nor_an_event() -> None:
+    scaler, kube, events = _tick_setup(queue_depth=0)
+
+    decision = await scaler.tick(SUBJECT)
+
+    assert decision is not None and decision.replicas == 1
+    assert [(kind, sub) for kind, sub, _ in kube.patches] == [("LLMEndpoint", "status")]
+    assert events == []

@@ -1,0 +1,301 @@
+"""reconcile.Reconciler against a fake of kube.py's narrow interface, with plain dicts as kopf's
+indexes: which objects it writes, with which verb, what status and Events it publishes."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+from llmendpoints_operator import kube, status
+from llmendpoints_operator.config import OperatorSettings
+from llmendpoints_operator.reconcile import (
+    Indexes,
+    ReconcileMetrics,
+    Reconciler,
+    autoscaled_subjects,
+    snapshot,
+)
+from llmendpoints_operator.spec import InvalidSpecError
+from prometheus_client import CollectorRegistry
+
+NS = "team"
+LOG = logging.getLogger("test")
+NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+AVAILABLE = {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1, "updatedReplicas": 1}
+Ref = tuple[str, str, str]  # (kind, namespace, name)
+
+
+class FakeKube:
+    """Objects by (kind, namespace, name); every call recorded as (verb, kind, name)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[Ref, dict[str, Any]] = {}
+        self.calls: list[tuple[str, str, str]] = []
+        self.refuse: str | None = None  # a verb the "API server" answers with 403
+
+    def _check(self, verb: str, kind: str, name: str) -> None:
+        self.calls.append((verb, kind, name))
+        if verb == self.refuse:
+            raise kube.ApiError(403, "Forbidden", f"cannot {verb} {kind}")
+
+    async def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        meta = obj["metadata"]
+        self._check("apply", obj["kind"], meta["name"])
+        ref = (obj["kind"], meta["namespace"], meta["name"])
+        stored = {**self.objects.get(ref, {}), **obj}
+        if "replicas" in self.objects.get(ref, {}).get("spec", {}):  # owned by another write
+            stored["spec"] = {**obj["spec"], "replicas": self.objects[ref]["spec"]["replicas"]}
+        self.objects[ref] = stored
+        return stored
+
+    async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        meta = obj["metadata"]
+        self._check("create", obj["kind"], meta["name"])
+        ref = (obj["kind"], meta["namespace"], meta["name"])
+        if ref in self.objects:
+            raise kube.Conflict(409, "AlreadyExists", f"{meta['name']} exists")
+        self.objects[ref] = dict(obj)
+        return self.objects[ref]
+
+    async def patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        patch: Mapping[str, Any],
+        *,
+        subresource: str | None = None,
+    ) -> dict[str, Any]:
+        self._check(f"patch/{subresource}" if subresource else "patch", kind, name)
+        obj = self.objects.setdefault((kind, namespace, name), {"kind": kind})
+        for field, value in patch.items():
+            obj[field] = {**obj.get(field, {}), **value}
+        return obj
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        self._check("delete", kind, name)
+        return self.objects.pop((kind, namespace, name), None) is not None
+
+    def writes(self) -> list[tuple[str, str, str]]:
+        return [call for call in self.calls if call[0] != "patch/status"]
+
+    def status_of(self, name: str) -> dict[str, Any]:
+        return self.objects[("LLMEndpoint", NS, name)]["status"]
+
+
+class World:
+    """A Reconciler with its fake client, indexes as dicts, and the Events it posted."""
+
+    def __init__(self, settings: OperatorSettings | None = None) -> None:
+        self.kube = FakeKube()
+        self.endpoints: dict[Any, list[Any]] = {}
+        self.deployments: dict[Any, list[Any]] = {}
+        self.indexes = Indexes(
+            llmendpoints=self.endpoints,
+            runtime_deployments=self.deployments,
+            claim_phases={},
+            claim_users={},
+        )
+        self.events: list[tuple[str, str, str]] = []
+        self.registry = CollectorRegistry()
+        self.reconciler = Reconciler(
+            kube=lambda: self.kube,
+            indexes=self.indexes,
+            settings=settings or OperatorSettings(),
+            post_event=lambda obj, type_, reason, message: self.events.append(
+                (type_, reason, message)
+            ),
+            metrics=ReconcileMetrics(self.registry),
+            clock=lambda: NOW,
+        )
+
+    def add(self, name: str, spec: dict[str, Any], generation: int = 1) -> dict[str, Any]:
+        body = {
+            "apiVersion": "llmendpoints.dev/v1alpha1",
+            "kind": "LLMEndpoint",
+            "metadata": {
+                "name": name,
+                "namespace": NS,
+                "uid": f"uid-{name}",
+                "generation": generation,
+            },
+            "spec": spec,
+        }
+        self.endpoints[(NS, name)] = [snapshot(body)]
+        return snapshot(body)
+
+    def observe_deployment(self, name: str, **status_fields: Any) -> None:
+        """What kopf's Deployment index holds once the watch brings the stored Deployment."""
+        stored = self.kube.objects[("Deployment", NS, name)]
+        self.deployments[(NS, name)] = [
+            status.DeploymentState.from_object({**stored, "status": status_fields})
+        ]
+
+    async def reconcile(self, endpoint: Mapping[str, Any], trigger: str = "update") -> None:
+        await self.reconciler.reconcile(
+            endpoint, prune=trigger != "create", logger=LOG, trigger=trigger
+        )
+
+    def count(self, trigger: str, result: str) -> float | None:
+        return self.registry.get_sample_value(
+            "llmendpoints_operator_reconciles_total", {"trigger": trigger, "result": result}
+        )
+
+
+KEYS = {"apiKeysSecretRef": {"name": "keys", "key": "api-keys"}}
+FULL = {
+    "model": {"name": "org/m", "chatTemplate": "{{ messages }}"},
+    "scaling": {"minReplicas": 1, "maxReplicas": 4},
+    "api": {"ingress": {"enabled": True, "host": "llm.example.com"}, **KEYS},
+}
+
+
+async def test_a_new_endpoint_gets_its_children_a_status_and_a_created_event() -> None:
+    world = World()
+    await world.reconcile(world.add("chat", FULL), trigger="create")
+
+    assert world.kube.writes() == [
+        ("apply", "ConfigMap", "chat-chat-template"),
+        ("apply", "Service", "chat"),
+        ("apply", "PodDisruptionBudget", "chat"),
+        ("apply", "Ingress", "chat"),
+        # POST, not apply: replicas then belongs to an Update, which later applies never remove.
+        ("create", "Deployment", "chat"),
+    ]
+    deployment = world.kube.objects[("Deployment", NS, "chat")]
+    assert deployment["spec"]["replicas"] == 1
+    for (kind, _, _), obj in world.kube.objects.items():
+        if kind != "LLMEndpoint":
+            assert [
+                (r["kind"], r["uid"], r["controller"]) for r in obj["metadata"]["ownerReferences"]
+            ] == [("LLMEndpoint", "uid-chat", True)]
+    st = world.kube.status_of("chat")
+    assert (st["phase"], st["observedGeneration"]) == ("Starting", 1)
+    assert st["url"] == "http://chat.team.svc.cluster.local"
+    assert [reason for _, reason, _ in world.events] == ["Created"]
+    assert world.count("create", "ok") == 1
+
+
+async def test_reconciling_again_changes_nothing() -> None:
+    world = World()
+    endpoint = world.add("chat", FULL)
+    await world.reconcile(endpoint, trigger="create")
+    world.observe_deployment("chat")
+    before = {ref: dict(obj) for ref, obj in world.kube.objects.items()}
+    world.kube.calls.clear()
+
+    await world.reconcile(endpoint, trigger="resync")
+
+    assert ("create", "Deployment", "chat") not in world.kube.calls
+    assert not [c for c in world.kube.calls if c[0].startswith("patch")], "nothing to patch"
+    assert world.kube.objects == before
+    assert [reason for _, reason, _ in world.events] == ["Created"]  # no second one
+
+
+async def test_replicas_are_left_to_the_autoscaler_inside_the_bounds_and_clamped_outside() -> None:
+    world = World()
+    endpoint = world.add("chat", FULL)
+    await world.reconcile(endpoint, trigger="create")
+
+    world.kube.objects[("Deployment", NS, "chat")]["spec"]["replicas"] = 3  # the autoscaler's
+    world.observe_deployment("chat")
+    world.kube.calls.clear()
+    await world.reconcile(endpoint)
+    assert ("patch", "Deployment", "chat") not in world.kube.calls
+    assert world.kube.objects[("Deployment", NS, "chat")]["spec"]["replicas"] == 3
+
+    lowered = world.add("chat", {**FULL, "scaling": {"minReplicas": 1, "maxReplicas": 2}}, 2)
+    await world.reconcile(lowered)
+    assert ("patch", "Deployment", "chat") in world.kube.calls
+    assert world.kube.objects[("Deployment", NS, "chat")]["spec"]["replicas"] == 2
+    assert world.kube.status_of("chat")["observedGeneration"] == 2
+
+
+async def test_children_the_spec_no_longer_asks_for_are_deleted() -> None:
+    world = World()
+    await world.reconcile(world.add("chat", FULL), trigger="create")
+    world.observe_deployment("chat")
+    world.kube.calls.clear()
+
+    await world.reconcile(world.add("chat", {"model": {"name": "org/m"}, "api": KEYS}, 2))
+
+    deleted = {name for verb, _, name in world.kube.calls if verb == "delete"}
+    assert {kind for kind, _, _ in world.kube.objects} == {"Service", "Deployment", "LLMEndpoint"}
+    assert "chat-chat-template" in deleted and "chat" in deleted
+
+
+async def test_an_invalid_spec_is_published_creates_nothing_and_raises() -> None:
+    world = World()
+    endpoint = world.add(
+        "bad", {"model": {"name": "org/m"}, "scaling": {"minReplicas": 3, "maxReplicas": 2}}
+    )
+
+    with pytest.raises(InvalidSpecError, match=r"spec\.scaling\.minReplicas"):
+        await world.reconcile(endpoint, trigger="create")
+
+    assert world.kube.writes() == []
+    st = world.kube.status_of("bad")
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert (st["phase"], ready["reason"]) == ("Failed", "InvalidSpec")
+    assert ready["message"].startswith("spec.scaling.minReplicas:")
+    assert world.count("create", "invalid") == 1
+
+
+async def test_an_available_deployment_makes_the_endpoint_ready_with_one_event() -> None:
+    world = World()
+    endpoint = world.add("chat", {"model": {"name": "org/m"}, "api": KEYS})
+    await world.reconcile(endpoint, trigger="create")
+    world.observe_deployment("chat", **AVAILABLE)
+
+    await world.reconciler.publish_status(endpoint)
+    await world.reconciler.publish_status(endpoint)  # nothing new: neither written nor posted
+
+    assert world.kube.status_of("chat")["phase"] == "Ready"
+    assert [reason for _, reason, _ in world.events] == ["Created", "Ready"]
+    assert [c for c in world.kube.calls if c[0] == "patch/status"] == [
+        ("patch/status", "LLMEndpoint", "chat")
+    ] * 2
+
+
+async def test_an_api_refusal_raises_and_the_resync_reports_it() -> None:
+    world = World()
+    world.add("chat", {"model": {"name": "org/m"}})
+    world.kube.refuse = "apply"
+
+    with pytest.raises(kube.ApiError, match="403"):
+        await world.reconcile(world.indexes.endpoint((NS, "chat")), trigger="create")
+    assert world.count("create", "error") == 1
+
+    await world.reconciler.resync_one((NS, "chat"), LOG)
+    assert world.events == [("Warning", "ReconcileFailed", "403 Forbidden: cannot apply Service")]
+    assert world.count("resync", "error") == 1
+
+
+async def test_only_endpoints_with_a_choice_and_a_deployment_are_autoscaled() -> None:
+    world = World()
+    for name, scaling in {
+        "auto": {"minReplicas": 1, "maxReplicas": 3},
+        "fixed": {"minReplicas": 2},
+        "pinned": {"minReplicas": 1, "maxReplicas": 3, "replicas": 2},
+        "invalid": {"minReplicas": 3, "maxReplicas": 2},
+        "nodeployment": {"minReplicas": 1, "maxReplicas": 3},
+    }.items():
+        world.add(name, {"model": {"name": "org/m"}, "scaling": scaling})
+        if name != "nodeployment":
+            world.deployments[(NS, name)] = [status.DeploymentState(desired=2, ready=1)]
+
+    subjects = autoscaled_subjects(world.indexes, OperatorSettings())
+
+    assert [(s.key, s.deployment, s.replicas, s.ready_replicas) for s in subjects] == [
+        ((NS, "auto"), "auto", 2, 1)
+    ]
+
+
+async def test_the_status_url_uses_the_clusters_domain() -> None:
+    world = World(OperatorSettings(cluster_domain="corp.example"))
+    await world.reconcile(world.add("chat", {"model": {"name": "org/m"}}), trigger="create")
+    assert world.kube.status_of("chat")["url"] == "http://chat.team.svc.corp.example"
