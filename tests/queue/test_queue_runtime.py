@@ -245,9 +245,10 @@ def test_nats_restart_keeps_queued_and_finished_jobs(pods, nats) -> None:
             "/runsync", json={"input": {"prompt": "x", "sampling_params": {"max_tokens": 3}}}
         ).json()
         assert finished["status"] == "COMPLETED"
-        # Two slots, both taken by long jobs: the third job stays queued.
-        busy = [http.post("/run", json={"input": LONG}).json()["id"] for _ in range(2)]
-        for job_id in busy:
+        # Two slots, both taken by long jobs, and two more long jobs queued behind them: the
+        # short job stays queued even if a running job ends before it is submitted.
+        busy = [http.post("/run", json={"input": LONG}).json()["id"] for _ in range(4)]
+        for job_id in busy[:2]:
             wait_status(http, job_id, {"IN_PROGRESS"})
         queued = http.post(
             "/run", json={"input": {"prompt": "q", "sampling_params": {"max_tokens": 4}}}

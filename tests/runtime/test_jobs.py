@@ -85,11 +85,11 @@ def wait_final(http: httpx.Client, job_id: str, timeout: float = 120) -> dict:
     raise TimeoutError(f"job {job_id} did not finish: {body}")
 
 
-def wait_for(predicate, timeout: float = 60) -> None:
+def wait_for(predicate, timeout: float = 60, describe=lambda: "") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
+            raise TimeoutError(f"condition not reached; {describe()}")
         time.sleep(0.05)
 
 
@@ -208,7 +208,13 @@ def test_per_request_batch_sizes_override_the_environment(http) -> None:
 
 def test_cancel_aborts_the_engine_request(endpoint, http) -> None:
     job = endpoint.run({"input": LONG})
-    wait_for(lambda: health(http)["engine"]["running"] >= 1)
+    seen: list[dict] = []
+
+    def running_in_the_engine() -> bool:
+        seen.append({"job": job.status(), "health": health(http)})
+        return seen[-1]["job"] == "IN_PROGRESS" and seen[-1]["health"]["engine"]["running"] >= 1
+
+    wait_for(running_in_the_engine, describe=lambda: f"last seen: {seen[-3:]}")
     assert job.cancel() == {"id": job.job_id, "status": "CANCELLED"}
     # the abort happened before /cancel answered: nothing runs in the engine any more
     assert health(http)["engine"]["running"] == 0
