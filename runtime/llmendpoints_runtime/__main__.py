@@ -56,6 +56,12 @@ def _serve() -> int:
         print(f"llmendpoints-runtime: configuration error: {exc}", file=sys.stderr)
         return 2
     serve(runtime, create_app(runtime))
+    from llmendpoints_runtime.health import EngineState
+
+    if runtime.health.state is EngineState.FAILED:
+        # The engine died (or never started): a non-zero exit makes Kubernetes restart us.
+        logger.error("exiting with status 1: %s", runtime.health.reason)
+        return 1
     return 0
 
 

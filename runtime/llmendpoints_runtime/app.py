@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,8 +34,9 @@ from starlette.routing import Mount
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmendpoints_runtime.admission import AdmissionQueue, default_max_concurrency
-from llmendpoints_runtime.auth import APIKeyMiddleware, KeyStore
+from llmendpoints_runtime.auth import APIKeyMiddleware, KeyStore, caller_is_admin
 from llmendpoints_runtime.config import RuntimeConfig
+from llmendpoints_runtime.control_routes import control_denied, is_control_path
 from llmendpoints_runtime.engine import Engine
 from llmendpoints_runtime.errors import install_exception_handlers, send_error
 from llmendpoints_runtime.health import EngineState, Health
@@ -73,6 +76,8 @@ class Runtime:
     drain_deadline: float | None = None
     # Run once the engine is ready, in order (the LoRA adapter reconciler starts here).
     on_ready: list[Callable[[], None]] = field(default_factory=list)
+    # Ends the process as SIGTERM would (the engine watcher calls it when the engine dies).
+    request_stop: Callable[[], None] = field(default=lambda: os.kill(os.getpid(), signal.SIGTERM))
 
     def busy(self) -> int:
         active = self.context.active if self.context is not None else 0
@@ -80,7 +85,11 @@ class Runtime:
 
 
 class EngineDelegate:
-    """The fallback ASGI app: vLLM's application once the engine is ready, 503 before."""
+    """The fallback ASGI app: vLLM's application once the engine is ready, 503 before.
+
+    vLLM's engine-control routes (control_routes.py) answer 403 to every caller without an
+    admin key -- with no admin key configured, to everyone.
+    """
 
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
@@ -89,6 +98,10 @@ class EngineDelegate:
         if scope["type"] != "http":
             return
         runtime = self.runtime
+        if is_control_path(scope["path"]) and not caller_is_admin(scope):
+            admin_keys = bool(runtime.keys.admin_keys)
+            await send_error(send, control_denied(scope["path"], admin_keys_configured=admin_keys))
+            return
         inner = runtime.engine.asgi_app
         if inner is None or runtime.health.state is not EngineState.READY:
             await send_error(send, _not_ready_error(runtime.health))
@@ -283,3 +296,34 @@ async def _start_engine(runtime: Runtime) -> None:
     if runtime.health.state is EngineState.READY:
         for hook in runtime.on_ready:
             hook()
+        await _watch_engine(runtime)
+
+
+# How often the engine watcher looks; vLLM marks its client errored as soon as the engine-core
+# process exits, so a death is noticed within this interval.
+ENGINE_WATCH_INTERVAL_SECONDS = 0.2
+
+
+async def _watch_engine(runtime: Runtime) -> None:
+    """Turn the endpoint away from traffic as soon as vLLM's engine core dies, then exit.
+
+    A dead engine cannot come back in this process. From the moment it is noticed, readiness
+    (/ready, /ping) and liveness (/health) answer 503, vLLM's routes and /invocations answer 503
+    in OpenAI's shape, and the job API takes no new job; queued and running jobs fail naming the
+    engine's death. Then the process stops as on SIGTERM (the same drain: what is in flight
+    fails fast, webhooks are sent) and exits non-zero (``__main__``), so Kubernetes restarts
+    the container at once instead of after the liveness probe's failures. Cancelled by the
+    lifespan's shutdown, before the engine is stopped on purpose.
+    """
+    engine = runtime.engine
+    while not engine.dead():
+        await asyncio.sleep(ENGINE_WATCH_INTERVAL_SECONDS)
+    reason = f"{engine.death_reason()}; the process exits to be restarted"
+    runtime.health.engine_failed(reason)
+    runtime.metrics.engine_ready.set(0)
+    if runtime.health.draining:
+        logger.error("engine died while draining: %s", reason)
+        return  # the drain under way ends the process
+    logger.error("engine died: %s; now refusing traffic (503) and shutting down", reason)
+    # By default a SIGTERM to ourselves: the server's own handling (server.py) drains and stops.
+    runtime.request_stop()

@@ -1,8 +1,9 @@
 """API keys: `Authorization: Bearer <key>` or `x-api-key: <key>`, compared in constant time.
 
 Keys come from API_KEYS / API_KEY and from API_KEYS_FILE (a mounted Secret, one key per line,
-`#` comments allowed). The file is re-read when its modification time changes, checked at most
-once a second, so rotating the Secret needs no restart. Keys are never logged.
+`#` comments allowed); admin keys from ADMIN_API_KEYS and ADMIN_API_KEYS_FILE, the same way.
+Files are re-read when their modification time changes, checked at most once a second, so
+rotating the Secret needs no restart. Keys are never logged.
 
 The caller's identity -- who owns the jobs it submits -- is left in the request's scope
 (``caller_owner``): keys here have no names, so a key is known by a short hash of it (never the
@@ -26,6 +27,13 @@ from llmendpoints_runtime.errors import send_error
 logger = logging.getLogger("llmendpoints.auth")
 
 _OWNER = "llmep_owner"
+_ADMIN = "llmep_admin"
+
+
+def caller_is_admin(scope: Scope) -> bool:
+    """The request came with an admin key (ADMIN_API_KEYS / ADMIN_API_KEYS_FILE); never true
+    on a server without admin keys."""
+    return scope.get("state", {}).get(_ADMIN) is True
 
 
 def caller_owner(scope: Scope) -> str | None:
@@ -69,7 +77,53 @@ def key_matches(presented: str, keys: tuple[str, ...]) -> bool:
     return matched
 
 
+class KeyFile:
+    """Keys from a mounted file, re-read when its modification time changes (checked at most
+    every ``check_interval`` seconds). A configured file that cannot be read keeps the keys it
+    had -- none if it never could be read: it fails closed, never open."""
+
+    def __init__(self, path: str | None, setting: str, *, check_interval: float = 1.0):
+        self.path = path
+        self.setting = setting
+        self.check_interval = check_interval
+        self._keys: tuple[str, ...] = ()
+        self._mtime: float | None = None
+        self._checked_at = float("-inf")
+        self.refresh(force=True)
+
+    def keys(self) -> tuple[str, ...]:
+        self.refresh()
+        return self._keys
+
+    def refresh(self, *, force: bool = False) -> None:
+        if not self.path:
+            return
+        now = time.monotonic()
+        if not force and now - self._checked_at < self.check_interval:
+            return
+        self._checked_at = now
+        try:
+            mtime = os.stat(self.path).st_mtime
+            if mtime == self._mtime:
+                return
+            with open(self.path, encoding="utf-8") as handle:
+                self._keys = parse_keys_file(handle.read())
+            self._mtime = mtime
+            logger.info("loaded %d key(s) from %s", len(self._keys), self.setting)
+        except OSError as exc:
+            # Fail closed: a configured but unreadable file never opens the server.
+            if self._mtime is not None or force:
+                logger.error(
+                    "cannot read %s (%s); keeping the previous keys", self.setting, exc.strerror
+                )
+            self._mtime = None
+
+
 class KeyStore:
+    """Every key the runtime accepts: API_KEYS (+ API_KEY, API_KEYS_FILE) and the admin keys
+    (ADMIN_API_KEYS, ADMIN_API_KEYS_FILE), which authenticate like the others and alone reach
+    vLLM's engine-control routes (control_routes.py)."""
+
     def __init__(
         self,
         static_keys: tuple[str, ...],
@@ -77,46 +131,29 @@ class KeyStore:
         *,
         check_interval: float = 1.0,
         admin_keys: tuple[str, ...] = (),
+        admin_keys_file: str | None = None,
     ):
         self.static_keys = static_keys
-        self.admin_keys = admin_keys
+        self.static_admin_keys = admin_keys
         self.keys_file = keys_file
-        self.check_interval = check_interval
-        self._file_keys: tuple[str, ...] = ()
-        self._file_mtime: float | None = None
-        self._checked_at = float("-inf")
-        self._refresh(force=True)
+        self.admin_keys_file = admin_keys_file
+        self._file = KeyFile(keys_file, "API_KEYS_FILE", check_interval=check_interval)
+        self._admin_file = KeyFile(
+            admin_keys_file, "ADMIN_API_KEYS_FILE", check_interval=check_interval
+        )
 
     @property
     def enabled(self) -> bool:
-        return bool(self.keys_file) or bool(self.static_keys) or bool(self.admin_keys)
+        return bool(
+            self.keys_file or self.static_keys or self.static_admin_keys or self.admin_keys_file
+        )
+
+    @property
+    def admin_keys(self) -> tuple[str, ...]:
+        return self.static_admin_keys + self._admin_file.keys()
 
     def keys(self) -> tuple[str, ...]:
-        self._refresh()
-        return self.static_keys + self._file_keys + self.admin_keys
-
-    def _refresh(self, *, force: bool = False) -> None:
-        if not self.keys_file:
-            return
-        now = time.monotonic()
-        if not force and now - self._checked_at < self.check_interval:
-            return
-        self._checked_at = now
-        try:
-            mtime = os.stat(self.keys_file).st_mtime
-            if mtime == self._file_mtime:
-                return
-            with open(self.keys_file, encoding="utf-8") as handle:
-                self._file_keys = parse_keys_file(handle.read())
-            self._file_mtime = mtime
-            logger.info("loaded %d API key(s) from API_KEYS_FILE", len(self._file_keys))
-        except OSError as exc:
-            # Fail closed: a configured but unreadable file never opens the server.
-            if self._file_mtime is not None or force:
-                logger.error(
-                    "cannot read API_KEYS_FILE (%s); keeping the previous keys", exc.strerror
-                )
-            self._file_mtime = None
+        return self.static_keys + self._file.keys() + self.admin_keys
 
 
 class APIKeyMiddleware:
@@ -141,6 +178,9 @@ class APIKeyMiddleware:
             )
             return
         # Only the key's hash is kept: the key itself never leaves this frame.
-        admin = bool(self.store.admin_keys) and key_matches(presented, self.store.admin_keys)
-        scope.setdefault("state", {})[_OWNER] = None if admin else key_owner(presented)
+        admin_keys = self.store.admin_keys
+        admin = bool(admin_keys) and key_matches(presented, admin_keys)
+        state = scope.setdefault("state", {})
+        state[_OWNER] = None if admin else key_owner(presented)
+        state[_ADMIN] = admin
         await self.app(scope, receive, send)

@@ -47,7 +47,10 @@ def build_runtime(config: RuntimeConfig) -> Runtime:
         settings.max_concurrency or default_max_concurrency(None), settings.max_queue_length
     )
     keys = KeyStore(
-        settings.static_api_keys(), settings.api_keys_file, admin_keys=settings.admin_keys()
+        settings.static_api_keys(),
+        settings.api_keys_file,
+        admin_keys=settings.admin_keys(),
+        admin_keys_file=settings.admin_api_keys_file,
     )
     # Image URLs in requests are fetched only through the destination guard (media_fetch.py).
     try:

@@ -75,8 +75,15 @@ class RuntimeSettings(BaseSettings):
     admin_api_keys: SecretStr | None = Field(
         None,
         validation_alias="ADMIN_API_KEYS",
-        description="Comma-separated admin keys: they authenticate like API_KEYS and reach every "
-        "job of the endpoint (/status, /cancel... of any owner; /purge-queue purges all).",
+        description="Comma-separated admin keys: they authenticate like API_KEYS, reach every "
+        "job of the endpoint (/status, /cancel... of any owner; /purge-queue purges all) and "
+        "alone may call vLLM's engine-control routes (/sleep, /v1/load_lora_adapter...).",
+    )
+    admin_api_keys_file: str | None = Field(
+        None,
+        validation_alias="ADMIN_API_KEYS_FILE",
+        description="File with admin keys, one per line (the operator mounts the endpoint's "
+        "generated admin key here); re-read when it changes.",
     )
     unauthenticated_paths: str = Field(
         "/health,/ready,/ping,/metrics",

@@ -18,7 +18,9 @@ import asyncio
 import contextlib
 import functools
 import logging
+import threading
 import time
+import types
 import uuid
 from argparse import Namespace
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -27,6 +29,7 @@ from typing import Any
 from llmendpoints_runtime.download import download_model, is_local_model
 from llmendpoints_runtime.health import EngineState, Health
 from llmendpoints_runtime.metrics import PHASES, RuntimeMetrics
+from llmendpoints_runtime.proctree import terminate_descendants
 
 logger = logging.getLogger("llmendpoints.engine")
 
@@ -179,6 +182,8 @@ class Engine:
         self._lifespan: contextlib.AbstractAsyncContextManager | None = None
         self._client_cm: contextlib.AbstractAsyncContextManager | None = None
         self._waiting_gauge: Any = None
+        # Set when the load begins: from then on this process has engine children to stop.
+        self._spawning = False
 
     # -- start-up --------------------------------------------------------------------------------
 
@@ -216,20 +221,23 @@ class Engine:
         if is_local_model(model):
             logger.info("model %s is a local directory; nothing to download", model)
             return
-        await asyncio.to_thread(
-            download_model,
-            model,
-            revision=revision,
-            tokenizer=self.args.tokenizer,
-            tokenizer_revision=self.args.tokenizer_revision,
-            trust_remote_code=bool(self.args.trust_remote_code),
-            log_interval=self.progress_interval,
+        await _in_daemon_thread(
+            functools.partial(
+                download_model,
+                model,
+                revision=revision,
+                tokenizer=self.args.tokenizer,
+                tokenizer_revision=self.args.tokenizer_revision,
+                trust_remote_code=bool(self.args.trust_remote_code),
+                log_interval=self.progress_interval,
+            )
         )
 
     async def _load(self) -> None:
         ticker = asyncio.create_task(self._log_while("load"))
+        self._spawning = True
         try:
-            self.client = await asyncio.to_thread(self._build_client)
+            self.client = await _in_daemon_thread(self._build_client)
             await self._build_app()
         finally:
             ticker.cancel()
@@ -268,6 +276,11 @@ class Engine:
         supported_tasks = await self.client.get_supported_tasks()
         logger.info("supported tasks: %s", ", ".join(supported_tasks))
         app = build_app(self.args, supported_tasks, self.client.model_config)
+        # vLLM's handler for EngineDeadError sets ``app.state.server.should_exit``; its own
+        # launcher puts the uvicorn server there. Ours stops the process its own way (the
+        # engine watcher in app.py), so vLLM gets a harmless stand-in instead of an
+        # AttributeError that would reach the client as a 500.
+        app.state.server = types.SimpleNamespace(should_exit=False)
         await init_app_state(self.client, app.state, self.args, supported_tasks)
         # A mounted app's lifespan is not run by the outer server; enter it here (it starts
         # vLLM's periodic stats logging).
@@ -317,9 +330,26 @@ class Engine:
         return get_prometheus_registry()
 
     def dead(self) -> bool:
-        """True once vLLM reports its engine core gone (it cannot come back in this process)."""
+        """True once vLLM reports its engine core gone (it cannot come back in this process).
+
+        vLLM's own monitor thread sees an engine-core process exit at once (it waits on the
+        processes' sentinels) and marks the client errored; so does a crash of its output
+        handler. Cheap: an attribute read, polled by the engine watcher."""
         client = self.client
         return client is not None and bool(getattr(client, "errored", False))
+
+    def death_reason(self) -> str:
+        """What vLLM knows about the engine core's end, for logs and 503 bodies."""
+        manager = getattr(getattr(self.client, "engine_core", None), "resources", None)
+        manager = getattr(manager, "engine_manager", None)
+        try:
+            finished = manager.finished_procs() if manager is not None else {}
+        except Exception:
+            finished = {}
+        if finished:
+            procs = ", ".join(f"{name} exit code {code}" for name, code in finished.items())
+            return f"the engine core process died ({procs})"
+        return "the engine core died"
 
     async def abort(self, request_id: str) -> None:
         if self.client is not None:
@@ -334,7 +364,15 @@ class Engine:
             client, self.client = self.client, None
             # On the loop's own thread: AsyncLLM.shutdown() cancels its output-handler task,
             # which is only safe from the thread running that task's loop.
-            client.shutdown()
+            with contextlib.suppress(Exception):
+                client.shutdown()
+        # Whatever is still running below us stops now: the engine core and its workers when
+        # the model was still loading (no client knows them yet), compile workers, anything
+        # vLLM's own shutdown left behind. No orphan outlives the runtime.
+        if self._spawning:
+            signalled = await asyncio.to_thread(terminate_descendants, _CHILD_STOP_GRACE_SECONDS)
+            if signalled:
+                logger.info("shutdown: stopped %d engine process(es)", signalled)
         self.health.engine_stopped()
 
     # -- requests straight on the engine (prompt/messages jobs) --------------------------------
@@ -405,6 +443,42 @@ class Engine:
     def unfinished_requests(self) -> int:
         """Requests the engine holds, running or waiting."""
         return self.client.get_num_unfinished_requests() if self.client is not None else 0
+
+
+# Between SIGTERM and SIGKILL for the engine's processes at shutdown.
+_CHILD_STOP_GRACE_SECONDS = 3.0
+
+
+async def _in_daemon_thread(function: Callable[[], Any]) -> Any:
+    """``function()`` in a daemon thread of its own, awaited.
+
+    Not asyncio.to_thread: the default executor's threads are joined at interpreter exit, so a
+    SIGTERM during a download or a model load would wait for it to finish (minutes) before the
+    process could exit. Cancelling the await abandons the thread; shutdown stops the engine
+    processes it was waiting for, which ends it.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = function(), None
+        except BaseException as exc:  # handed to the awaiting task
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    name = getattr(function, "__name__", None) or getattr(function, "func", function).__name__
+    threading.Thread(target=run, name=f"llmep-{name}", daemon=True).start()
+    return await future
 
 
 # ---------------------------------------------------------------------------------------------

@@ -64,7 +64,8 @@ class JobEngineAdapter:
         return self.engine.health.state is EngineState.READY and self.engine.asgi_app is not None
 
     def draining(self) -> bool:
-        return self.engine.health.draining
+        """No new jobs: the pod is shutting down, or its engine failed (then it is about to)."""
+        return self.engine.health.draining or self.engine.health.state is EngineState.FAILED
 
     async def wait_ready(self) -> None:
         while not self.is_ready():
