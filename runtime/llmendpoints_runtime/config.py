@@ -77,7 +77,8 @@ class RuntimeSettings(BaseSettings):
         validation_alias="ADMIN_API_KEYS",
         description="Comma-separated admin keys: they authenticate like API_KEYS, reach every "
         "job of the endpoint (/status, /cancel... of any owner; /purge-queue purges all) and "
-        "alone may call vLLM's engine-control routes (/sleep, /v1/load_lora_adapter...).",
+        "alone may call vLLM's engine-control routes (/sleep, /v1/load_lora_adapter...). "
+        "Without API keys, serving stays open to all.",
     )
     admin_api_keys_file: str | None = Field(
         None,
