@@ -5,7 +5,8 @@ kopf's in-memory indexes, the settings, an Event poster, its metrics, a clock - 
 per-endpoint state that must outlive one call (locks, the last status written). handlers.py wires
 it to kopf; tests drive it with a fake client and plain dicts as indexes.
 
-- `reconcile` admits the spec (admission.admit: parse, managed variables, cluster policy), applies every child with a fixed name and an owner reference,
+- `reconcile` admits the spec (admission.admit: parse, managed variables, cluster policy), creates
+  the endpoint's admin-key Secret once, applies every child with a fixed name and an owner reference,
   writes the Deployment's replicas only as manifests.replicas_to_write says, deletes the optional
   children the spec no longer asks for, and publishes the status. Idempotent: running it twice
   changes nothing. An invalid spec publishes the status (Ready=False/InvalidSpec naming the
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import secrets
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -231,6 +233,7 @@ class Reconciler:
                 raise
 
             client = self._kube()
+            await self._ensure_admin_key(ep, endpoint, client, logger)
             children = manifests.build_children(ep, self._settings)
             kopf.adopt(children, owner=endpoint)
             for child in children:
@@ -264,6 +267,22 @@ class Reconciler:
                 # Fresher than the index, whose watch event for our write may not have come yet.
                 deployment=status.DeploymentState.from_object(written),
             )
+
+    async def _ensure_admin_key(
+        self, ep: Endpoint, owner: Mapping[str, Any], client: KubeApi, logger: logging.Logger
+    ) -> None:
+        """Create the endpoint's admin-key Secret unless it exists (a 409): created once, never
+        rotated or read back by a reconcile. Before the Deployment, whose pods mount it.
+
+        A POST per reconcile rather than a read: the operator may create Secrets but not read
+        them (its RBAC), so an existing one is known only by the API's Conflict."""
+        secret = manifests.build_admin_key_secret(ep, secrets.token_urlsafe(32))
+        kopf.adopt(secret, owner=owner)
+        try:
+            await client.create(secret)
+        except kube.Conflict:
+            return
+        logger.info("Created Secret %s (the endpoint's admin key)", secret["metadata"]["name"])
 
     async def _write_deployment(
         self,

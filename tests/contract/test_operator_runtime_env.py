@@ -19,7 +19,11 @@ from llmendpoints_operator.config import OperatorSettings
 from llmendpoints_operator.spec import parse
 from llmendpoints_runtime import config
 
-SECRETS = {("hf", "token"): "hf_contract_token", ("keys", "api-keys"): "key-one\nkey-two\n"}
+SECRETS = {
+    ("hf", "token"): "hf_contract_token",
+    ("keys", "api-keys"): "key-one\nkey-two\n",
+    ("demo-admin-key", "admin-api-key"): "generated-admin-key",  # the operator's own Secret
+}
 
 
 def _pod_environment(spec: dict[str, Any], root: pathlib.Path) -> dict[str, str]:
@@ -123,6 +127,9 @@ def test_minimal_spec_serves_the_model_under_the_endpoint_name(tmp_path: pathlib
     assert cfg.served_model_names == ["demo"]
     assert cfg.settings.api_keys_file is None  # no keys configured: the endpoint is open
     assert cfg.warnings == []
+    # ... for serving; engine control takes the endpoint's generated admin key.
+    admin_file = pathlib.Path(cfg.settings.admin_api_keys_file)
+    assert admin_file.read_text() == "generated-admin-key"
 
 
 def test_disabling_a_boolean_engine_field_reaches_vllm(tmp_path: pathlib.Path) -> None:

@@ -68,6 +68,7 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "apps/v1/deployments": {"kind": "Deployment", "subresources": {"status", "scale"}},
     "v1/services": {"kind": "Service", "subresources": {"status"}},
     "v1/configmaps": {"kind": "ConfigMap"},
+    "v1/secrets": {"kind": "Secret"},  # the endpoints' admin keys
     "v1/persistentvolumeclaims": {"kind": "PersistentVolumeClaim", "subresources": {"status"}},
     "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "subresources": {"status"}},
     "networking.k8s.io/v1/ingresses": {"kind": "Ingress", "subresources": {"status"}},
@@ -78,6 +79,7 @@ CHILD_RESOURCES = {
     "Deployment": "apps/v1/deployments",
     "Service": "v1/services",
     "ConfigMap": "v1/configmaps",
+    "Secret": "v1/secrets",
     "PersistentVolumeClaim": "v1/persistentvolumeclaims",
     "PodDisruptionBudget": "policy/v1/poddisruptionbudgets",
     "Ingress": "networking.k8s.io/v1/ingresses",

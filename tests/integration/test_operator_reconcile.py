@@ -7,6 +7,7 @@ for the restart test, which replaces the operator process and runs last.
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
 from typing import Any
 
@@ -70,6 +71,7 @@ async def test_create_builds_every_child_with_owner_and_reports_status(
         "Deployment": "full",
         "Service": "full",
         "ConfigMap": "full-chat-template",
+        "Secret": "full-admin-key",
         "PersistentVolumeClaim": "full-model-cache",
         "PodDisruptionBudget": "full",
         "Ingress": "full",
@@ -86,6 +88,7 @@ async def test_create_builds_every_child_with_owner_and_reports_status(
     assert env["MODEL_NAME"] == "org/model"
     assert env["MAX_NUM_SEQS"] == "64"
     assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    assert env["ADMIN_API_KEYS_FILE"] == "/etc/llmendpoints/admin-key/admin-api-key"
     assert cluster.get(DEPLOYMENTS, NS, "full")["spec"]["replicas"] == 1
 
     status = _status(cluster, "full")
@@ -167,6 +170,9 @@ async def test_spec_change_updates_the_deployment_and_observed_generation(
 ) -> None:
     await cluster.create(LLMEP, NS, endpoint("change", NS, {"model": {"name": "org/old"}}))
     await until(operator, lambda: cluster.get(DEPLOYMENTS, NS, "change"), "deployment")
+    secrets = CHILD_RESOURCES["Secret"]
+    admin_key = cluster.get(secrets, NS, "change-admin-key")
+    assert admin_key is not None and admin_key["data"]["admin-api-key"]
 
     await cluster.patch(LLMEP, NS, "change", {"spec": {"model": {"name": "org/new"}}})
     await until(
@@ -179,6 +185,9 @@ async def test_spec_change_updates_the_deployment_and_observed_generation(
         lambda: _status(cluster, "change").get("observedGeneration") == 2,
         "observedGeneration 2",
     )
+    # The admin key is created once: neither the update nor the resyncs (every 3 s) rewrite it.
+    await asyncio.sleep(7)
+    assert cluster.get(secrets, NS, "change-admin-key") == admin_key
 
 
 async def test_reconcile_leaves_replicas_to_the_autoscaler_within_bounds(

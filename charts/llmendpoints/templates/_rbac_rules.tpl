@@ -1,8 +1,9 @@
 {{/*
 The operator's permissions, least privilege. No wildcards: every resource and verb is named, and
-each rule says why the operator needs it. Secrets are absent on purpose: the operator only
-*references* Secrets (HF token via secretKeyRef, API keys as a mounted volume); the kubelet
-resolves them for the runtime pod, so the operator never reads a Secret's data.
+each rule says why the operator needs it. Secrets: create only. The operator *references* the
+user's Secrets (HF token via secretKeyRef, API keys as a mounted volume) and the kubelet resolves
+them for the runtime pod; the one Secret it writes is each endpoint's generated admin key, created
+once. It can never read, list, watch, update or delete a Secret.
 */}}
 
 {{/* Cluster-scoped, read-only: what kopf needs to find the LLMEndpoint resource. */}}
@@ -61,6 +62,11 @@ writes, so a new child kind or watch cannot ship without its permission.
 - apiGroups: [discovery.k8s.io]
   resources: [endpointslices]
   verbs: [list]
+# Each endpoint's admin key (<endpoint>-admin-key), generated and created once, then mounted by
+# its pods; an existing one is known by the API's 409, never read.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
 # Kubernetes Events on notable transitions (created, invalid spec, rolled out, scaled, degraded).
 - apiGroups: [""]
   resources: [events]

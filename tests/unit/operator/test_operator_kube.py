@@ -18,8 +18,9 @@ def test_paths() -> None:
         kube.object_path("llmendpoints.dev/v1alpha1", "LLMEndpoint", "ns", "e")
         == "/apis/llmendpoints.dev/v1alpha1/namespaces/ns/llmendpoints/e"
     )
-    with pytest.raises(ValueError, match="does not manage Secret"):
-        kube.object_path("v1", "Secret", "ns")
+    assert kube.object_path("v1", "Secret", "ns") == "/api/v1/namespaces/ns/secrets"  # create only
+    with pytest.raises(ValueError, match="does not manage Role"):
+        kube.object_path("rbac.authorization.k8s.io/v1", "Role", "ns")
 
 
 def test_errors_keep_the_api_servers_words() -> None:

@@ -101,6 +101,25 @@ def test_pod_follows_the_runtime_contract() -> None:
     assert "subPath" not in mounts[manifests.API_KEYS_DIR]  # subPath mounts never refresh
 
 
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_pod_mounts_the_endpoints_admin_key_secret(version: str) -> None:
+    ep = _endpoint({"model": {"name": "org/m"}})  # no API keys: still an admin key
+    secret = manifests.build_admin_key_secret(ep, "k3y")
+    kubernetes_validate.validate(secret, version, strict=True)
+    assert secret["metadata"]["name"] == "demo-admin-key"
+    deployment = manifests.build_deployment(ep, SETTINGS, replicas=1)
+    container = _container(deployment)
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "admin-key")
+    source = volumes["admin-key"]["secret"]
+    assert source["secretName"] == secret["metadata"]["name"]
+    assert not source.get("optional")  # a pod waits for its key, never starts without one
+    [item] = source["items"]
+    assert item["key"] in secret["data"]
+    assert _env(ep)["ADMIN_API_KEYS_FILE"] == f"{mount['mountPath']}/{item['path']}"
+    assert "subPath" not in mount
+
+
 def test_a_baked_image_gets_no_cache_volume_and_keeps_its_own_base_path() -> None:
     ep = _endpoint(
         {"model": {"name": "org/m", "bakedIntoImage": True}, "engine": {"image": "r/llm:1"}}

@@ -3,6 +3,7 @@ indexes: which objects it writes, with which verb, what status and Events it pub
 
 from __future__ import annotations
 
+import base64
 import datetime
 import logging
 from collections.abc import Mapping
@@ -159,6 +160,8 @@ async def test_a_new_endpoint_gets_its_children_a_status_and_a_created_event() -
     await world.reconcile(world.add("chat", FULL), trigger="create")
 
     assert world.kube.writes() == [
+        # Before anything that mounts it: the endpoint's admin key (created once, never updated).
+        ("create", "Secret", "chat-admin-key"),
         ("apply", "ConfigMap", "chat-chat-template"),
         ("apply", "Service", "chat"),
         ("apply", "PodDisruptionBudget", "chat"),
@@ -196,6 +199,28 @@ async def test_reconciling_again_changes_nothing() -> None:
     assert [reason for _, reason, _ in world.events] == ["Created"]  # no second one
 
 
+async def test_the_admin_key_is_created_once_and_never_rewritten() -> None:
+    world = World()
+    endpoint = world.add("chat", FULL)
+    await world.reconcile(endpoint, trigger="create")
+    secret = world.kube.objects[("Secret", NS, "chat-admin-key")]
+    key = base64.b64decode(secret["data"]["admin-api-key"]).decode()
+    assert len(key) >= 40  # 32 random bytes
+    world.observe_deployment("chat")
+    for generation in (2, 3):
+        await world.reconcile(world.add("chat", {**FULL, "engine": {"maxModelLen": 8}}, generation))
+    # Every reconcile asks to create it (the operator cannot read Secrets); none replaces it.
+    assert [c for c in world.kube.calls if c[1] == "Secret"] == [
+        ("create", "Secret", "chat-admin-key")
+    ] * 3
+    assert world.kube.objects[("Secret", NS, "chat-admin-key")] is secret
+    assert not [c for c in world.kube.calls if c[1] == "Secret" and c[0] != "create"]
+    other = World()
+    await other.reconcile(other.add("chat", FULL), trigger="create")
+    other_secret = other.kube.objects[("Secret", NS, "chat-admin-key")]
+    assert other_secret["data"] != secret["data"]  # generated, not derived from the spec
+
+
 async def test_replicas_are_left_to_the_autoscaler_inside_the_bounds_and_clamped_outside() -> None:
     world = World()
     endpoint = world.add("chat", FULL)
@@ -224,7 +249,8 @@ async def test_children_the_spec_no_longer_asks_for_are_deleted() -> None:
     await world.reconcile(world.add("chat", {"model": {"name": "org/m"}, "api": KEYS}, 2))
 
     deleted = {name for verb, _, name in world.kube.calls if verb == "delete"}
-    assert {kind for kind, _, _ in world.kube.objects} == {"Service", "Deployment", "LLMEndpoint"}
+    kinds = {kind for kind, _, _ in world.kube.objects}
+    assert kinds == {"Secret", "Service", "Deployment", "LLMEndpoint"}
     assert "chat-chat-template" in deleted and "chat" in deleted
 
 
