@@ -310,10 +310,11 @@ async def _watch_engine(runtime: Runtime) -> None:
     A dead engine cannot come back in this process. From the moment it is noticed, readiness
     (/ready, /ping) and liveness (/health) answer 503, vLLM's routes and /invocations answer 503
     in OpenAI's shape, and the job API takes no new job; queued and running jobs fail naming the
-    engine's death. Then the process stops as on SIGTERM (the same drain: what is in flight
-    fails fast, webhooks are sent) and exits non-zero (``__main__``), so Kubernetes restarts
-    the container at once instead of after the liveness probe's failures. Cancelled by the
-    lifespan's shutdown, before the engine is stopped on purpose.
+    engine's death. ENGINE_DEATH_EXIT_DELAY_SECONDS later the process stops as on SIGTERM (the
+    same drain: what is in flight fails fast, webhooks are sent) and exits non-zero
+    (``__main__``), so Kubernetes restarts the container at once instead of after the liveness
+    probe's failures. Cancelled by the lifespan's shutdown, before the engine is stopped on
+    purpose.
     """
     engine = runtime.engine
     while not engine.dead():
@@ -321,9 +322,12 @@ async def _watch_engine(runtime: Runtime) -> None:
     reason = f"{engine.death_reason()}; the process exits to be restarted"
     runtime.health.engine_failed(reason)
     runtime.metrics.engine_ready.set(0)
+    delay = runtime.config.settings.engine_death_exit_delay_seconds
+    logger.error("engine died: %s; answering 503 everywhere, exiting in %.0f s", reason, delay)
+    # Load balancers that only poll /ping (SageMaker, RunPod) see the 503 and take the pod out
+    # before its connections start being refused; queued and running jobs fail meanwhile.
+    await asyncio.sleep(delay)
     if runtime.health.draining:
-        logger.error("engine died while draining: %s", reason)
-        return  # the drain under way ends the process
-    logger.error("engine died: %s; now refusing traffic (503) and shutting down", reason)
+        return  # a SIGTERM came meanwhile: its drain ends the process
     # By default a SIGTERM to ourselves: the server's own handling (server.py) drains and stops.
     runtime.request_stop()

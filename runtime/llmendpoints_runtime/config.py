@@ -121,6 +121,15 @@ class RuntimeSettings(BaseSettings):
         validation_alias="DRAIN_TIMEOUT_SECONDS",
         description="After SIGTERM, how long in-flight requests and streams may take to finish.",
     )
+    engine_death_exit_delay_seconds: float = Field(
+        5.0,
+        ge=0,
+        le=600,
+        validation_alias="ENGINE_DEATH_EXIT_DELAY_SECONDS",
+        description="After the engine core dies: how long the process answers 503 everywhere (load "
+        "balancers polling /ping see it; jobs fail naming the cause) before it drains and exits "
+        "with status 1 so that it is restarted.",
+    )
     log_format: Literal["text", "json"] = Field(
         "text", validation_alias="LOG_FORMAT", description="`text` or `json` (one object per line)."
     )

@@ -148,7 +148,7 @@ class _DyingEngine:
 async def test_watcher_fails_the_engine_and_stops_the_process_when_the_core_dies():
     from llmendpoints_runtime.app import _watch_engine
 
-    runtime, _ = _runtime({})
+    runtime, _ = _runtime({"ENGINE_DEATH_EXIT_DELAY_SECONDS": "3"})
     runtime.health.engine_ready()
     engine = _DyingEngine()
     runtime.engine = engine  # type: ignore[assignment]
@@ -158,6 +158,11 @@ async def test_watcher_fails_the_engine_and_stops_the_process_when_the_core_dies
     await asyncio.sleep(0.5)
     assert not watcher.done() and runtime.health.state is EngineState.READY
     engine.is_dead = True
+    deadline = asyncio.get_running_loop().time() + 30
+    while runtime.health.state is not EngineState.FAILED:
+        assert asyncio.get_running_loop().time() < deadline, "the death was not noticed"
+        await asyncio.sleep(0.05)
+    assert stops == []  # 503 everywhere first, for ENGINE_DEATH_EXIT_DELAY_SECONDS
     await asyncio.wait_for(watcher, timeout=30)
     assert stops == [True]
     assert runtime.health.state is EngineState.FAILED
