@@ -142,8 +142,11 @@ class JobEngineAdapter:
                 )
         except EngineInputError as exc:  # prompt too long, max_tokens beyond the context...
             raise BadRequestError(exc.message) from None
-        except EngineDead as exc:
-            raise ServiceUnavailableError(f"the engine died: {exc}") from None
+        except EngineDead:
+            # vLLM's own text points at a stack trace in the server's log; say what happened.
+            raise ServiceUnavailableError(
+                f"the job could not finish: {self.engine.death_reason()}"
+            ) from None
         except Exception as exc:
             cause = exc.__cause__ or exc
             text = str(cause).strip() or type(cause).__name__
