@@ -29,7 +29,7 @@ from typing import Any
 from llmendpoints_runtime.download import download_model, is_local_model
 from llmendpoints_runtime.health import EngineState, Health
 from llmendpoints_runtime.metrics import PHASES, RuntimeMetrics
-from llmendpoints_runtime.proctree import terminate_descendants
+from llmendpoints_runtime.proctree import become_subreaper, terminate_descendants
 
 logger = logging.getLogger("llmendpoints.engine")
 
@@ -236,6 +236,8 @@ class Engine:
     async def _load(self) -> None:
         ticker = asyncio.create_task(self._log_while("load"))
         self._spawning = True
+        # Workers orphaned by a dying engine core stay ours, so shutdown still finds them.
+        become_subreaper()
         try:
             self.client = await _in_daemon_thread(self._build_client)
             await self._build_app()

@@ -188,7 +188,9 @@ _TREE = textwrap.dedent(
     """
     import json, signal, subprocess, sys, time
     sys.path[:0] = {paths!r}
-    from llmendpoints_runtime.proctree import descendants, terminate_descendants
+    from llmendpoints_runtime.proctree import become_subreaper, descendants, terminate_descendants
+
+    assert become_subreaper()
 
     stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
     # A child that starts a grandchild ignoring SIGTERM, as a worker pool may.
@@ -198,8 +200,15 @@ _TREE = textwrap.dedent(
     )
     subprocess.Popen([sys.executable, "-c", middle])
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    # A parent that dies first, as an engine core killed by the OOM killer: its child is
+    # re-parented to us (the subreaper), not to init, and is still found.
+    quitter = (
+        "import subprocess, sys; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])"
+    )
+    subprocess.Popen([sys.executable, "-c", quitter]).wait()
     deadline = time.monotonic() + 60
-    while len(descendants()) < 3 and time.monotonic() < deadline:
+    while len(descendants()) < 4 and time.monotonic() < deadline:
         time.sleep(0.05)
     tree = [[p.pid, p.start] for p in descendants()]
     signalled = terminate_descendants(grace=1.0)
@@ -217,8 +226,8 @@ def test_terminate_descendants_stops_the_whole_tree_even_what_ignores_sigterm():
     )
     report = json.loads(done.stdout.strip().splitlines()[-1])
     tree = [Proc(pid, start) for pid, start in report["tree"]]
-    assert len(tree) == 3, report
-    assert report["signalled"] == 3
+    assert len(tree) == 4, report
+    assert report["signalled"] == 4
     deadline = time.monotonic() + 30
     while any(alive(p) for p in tree) and time.monotonic() < deadline:
         time.sleep(0.1)
