@@ -7,9 +7,10 @@ routers in and registers their work (``busy_sources``) and their shutdown (``dra
 Request path, outermost first: RequestContext (request id, HTTP metrics, in-flight count) ->
 BodyGuard (413, non-UTF-8 / non-object JSON -> 400) -> API keys -> then `/v1/...` goes straight
 to `EngineDelegate`, and everything else to our FastAPI router: probes and /metrics, the job and
-SageMaker routers, and a catch-all that falls through to the same delegate. The delegate waits for
-an admission slot and hands the request to vLLM's app, in-process. Until the engine is ready it
-answers 503 with the start-up phase.
+SageMaker routers, and a catch-all that falls through to the same delegate. The delegate refuses
+vLLM's engine-control routes to all but admin keys (403), waits for an admission slot and hands the
+request to vLLM's app, in-process. Until the engine is ready it answers 503 with the start-up
+phase; once it died (the engine watcher, below), 503 with the cause.
 """
 
 from __future__ import annotations
@@ -172,9 +173,10 @@ def probe_router(runtime: Runtime) -> APIRouter:
 
     @router.get("/health", include_in_schema=False)
     async def health() -> Response:
-        if runtime.engine.dead():
+        if runtime.engine.dead() and runtime.health.state is not EngineState.FAILED:
+            # The engine watcher says so within moments; a probe in between need not wait.
             runtime.health.engine_failed(
-                "the engine process died; restarting the container is the only remedy"
+                f"{runtime.engine.death_reason()}; restarting the container is the only remedy"
             )
         return _probe_response(runtime.health.liveness())
 
