@@ -74,9 +74,32 @@ def descendants(pid: int | None = None) -> list[Proc]:
     return found
 
 
+def _is_resource_tracker(pid: int) -> bool:
+    """multiprocessing's resource tracker: it ignores SIGTERM, exits by itself when this process
+    does (its pipe closes), and is relaunched -- with warnings -- if killed before."""
+    try:
+        with open(f"{_PROC}/{pid}/cmdline", "rb") as handle:
+            return b"multiprocessing.resource_tracker" in handle.read()
+    except OSError:
+        return False
+
+
 def alive(proc: Proc) -> bool:
     stat = _stat(proc.pid)
     return stat is not None and stat[0] not in ("Z", "X") and stat[2] == proc.start
+
+
+def ignores_sigterm(pid: int) -> bool:
+    """The process ignores SIGTERM (multiprocessing's resource tracker does): only SIGKILL ends
+    it, so waiting for it to stop would only spend the grace period."""
+    try:
+        with open(f"{_PROC}/{pid}/status", encoding="latin-1") as handle:
+            for line in handle:
+                if line.startswith("SigIgn:"):
+                    return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def _signal(procs: Iterable[Proc], sig: int) -> None:
@@ -110,16 +133,22 @@ def terminate_descendants(
     """SIGTERM every descendant of ``root`` (default: this process), SIGKILL what is left after
     ``grace`` seconds.
 
-    Processes that appear meanwhile (a worker started just now) are caught by re-scanning. Blocks
+    Processes that appear meanwhile (a worker started just now) are caught by re-scanning; those
+    that ignore SIGTERM get SIGKILL at once. Blocks
     for at most about ``grace`` seconds plus a moment for SIGKILL to land; returns how many
     processes were signalled. Zombies (dead children not yet reaped) count as gone.
     """
     seen: dict[int, Proc] = {}
 
     def scan() -> list[Proc]:
-        new = [p for p in descendants(root) if p.pid not in seen or seen[p.pid] != p]
+        new = [
+            p
+            for p in descendants(root)
+            if (p.pid not in seen or seen[p.pid] != p) and not _is_resource_tracker(p.pid)
+        ]
         for proc in new:
             seen[proc.pid] = proc
+        _signal([p for p in new if ignores_sigterm(p.pid)], signal.SIGKILL)
         return new
 
     _signal(scan(), signal.SIGTERM)
