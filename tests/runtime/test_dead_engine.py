@@ -33,11 +33,14 @@ def test_a_dead_engine_answers_503_everywhere_fails_its_jobs_and_exits_non_zero(
         ENGINE_DEATH_EXIT_DELAY_SECONDS=str(EXIT_DELAY),
     ) as server:
         url = server.url
+        [core] = engine_core_pids(server.process.pid)
+        # The demo model finishes a job in a fraction of a second: freeze the engine core first,
+        # so that one job is surely running (sent to the engine) and the next one waiting.
+        os.kill(core, signal.SIGSTOP)
         running = httpx.post(url + "/run", json=LONG_JOB, timeout=30).json()["id"]
         queued = httpx.post(url + "/run", json=LONG_JOB, timeout=30).json()["id"]
         wait_until(lambda: _status(server, running)["status"] == "IN_PROGRESS", 120, "job running")
         assert _status(server, queued)["status"] == "IN_QUEUE"
-        [core] = engine_core_pids(server.process.pid)
         os.kill(core, signal.SIGKILL)
 
         wait_until(lambda: httpx.get(url + "/ping").status_code == 503, 30, "/ping 503")
