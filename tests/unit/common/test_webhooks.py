@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
+import socket
 
 from llmendpoints_common.destinations import DestinationPolicy
 from llmendpoints_common.webhooks import WebhookSender
@@ -178,3 +181,171 @@ async def test_the_allow_list_applies_at_delivery() -> None:
         assert await webhooks.send(f"http://127.0.0.1:{receiver.port}/", {"id": "j4"}) is False
         await webhooks.aclose()
     assert receiver.requests == []
+
+
+# -- what one receiver can cost: real receivers on 127.0.0.1 that misbehave
+
+
+async def until(predicate, timeout: float = 30.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+class Misbehaving:
+    """A real server on 127.0.0.1: reads each request whole, then runs ``answer(writer)``;
+    records whether the sender closed the connection (a write failed)."""
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        self.closed = asyncio.Event()
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self):
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port: int = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+        length = int(head.split("content-length:")[1].split("\r\n")[0])
+        await reader.readexactly(length)
+        try:
+            await self.answer(writer)
+        except OSError:  # the sender closed the connection (reset, broken pipe)
+            self.closed.set()
+        finally:
+            writer.close()
+
+    async def answer(self, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
+class EndlessBody(Misbehaving):
+    """200, then body bytes for as long as the connection lasts; counts what it got out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = 0
+
+    async def answer(self, writer: asyncio.StreamWriter) -> None:
+        # A small send buffer of our own, so what we count is close to what reached the sender
+        # (our kernel buffer, the sender's receive buffer, what it read).
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\n"
+        )  # no length: until close
+        chunk = b"x" * 16384
+        while True:
+            writer.write(chunk)
+            await writer.drain()
+            self.sent += len(chunk)
+
+
+class Trickle(Misbehaving):
+    """Never finishes its headers: a byte every 0.05 s, for as long as the connection lasts."""
+
+    async def answer(self, writer: asyncio.StreamWriter) -> None:
+        for byte in itertools.chain(b"HTTP/1.1 200 OK\r\nx-slow: ", itertools.repeat(ord("a"))):
+            writer.write(bytes([byte]))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+
+
+async def test_an_endless_answer_is_not_read() -> None:
+    async with EndlessBody() as receiver:
+        webhooks = WebhookSender(retries=0, delay_seconds=0, timeout_seconds=60)
+        async with asyncio.timeout(120):
+            # Delivered on the status line, and the connection is closed unread.
+            assert await webhooks.send(f"http://127.0.0.1:{receiver.port}/", {"id": "j5"}) is True
+            await until(receiver.closed.is_set)
+        await webhooks.aclose()
+    # Reading the answer would take it all: gigabytes in the 60 s the attempt may last. What
+    # got out before the close fits in the socket buffers and one read of the HTTP client.
+    assert receiver.accepted == 1
+    assert receiver.sent < 1024 * 1024, receiver.sent
+
+
+async def test_a_trickling_receiver_fails_at_the_deadline_and_is_logged(caplog) -> None:
+    async with Trickle() as receiver:
+        webhooks = WebhookSender(
+            retries=1,
+            delay_seconds=0,
+            timeout_seconds=1,
+            resolver=resolving({"slow.test": ["127.0.0.1"]}),
+        )
+        url = f"http://user:s3cret@slow.test:{receiver.port}/hook/p4th?token=t0ken"
+        with caplog.at_level(logging.WARNING, logger="llmendpoints_common.webhooks"):
+            async with asyncio.timeout(60):  # no deadline per attempt: this would never end
+                assert await webhooks.send(url, {"id": "job-trickle"}) is False
+                await until(receiver.closed.is_set)  # the socket was let go
+        await webhooks.aclose()
+    assert receiver.accepted == 2  # the attempt and its retry, each given up
+    failures = [r.getMessage() for r in caplog.records if "attempt" in r.getMessage()]
+    assert len(failures) == 2, caplog.text
+    for n, line in enumerate(failures, 1):
+        assert line.startswith(f"webhook for job job-trickle to http://slow.test:{receiver.port}:")
+        assert f"attempt {n}/2 failed" in line
+        assert "within 1 s (WEBHOOK_TIMEOUT_SECONDS)" in line
+    for secret in ("s3cret", "user", "t0ken", "token", "p4th"):
+        assert secret not in caplog.text
+
+
+async def test_at_most_max_concurrency_attempts_at_once_and_the_rest_wait() -> None:
+    class Holding(Misbehaving):
+        """Keeps each connection unanswered until the test lets one through."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.open = self.most_open = 0
+            self.gate = asyncio.Semaphore(0)
+
+        async def answer(self, writer: asyncio.StreamWriter) -> None:
+            self.open += 1
+            self.most_open = max(self.most_open, self.open)
+            await self.gate.acquire()
+            self.open -= 1  # before answering: the sender can only reconnect after the answer
+            writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+            await writer.drain()
+
+    async with Holding() as receiver:
+        webhooks = WebhookSender(retries=0, delay_seconds=0, timeout_seconds=120)  # cap: 64
+        tasks = [
+            webhooks.send(f"http://127.0.0.1:{receiver.port}/{i}", {"id": f"j{i}"})
+            for i in range(65)
+        ]
+        await until(lambda: receiver.open == 64)
+        assert webhooks.pending == 65  # the one waiting for a slot counts (a drain waits for it)
+        # A 65th connection would be there by now; with the cap it can never be.
+        await asyncio.sleep(0.5)
+        assert receiver.accepted == 64 and receiver.open == 64
+        receiver.gate.release()  # one answer frees one slot: the 65th gets it
+        await until(lambda: receiver.accepted == 65)
+        for _ in range(64):
+            receiver.gate.release()
+        await webhooks.aclose(timeout=120)  # drains every delivery, the late one included
+    assert all(task.result() is True for task in tasks)
+    assert receiver.most_open == 64
+
+
+async def test_failure_reasons_are_escaped_and_never_repeat_the_url(caplog) -> None:
+    url = "http://u:pw@x.test/p?sig=abc123"
+
+    async def post(target: str, payload: dict) -> int:
+        raise RuntimeError(f"bad answer from {target}\n2026 INFO forged [sig=abc123]")
+
+    webhooks = WebhookSender(retries=0, delay_seconds=0, timeout_seconds=1, post=post)
+    assert await webhooks.send(url, {"id": "j6"}) is False
+    (record,) = [r for r in caplog.records if "attempt" in r.getMessage()]
+    message = record.getMessage()
+    assert "\n" not in message and "\\n2026 INFO forged" in message
+    assert "abc123" not in message and "pw" not in message and "/p" not in message
+    assert message.startswith(
+        "webhook for job j6 to http://x.test: attempt 1/1 failed: RuntimeError"
+    )
