@@ -11,13 +11,16 @@ and those waiting for a slot included), so a draining pod can wait for them.
 A receiver is someone else's server, so what one can cost us is bounded:
 
 - **One deadline per attempt** (``timeout_seconds``, WEBHOOK_TIMEOUT_SECONDS): from resolving
-  the name to the end of the answer's headers. httpx's own timeouts are per phase (per read),
-  so a receiver that trickles a byte every few seconds would never trip them; the deadline is
-  an asyncio timeout around the whole attempt instead, and httpx's are off.
-- **The answer's body is never read**: its status line is all a delivery needs. The response
-  is streamed and closed after the headers (which closes the connection); what the HTTP
-  client buffered with them is at most one socket read (64 KiB), and h11 refuses headers over
-  16 KiB. An endless answer costs nothing.
+  the name to the answer's status line, one asyncio timeout around the whole attempt. (An HTTP
+  client's timeouts are per phase -- per read --, so a receiver that trickles a byte every few
+  seconds would never trip them.)
+- **Nothing past the status line is read**: the status code is all a delivery needs. The
+  answer is read ``_READ_BYTES`` (4 KiB) at a time into one buffer, up to its final status line
+  (``_MAX_HEAD_BYTES``, 8 KiB, for it and any 1xx interim answers), then the connection is
+  aborted. An endless answer costs a few KiB. This is why the POST is written here on asyncio's
+  transports rather than sent with httpx: httpx (through anyio) keeps reading the socket, 64
+  to 256 KiB at a time with no flow control, for as long as the response is open, and reads
+  the headers whole (measured in bench/abuse_webhooks.py).
 - **At most ``max_concurrency`` attempts at once** (WEBHOOK_MAX_CONCURRENCY): the rest wait
   for a slot -- never dropped -- and the deadline starts once an attempt has its slot. Retry
   delays hold no slot.
@@ -29,15 +32,19 @@ A receiver is someone else's server, so what one can cost us is bounded:
 Each attempt resolves the host and checks every address against the destination policy
 (``llmendpoints_common.destinations``), then connects to the address it checked -- never to the
 name again -- so DNS cannot swap a refused address in between. Redirects are not followed (a
-3xx is an answer, not a delivery). A refused destination is not retried. Connections are never
-reused: the client's pool is keyed by the address, and a connection opened (and its TLS
-certificate checked) for one host name must not carry another name's request.
+3xx is an answer, not a delivery). A refused destination is not retried. Each attempt opens
+its own connection and aborts it when done: nothing is pooled, so a connection opened (and its
+TLS certificate checked) for one host name can never carry another name's request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import logging
+import re
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -64,6 +71,11 @@ DEFAULT_TIMEOUT_SECONDS = 10.0
 DEFAULT_MAX_CONCURRENCY = 64
 # The longest reason a log line carries (an exception's text can quote a receiver's bytes).
 _MAX_REASON_CHARS = 300
+# The answer is read this much at a time, and no further than its final status line, which
+# (with any 1xx interim answers before it) must come within _MAX_HEAD_BYTES.
+_READ_BYTES = 4096
+_MAX_HEAD_BYTES = 8192
+_STATUS_LINE = re.compile(rb"HTTP/1\.[0-9] ([0-9]{3})(?:[ \t][^\r\n]*)?")
 
 
 class WebhookSender:
@@ -90,7 +102,7 @@ class WebhookSender:
         self._post = post or self._http_post
         self._sleep = sleep
         self._tasks: set[asyncio.Task[bool]] = set()
-        self._client: httpx.AsyncClient | None = None
+        self._ssl: ssl.SSLContext | None = None
 
     @property
     def pending(self) -> int:
@@ -122,10 +134,7 @@ class WebhookSender:
                 )
                 return False
             except TimeoutError:
-                problem = (
-                    f"no answer (status line and headers) within {self._timeout:g} s "
-                    "(WEBHOOK_TIMEOUT_SECONDS)"
-                )
+                problem = f"no status line within {self._timeout:g} s (WEBHOOK_TIMEOUT_SECONDS)"
             except Exception as exc:
                 problem = _describe(exc, url)
             log.warning(
@@ -147,35 +156,34 @@ class WebhookSender:
                 return await self._post(url, payload)
 
     async def _http_post(self, url: str, payload: dict[str, Any]) -> int:
-        target = httpx.URL(url)
+        target = httpx.URL(url)  # parsed as before (IDNA, percent-encoding, default ports)
         port = target.port or _DEFAULT_PORTS.get(target.scheme, 80)
         addresses = await resolve_checked(target.host, port, self._policy, resolver=self._resolver)
-        if self._client is None:
-            self._client = httpx.AsyncClient(
-                timeout=None,  # the attempt's deadline (above) bounds it all
-                follow_redirects=False,
-                # No pool: one connection per attempt, closed after it (see the module's notes).
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
-            )
-        # The request names the host (Host header, TLS SNI and certificate check) but connects
-        # to the address checked above.
-        headers = {"host": target.netloc.decode("ascii"), "connection": "close"}
-        extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
-        last: Exception | None = None
+        request = _request(target, payload)
+        tls = target.scheme == "https"
+        if tls and self._ssl is None:
+            self._ssl = httpx.create_ssl_context()  # httpx's trust store, as before
+        loop = asyncio.get_running_loop()
+        last: OSError | None = None
         for address in addresses:
             try:
-                # Streamed, and closed unread: the status line and headers are all we take.
-                async with self._client.stream(
-                    "POST",
-                    target.copy_with(host=address),
-                    json=payload,
-                    headers=headers,
-                    extensions=extensions,
-                ) as response:
-                    return response.status_code
-            except httpx.ConnectError as exc:
+                # Connects to the address checked above; the request and the TLS name (SNI and
+                # certificate check) are the URL's host.
+                transport, answer = await loop.create_connection(
+                    _StatusLine,
+                    host=address,
+                    port=port,
+                    ssl=self._ssl if tls else None,
+                    server_hostname=target.raw_host.decode("ascii") if tls else None,
+                )
+            except OSError as exc:
                 last = exc  # try the name's next address
                 continue
+            try:
+                transport.write(request)
+                return await answer.status
+            finally:
+                transport.abort()  # at once: no flushing to, or reading from, the receiver
         assert last is not None
         raise last
 
@@ -189,9 +197,99 @@ class WebhookSender:
                 for task in unfinished:
                     task.cancel()
                 await asyncio.gather(*unfinished, return_exceptions=True)
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+
+
+def _request(target: httpx.URL, payload: dict[str, Any]) -> bytes:
+    """The POST, whole: JSON as httpx wrote it; credentials in the URL sent as Basic auth, as
+    httpx did."""
+    body = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    head = [
+        f"POST {target.raw_path.decode('ascii')} HTTP/1.1",
+        f"Host: {target.netloc.decode('ascii')}",
+        "User-Agent: llmendpoints-webhooks",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+    ]
+    if target.userinfo:
+        credentials = f"{target.username}:{target.password}".encode()
+        head.append(f"Authorization: Basic {base64.b64encode(credentials).decode('ascii')}")
+    # httpx.URL refuses control characters and percent-encodes spaces: no header injection.
+    return ("\r\n".join(head) + "\r\n\r\n").encode("ascii") + body
+
+
+def final_status(head: bytes | bytearray) -> int | None:
+    """The status code of the final answer that ``head`` (the first bytes of an HTTP/1.x
+    answer) starts with; None while more bytes are needed. 1xx interim answers (100 Continue,
+    103 Early Hints) are skipped; ValueError for anything that is not an HTTP/1.x answer."""
+    start = 0
+    while True:
+        if not head.startswith(b"HTTP/"[: len(head) - start], start):
+            raise ValueError(f"not an HTTP/1.x answer: {bytes(head[start : start + 40])!r}")
+        end = head.find(b"\r\n", start)
+        if end < 0:
+            return None
+        match = _STATUS_LINE.fullmatch(head, start, end)
+        if match is None:
+            raise ValueError(f"not an HTTP/1.x status line: {bytes(head[start:end][:80])!r}")
+        status = int(match[1])
+        if not 100 <= status < 200 or status == 101:
+            return status
+        head_end = head.find(b"\r\n\r\n", end - 2)
+        if head_end < 0:
+            return None
+        start = head_end + 4
+
+
+class _StatusLine(asyncio.BufferedProtocol):
+    """Reads an answer into one small buffer up to its final status line, then stops reading.
+
+    ``status`` resolves with the code, or fails (not HTTP, too long, connection closed).
+    """
+
+    def __init__(self) -> None:
+        self.status: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._buffer = bytearray(_READ_BYTES)
+        self._head = bytearray()
+        self._transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+
+    def get_buffer(self, sizehint: int) -> bytearray:
+        return self._buffer  # every read is at most _READ_BYTES, whatever the sender has
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.status.done():
+            return
+        self._head += self._buffer[:nbytes]
+        try:
+            status = final_status(self._head)
+        except ValueError as exc:
+            self._fail(exc)
+            return
+        if status is not None:
+            self.status.set_result(status)
+        elif len(self._head) >= _MAX_HEAD_BYTES:
+            self._fail(ValueError(f"no status line in the answer's first {_MAX_HEAD_BYTES} bytes"))
+        else:
+            return
+        assert self._transport is not None
+        self._transport.pause_reading()  # type: ignore[attr-defined]
+
+    def eof_received(self) -> bool:
+        self._fail(ConnectionError("the receiver closed the connection without a status line"))
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc or ConnectionError("connection closed without a status line"))
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self.status.done():
+            self.status.set_exception(exc)
+            # Marked as seen: when an attempt ends at its deadline while connecting, nobody
+            # awaits this future, and asyncio would log "exception was never retrieved".
+            self.status.exception()
 
 
 def _describe(exc: BaseException, url: str) -> str:

@@ -58,7 +58,7 @@ class GatewaySettings(BaseSettings):
         gt=0,
         validation_alias="WEBHOOK_TIMEOUT_SECONDS",
         description="One webhook attempt's deadline, from connecting to the answer's status "
-        "line and headers (its body is never read), as the runtime's.",
+        "line (nothing after it is read), as the runtime's.",
     )
     webhook_max_concurrency: int = Field(
         64,

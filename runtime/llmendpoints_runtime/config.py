@@ -236,7 +236,7 @@ class RuntimeSettings(BaseSettings):
         gt=0,
         validation_alias="WEBHOOK_TIMEOUT_SECONDS",
         description="One webhook attempt's deadline, from connecting to the answer's status "
-        "line and headers (its body is never read); then the attempt has failed.",
+        "line (nothing after it is read); then the attempt has failed.",
     )
     webhook_max_concurrency: int = Field(
         64,

@@ -4,9 +4,13 @@ import asyncio
 import itertools
 import logging
 import socket
+import ssl
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
+import pytest
 from llmendpoints_common.destinations import DestinationPolicy
-from llmendpoints_common.webhooks import WebhookSender
+from llmendpoints_common.webhooks import WebhookSender, final_status
 
 
 class Recorder:
@@ -86,13 +90,18 @@ class Receiver:
     """A real HTTP server on 127.0.0.1 answering each POST with the next status in ``answers``
     (then 200), recording what it received."""
 
-    def __init__(self, answers: list[tuple[int, dict[str, str]]] | None = None) -> None:
+    def __init__(
+        self,
+        answers: list[tuple[int, dict[str, str]]] | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.answers = list(answers or [])
         self.requests: list[tuple[str, dict[str, str], bytes]] = []
         self.server: asyncio.Server | None = None
+        self.tls = tls
 
     async def __aenter__(self) -> Receiver:
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=self.tls)
         self.port: int = self.server.sockets[0].getsockname()[1]
         return self
 
@@ -249,10 +258,10 @@ class EndlessBody(Misbehaving):
 
 
 class Trickle(Misbehaving):
-    """Never finishes its headers: a byte every 0.05 s, for as long as the connection lasts."""
+    """Never finishes its status line: a byte every 0.05 s, for as long as the connection lasts."""
 
     async def answer(self, writer: asyncio.StreamWriter) -> None:
-        for byte in itertools.chain(b"HTTP/1.1 200 OK\r\nx-slow: ", itertools.repeat(ord("a"))):
+        for byte in itertools.chain(b"HTTP/1.1 200 ", itertools.repeat(ord("K"))):
             writer.write(bytes([byte]))
             await writer.drain()
             await asyncio.sleep(0.05)
@@ -349,3 +358,126 @@ async def test_failure_reasons_are_escaped_and_never_repeat_the_url(caplog) -> N
     assert message.startswith(
         "webhook for job j6 to http://x.test: attempt 1/1 failed: RuntimeError"
     )
+
+
+def certificates(folder: Path, name: str) -> tuple[Path, Path, Path]:
+    """A test CA and a certificate for ``name`` that it signed: (ca.pem, cert.pem, key.pem)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    def build(subject: str, issuer: str, key, signer, *, ca: bool):
+        now = datetime.now(UTC)
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - timedelta(minutes=5))
+            .not_valid_after(now + timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if ca:
+            builder = builder.add_extension(
+                x509.KeyUsage(False, False, False, False, False, True, True, False, False), True
+            )
+        else:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([x509.DNSName(subject)]), critical=False
+            )
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = build("test CA", "test CA", ca_key, ca_key, ca=True)
+    cert = build(name, "test CA", key, ca_key, ca=False)
+    paths = folder / "ca.pem", folder / "cert.pem", folder / "key.pem"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return paths
+
+
+async def test_https_checks_the_certificate_for_the_url_host_at_the_checked_address(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    ca, cert, key = certificates(tmp_path, "hooks.test")
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca))  # the sender trusts the test CA (as httpx did)
+    server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_side.load_cert_chain(cert, key)
+    names: list[str | None] = []
+    server_side.sni_callback = lambda _socket, name, _context: names.append(name)
+    async with Receiver(tls=server_side) as receiver:
+        webhooks = WebhookSender(
+            retries=0,
+            delay_seconds=0,
+            timeout_seconds=30,
+            resolver=resolving({"hooks.test": ["127.0.0.1"], "other.test": ["127.0.0.1"]}),
+        )
+        good = f"https://hooks.test:{receiver.port}/in?k=v"
+        assert await webhooks.send(good, {"id": "tls-1"}) is True
+        # The same address under a name its certificate does not carry: refused by TLS.
+        assert await webhooks.send(f"https://other.test:{receiver.port}/", {"id": "tls-2"}) is False
+        await webhooks.aclose()
+    assert names == ["hooks.test", "other.test"]
+    assert [(r[0], r[1]["host"]) for r in receiver.requests] == [
+        ("POST /in?k=v HTTP/1.1", f"hooks.test:{receiver.port}")
+    ]
+    assert "job tls-2" in caplog.text and "CERTIFICATE_VERIFY_FAILED" in caplog.text
+
+
+async def test_credentials_in_the_url_are_sent_as_basic_auth() -> None:
+    async with Receiver() as receiver:
+        webhooks = WebhookSender(retries=0, delay_seconds=0, timeout_seconds=30)
+        url = f"http://us%20er:p%40ss@127.0.0.1:{receiver.port}/"
+        assert await webhooks.send(url, {"id": "j7", "x": "é"}) is True
+        await webhooks.aclose()
+    ((_, headers, body),) = receiver.requests
+    assert headers["authorization"] == "Basic dXMgZXI6cEBzcw=="  # "us er:p@ss"
+    assert headers["content-type"] == "application/json"
+    assert body == '{"id":"j7","x":"é"}'.encode()
+
+
+@pytest.mark.parametrize(
+    ("head", "status"),
+    [
+        (b"HTTP/1.1 204 No Content\r\n", 204),
+        (b"HTTP/1.0 500\r\n", 500),
+        (b"HTTP/1.1 200 OK", None),  # the line is not over yet
+        (b"HTT", None),
+        (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nx: y\r\n", 201),
+        (b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n", None),  # its head is not over
+        (b"HTTP/1.1 101 Switching Protocols\r\n", 101),  # not asked for: final, a failure
+    ],
+)
+def test_final_status(head: bytes, status: int | None) -> None:
+    assert final_status(head) == status
+
+
+@pytest.mark.parametrize(
+    "head", [b"SSH-2.0-OpenSSH\r\n", b"\x16\x03\x01", b"HTTP/1.1 2000 OK\r\n", b"HTTP/2 200\r\n"]
+)
+def test_what_is_not_an_http_answer_is_refused_early(head: bytes) -> None:
+    with pytest.raises(ValueError, match=r"not an HTTP/1\.x"):
+        final_status(head)
+
+
+async def test_a_status_line_that_never_ends_fails_after_a_few_kib(caplog) -> None:
+    class Babbling(Misbehaving):
+        async def answer(self, writer: asyncio.StreamWriter) -> None:
+            writer.write(b"HTTP/1.1 200 " + b"K" * 65536)
+            await writer.drain()
+            await asyncio.Event().wait()
+
+    async with Babbling() as receiver:
+        webhooks = WebhookSender(retries=0, delay_seconds=0, timeout_seconds=60)
+        assert await webhooks.send(f"http://127.0.0.1:{receiver.port}/", {"id": "j8"}) is False
+        await webhooks.aclose()
+    assert "no status line in the answer's first 8192 bytes" in caplog.text
