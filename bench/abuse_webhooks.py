@@ -221,10 +221,9 @@ def main() -> None:
     child.start()
     try:
         endless_port, trickle_port = ports.get(timeout=60)
-        runs = [("endless", WebhookSender, endless_port)]
-        if args.compare_httpx:
+        runs = [("endless", WebhookSender, endless_port), ("trickle", WebhookSender, trickle_port)]
+        if args.compare_httpx:  # last: its imports and buffers would count in the others' RSS
             runs.append(("endless", HttpxStreamed, endless_port))
-        runs.append(("trickle", WebhookSender, trickle_port))
         results = [asyncio.run(scenario(*run, args, counters)) for run in runs]
     finally:
         child.terminate()
