@@ -157,7 +157,9 @@ class WebhookSender:
 
     async def _http_post(self, url: str, payload: dict[str, Any]) -> int:
         target = httpx.URL(url)  # parsed as before (IDNA, percent-encoding, default ports)
-        port = target.port or _DEFAULT_PORTS.get(target.scheme, 80)
+        if target.scheme not in _DEFAULT_PORTS:  # checked at submission too
+            raise DestinationRefused(f"scheme {target.scheme!r} is not allowed; use http or https")
+        port = target.port or _DEFAULT_PORTS[target.scheme]
         addresses = await resolve_checked(target.host, port, self._policy, resolver=self._resolver)
         request = _request(target, payload)
         tls = target.scheme == "https"
@@ -235,7 +237,7 @@ def final_status(head: bytes | bytearray) -> int | None:
         status = int(match[1])
         if not 100 <= status < 200 or status == 101:
             return status
-        head_end = head.find(b"\r\n\r\n", end - 2)
+        head_end = head.find(b"\r\n\r\n", end)
         if head_end < 0:
             return None
         start = head_end + 4

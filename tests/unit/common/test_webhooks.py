@@ -179,6 +179,13 @@ async def test_redirects_are_not_followed() -> None:
     assert len(receiver.requests) == 1 and elsewhere.requests == []
 
 
+async def test_only_http_and_https_are_posted_to(caplog) -> None:
+    webhooks = WebhookSender(retries=2, delay_seconds=0, timeout_seconds=5)
+    assert await webhooks.send("ftp://127.0.0.1:9/x", {"id": "j9"}) is False
+    await webhooks.aclose()
+    assert "job j9 refused, not retried: scheme 'ftp' is not allowed" in caplog.text
+
+
 async def test_the_allow_list_applies_at_delivery() -> None:
     async with Receiver() as receiver:
         webhooks = WebhookSender(
