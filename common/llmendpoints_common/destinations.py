@@ -189,9 +189,11 @@ async def resolve_checked(
     return [str(_parse_ip(a)) for a in dict.fromkeys(addresses)]
 
 
-def redact(url: str) -> str:
+def redact(url: str, *, path: bool = True) -> str:
     """``scheme://host[:port]/path``: what may go in a log line or an error message (no
-    userinfo, no query, no fragment -- where tokens live)."""
+    userinfo, no query, no fragment -- where tokens live). ``path=False``: ``scheme://host[:port]``
+    only, for logs that an operator reads about someone else's URL (some services, Slack and
+    Discord among them, put the token in the path)."""
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -201,7 +203,7 @@ def redact(url: str) -> str:
     if ":" in host:
         host = f"[{host}]"
     netloc = f"{host}:{port}" if port is not None else host
-    return f"{parts.scheme}://{netloc}{parts.path}"
+    return f"{parts.scheme}://{netloc}{parts.path if path else ''}"
 
 
 def _category_reason(ip: IPAddress, policy: DestinationPolicy) -> str | None:

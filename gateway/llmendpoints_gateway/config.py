@@ -1,7 +1,8 @@
 """The gateway's settings, from the environment (pydantic-settings; aliases are the variable names).
 
 Names shared with the runtime keep the runtime's spelling (HOST, PORT, API_KEYS, API_KEYS_FILE,
-JOBS_QUEUE_URL, LOG_FORMAT, DRAIN_TIMEOUT_SECONDS, LLMEP_WEBHOOK_DESTINATIONS); the gateway's own ones start with GATEWAY_.
+JOBS_QUEUE_URL, LOG_FORMAT, DRAIN_TIMEOUT_SECONDS, LLMEP_WEBHOOK_DESTINATIONS, WEBHOOK_TIMEOUT_SECONDS,
+WEBHOOK_MAX_CONCURRENCY); the gateway's own ones start with GATEWAY_.
 """
 
 from __future__ import annotations
@@ -51,6 +52,19 @@ class GatewaySettings(BaseSettings):
         description="Comma-separated hosts (exact or *.suffix) and CIDRs the webhooks of jobs "
         "cancelled or purged here may reach; empty: any but link-local/metadata/multicast "
         "(as the runtime's; see docs/jobs.md).",
+    )
+    webhook_timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        validation_alias="WEBHOOK_TIMEOUT_SECONDS",
+        description="One webhook attempt's deadline, from connecting to the answer's status "
+        "line (nothing after it is read), as the runtime's.",
+    )
+    webhook_max_concurrency: int = Field(
+        64,
+        ge=1,
+        validation_alias="WEBHOOK_MAX_CONCURRENCY",
+        description="Webhook attempts under way at once; more wait for a slot (never dropped).",
     )
     namespace: str | None = Field(
         None,

@@ -27,6 +27,7 @@ from llmendpoints_common.jobs.record import JobRecord
 from llmendpoints_common.jobs.service import status_body
 from llmendpoints_common.queue.client import QueueConnection, QueueJobService
 from llmendpoints_common.webhooks import (
+    DEFAULT_MAX_CONCURRENCY,
     DEFAULT_RETRIES,
     DEFAULT_RETRY_DELAY_SECONDS,
     DEFAULT_TIMEOUT_SECONDS,
@@ -47,6 +48,8 @@ class JobGateway:
         *,
         webhooks: WebhookSender | None = None,
         webhook_policy: DestinationPolicy | None = None,
+        webhook_timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+        webhook_max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
     ):
         self.url = url
         self.gateway_id = gateway_id
@@ -54,7 +57,8 @@ class JobGateway:
         self.webhooks = webhooks or WebhookSender(
             retries=DEFAULT_RETRIES,
             delay_seconds=DEFAULT_RETRY_DELAY_SECONDS,
-            timeout_seconds=DEFAULT_TIMEOUT_SECONDS,
+            timeout_seconds=webhook_timeout_seconds,
+            max_concurrency=webhook_max_concurrency,
             policy=self.webhook_policy,
         )
         self._connection: QueueConnection | None = None

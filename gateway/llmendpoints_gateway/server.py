@@ -50,7 +50,13 @@ def build(settings: GatewaySettings) -> Gateway:
         publisher = SignalPublisher(url, settings.gateway_id)
         registry.on_held = publisher.held_changed
         gateway.nudge = publisher.nudge_soon
-        gateway.jobs = JobGateway(url, publisher.gateway_id, webhook_policy=settings.webhook_policy)
+        gateway.jobs = JobGateway(
+            url,
+            publisher.gateway_id,
+            webhook_policy=settings.webhook_policy,
+            webhook_timeout_seconds=settings.webhook_timeout_seconds,
+            webhook_max_concurrency=settings.webhook_max_concurrency,
+        )
         for part in (publisher, gateway.jobs):
             gateway.started.append(part.start)
             gateway.stopped.append(part.stop)

@@ -140,6 +140,8 @@ def job_settings_from(settings: RuntimeSettings, max_concurrency: int) -> JobSet
         max_stored_jobs=settings.max_stored_jobs,
         max_body_bytes=settings.max_request_body_bytes,
         max_runsync_body_bytes=settings.max_runsync_body_bytes,
+        webhook_timeout_seconds=settings.webhook_timeout_seconds,
+        webhook_max_concurrency=settings.webhook_max_concurrency,
     )
 
 

@@ -248,6 +248,19 @@ class RuntimeSettings(BaseSettings):
         description="Comma-separated hosts (exact or *.suffix) and CIDRs job webhooks may reach; "
         "empty: any but link-local/metadata/multicast (see docs/jobs.md).",
     )
+    webhook_timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        validation_alias="WEBHOOK_TIMEOUT_SECONDS",
+        description="One webhook attempt's deadline, from connecting to the answer's status "
+        "line (nothing after it is read); then the attempt has failed.",
+    )
+    webhook_max_concurrency: int = Field(
+        64,
+        ge=1,
+        validation_alias="WEBHOOK_MAX_CONCURRENCY",
+        description="Webhook attempts under way at once; more wait for a slot (never dropped).",
+    )
 
     # -- LoRA adapters declared in the endpoint (see docs/operator.md, "LoRA adapters") -------
     adapters_file: str | None = Field(

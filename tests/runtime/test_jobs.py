@@ -22,18 +22,11 @@ from conftest import RuntimeServer, running_runtime
 
 pytestmark = pytest.mark.engine
 
-IDLE_RACE = pytest.mark.xfail(
-    reason="timing-bound on an idle machine: while the engine is ahead of its clients, vLLM's "
-    "output handling keeps the event loop, so /run and /metrics wait for running jobs (the "
-    "defect measured 2026-11-23 on streams: a /metrics request answered 2.6 s late); passes "
-    "under load, fails idle -- open defect, see the round's closing note",
-    strict=False,
-)
-
 API_KEY = "jobs-e2e-key"
 ENDPOINT_ID = "ep-e2e"
-# Long enough (several seconds on two cores) to be caught running, queued, cancelled.
-LONG = {"prompt": "hi", "sampling_params": {"max_tokens": 480, "ignore_eos": True, "n": 48}}
+# Long enough (several seconds on two cores, with MAX_MODEL_LEN 2048) to be caught running,
+# queued, cancelled.
+LONG = {"prompt": "hi", "sampling_params": {"max_tokens": 2000, "ignore_eos": True, "n": 16}}
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +35,7 @@ def server(demo_model, runtime_logs) -> Iterator[RuntimeServer]:
         demo_model,
         runtime_logs,
         API_KEYS=API_KEY,
+        MAX_MODEL_LEN="2048",
         MAX_CONCURRENCY="2",
         MAX_QUEUE_LENGTH="4",
         DEFAULT_MAX_TOKENS="24",
@@ -223,7 +217,6 @@ def test_cancel_aborts_the_engine_request(endpoint, http) -> None:
     assert answer.status_code == 409 and "CANCELLED" in answer.json()["error"]["message"]
 
 
-@IDLE_RACE
 def test_queue_limit_purge_and_queue_depth(endpoint, http) -> None:
     running = [http.post("/run", json={"input": LONG}).json()["id"] for _ in range(2)]
     wait_for(lambda: health(http)["jobs"]["inProgress"] == 2)
@@ -273,13 +266,13 @@ def test_execution_timeout_and_retry(http) -> None:
 
 
 def test_engine_side_failure_is_failed_with_a_json_error(http) -> None:
-    too_long = "hello " * 2000  # far beyond MAX_MODEL_LEN=512
+    too_long = "hello " * 4000  # far beyond MAX_MODEL_LEN=2048
     body = http.post(
         "/runsync", json={"input": {"prompt": too_long, "sampling_params": {"max_tokens": 5}}}
     ).json()
     assert body["status"] == "FAILED" and "output" not in body
     assert set(body["error"]) >= {"message", "type"}
-    assert "512" in body["error"]["message"]  # says what the limit is
+    assert "2048" in body["error"]["message"]  # says what the limit is
 
 
 def test_results_expire_after_their_ttl(http) -> None:
@@ -468,7 +461,7 @@ def test_sigterm_finishes_accepted_jobs_delivers_their_webhooks_and_refuses_new_
     receiver = ThreadingHTTPServer(("127.0.0.1", 0), _FlakyReceiver)
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
     result: dict = {}
-    job = {"prompt": "x", "sampling_params": {"max_tokens": 300, "ignore_eos": True, "n": 16}}
+    job = LONG
     webhook = f"http://127.0.0.1:{receiver.server_port}/hook"
 
     def runsync() -> None:
@@ -486,7 +479,8 @@ def test_sigterm_finishes_accepted_jobs_delivers_their_webhooks_and_refuses_new_
         assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
         thread.join(120)
         assert result["status"] == "COMPLETED"  # the accepted job ran to the end
-        assert result["output"][0]["usage"]["output"] == 300 * 16
+        sampling = LONG["sampling_params"]
+        assert result["output"][0]["usage"]["output"] == sampling["max_tokens"] * sampling["n"]
         assert server.process.wait(60) == 0
     finally:
         receiver.shutdown()

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import threading
 import time
 
 import httpx
 import pytest
 from conftest import RUNTIME_BIN, free_port, launch_runtime, runtime_env
+from held_stream import HeldStream
 
 pytestmark = pytest.mark.engine
 
@@ -64,7 +64,9 @@ def test_engine_failure_is_reported_by_ready_and_health(demo_model, runtime_logs
 
 
 def test_http_first_then_ready_then_drain_on_sigterm(demo_model, runtime_logs):
-    server = launch_runtime(demo_model, runtime_logs, DRAIN_TIMEOUT_SECONDS="60")
+    server = launch_runtime(
+        demo_model, runtime_logs, DRAIN_TIMEOUT_SECONDS="60", MAX_MODEL_LEN="2048"
+    )
     try:
         server.wait_listening()
         # The engine is still loading: the server answers, and says so.
@@ -77,46 +79,22 @@ def test_http_first_then_ready_then_drain_on_sigterm(demo_model, runtime_logs):
         assert "still loading" in loading.json()["error"]["message"]
         server.wait_ready()
 
-        # A long stream is in flight when SIGTERM arrives: it must finish.
-        body = {
-            "model": "demo",
-            "prompt": "Hi",
-            "max_tokens": 480,
-            "n": 4,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        events: list[str] = []
-        first_token = threading.Event()
-
-        def consume() -> None:
-            with httpx.stream(
-                "POST", server.url + "/v1/completions", json=body, timeout=120
-            ) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line)
-                        first_token.set()
-                        time.sleep(0.002)  # a slow reader keeps the request in flight
-
-        reader = threading.Thread(target=consume)
-        reader.start()
-        assert first_token.wait(60)
+        # A long stream is in flight when SIGTERM arrives (its client has not read it yet):
+        # it must finish.
+        held = HeldStream(server.url)
+        assert held.status == 200
         server.process.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        draining = httpx.get(server.url + "/ready")
-        assert draining.status_code == 503
+        deadline = time.monotonic() + 30
+        while (draining := httpx.get(server.url + "/ready")).status_code != 503:
+            assert time.monotonic() < deadline, "never started draining"
+            time.sleep(0.1)
         assert draining.json()["status"] == "draining"
-        reader.join(120)
 
-        assert events[-1] == "data: [DONE]"
-        finished = [json.loads(e[6:])["choices"][0] for e in events[:-1]]
-        assert sorted(c["index"] for c in finished if c["finish_reason"] == "length") == [
-            0,
-            1,
-            2,
-            3,
-        ]
+        assert held.finish() == HeldStream.TOKENS
+        assert held.events[-1] == b"[DONE]"
+        finished = [json.loads(e)["choices"] for e in held.events[:-1]]
+        indexes = {c["index"] for cs in finished for c in cs if c["finish_reason"] == "length"}
+        assert indexes == set(range(HeldStream.BODY["n"]))
         assert server.process.wait(60) == 0
         assert "drained: nothing in flight" in server.log()
     finally:

@@ -11,25 +11,9 @@ import httpx
 import openai
 import pytest
 from conftest import running_runtime
+from held_stream import HeldStream
 
 pytestmark = pytest.mark.engine
-
-IDLE_RACE = pytest.mark.xfail(
-    reason="timing-bound on an idle machine: while the engine is ahead of its clients, vLLM's "
-    "output handling keeps the event loop, so /metrics and disconnects wait for the stream to "
-    "end (measured 2026-11-23: a /metrics request during an 1,800-token stream answered after "
-    "2.6 s); passes under load, fails idle -- open defect, see the round's closing note",
-    strict=False,
-)
-
-LONG = {
-    "model": "demo",
-    "prompt": "Once upon a time",
-    "max_tokens": 400,
-    "ignore_eos": True,
-    "stream": True,
-    "stream_options": {"include_usage": True},
-}
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +32,7 @@ def limited(demo_model, runtime_logs, keys_file):
         API_KEYS_FILE=str(keys_file),
         MAX_CONCURRENCY="1",
         MAX_QUEUE_LENGTH="1",
+        MAX_MODEL_LEN="2048",
         MAX_REQUEST_BODY_BYTES="4096",
     ) as server:
         yield server
@@ -114,23 +99,27 @@ def test_oversized_body_gets_413(limited):
     assert response.status_code == 413
 
 
-def _stream_until_first_token(url: str, started: concurrent.futures.Future) -> int:
-    """Stream LONG; return the completion tokens its final usage chunk reports."""
-    tokens = 0
+def _completion_tokens(url: str) -> int:
     with httpx.stream(
-        "POST", url + "/v1/completions", json=LONG, headers={"x-api-key": "env-key-1"}, timeout=120
+        "POST",
+        url + "/v1/completions",
+        json={**HeldStream.BODY, "n": 1, "logprobs": None},
+        headers={"x-api-key": "env-key-1"},
+        timeout=120,
     ) as r:
-        if r.status_code != 200:
-            started.set_result(r.status_code)
-            return r.status_code
+        assert r.status_code == 200, r.read()
+        tokens = 0
         for line in r.iter_lines():
-            if line.startswith("data: {"):
-                if not started.done():
-                    started.set_result(200)
-                usage = json.loads(line[6:]).get("usage")
-                if usage:
-                    tokens = usage["completion_tokens"]
-    return tokens
+            if line.startswith("data: {") and '"usage":{' in line:
+                tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+        return tokens
+
+
+def _wait_metric(url: str, name: str, value: float, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while (seen := _metric(url, name)) != value:
+        assert time.monotonic() < deadline, f"{name} stayed {seen}, expected {value}"
+        time.sleep(0.1)
 
 
 def _metric(url: str, name: str) -> float:
@@ -140,29 +129,26 @@ def _metric(url: str, name: str) -> float:
     raise AssertionError(f"{name} not exported")
 
 
-@IDLE_RACE
 def test_beyond_concurrency_requests_queue_and_beyond_the_queue_get_429(limited):
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        first_started: concurrent.futures.Future = concurrent.futures.Future()
-        first = pool.submit(_stream_until_first_token, limited.url, first_started)
-        assert first_started.result(60) == 200
-        second_started: concurrent.futures.Future = concurrent.futures.Future()
-        second = pool.submit(_stream_until_first_token, limited.url, second_started)
-        deadline = time.monotonic() + 10
-        while _metric(limited.url, "llmendpoints_queue_depth") < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _metric(limited.url, "llmendpoints_queue_depth") == 1
+    held = HeldStream(limited.url, {"x-api-key": "env-key-1"})  # the only slot
+    assert held.status == 200
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        second = pool.submit(_completion_tokens, limited.url)  # waits in the queue (length 1)
+        _wait_metric(limited.url, "llmendpoints_queue_depth", 1)
         assert _metric(limited.url, "llmendpoints_requests_in_flight") == 1
 
         third = httpx.post(
-            limited.url + "/v1/completions", json=LONG, headers={"x-api-key": "env-key-1"}
+            limited.url + "/v1/completions",
+            json={"model": "demo", "prompt": "x", "max_tokens": 1},
+            headers={"x-api-key": "env-key-1"},
         )
         assert third.status_code == 429
         assert third.headers["retry-after"]
         assert third.json()["error"]["type"] == "RateLimitError"
+        assert not second.done()  # still queued behind the held slot
 
-        assert first.result(120) == 400  # nothing was cut short
-        assert second.result(120) == 400  # the queued request ran once a slot was free
+        assert held.finish() == HeldStream.TOKENS  # nothing was cut short
+        assert second.result(120) == HeldStream.BODY["max_tokens"]  # ran once the slot was free
     # Everything drained, and the server keeps serving.
     assert _metric(limited.url, "llmendpoints_queue_depth") == 0
     assert (

@@ -20,11 +20,12 @@ from conftest import RuntimeServer, running_runtime
 
 pytestmark = pytest.mark.engine
 
-IDLE_RACE = pytest.mark.xfail(
-    reason="timing-bound on an idle machine: while the engine is ahead of its clients, vLLM's "
-    "output handling keeps the event loop, so /metrics and disconnects wait for the stream to "
-    "end (measured 2026-11-23: a /metrics request during an 1,800-token stream answered after "
-    "2.6 s); passes under load, fails idle -- open defect, see the round's closing note",
+# The closed loop failed in one of four full-suite runs on two shared cores (2026-11-23) and
+# passed in the others; the failing run's output did not say which step. Kept visible (xfail, not
+# strict) until a failure shows its cause: the decision logic it exercises is covered
+# deterministically in tests/unit/autoscaling and tests/integration/test_scaling_signals.py.
+CLOSED_LOOP_FLAKE = pytest.mark.xfail(
+    reason="flaky on two shared cores (1 in 4 full runs, cause not yet shown); see the comment",
     strict=False,
 )
 
@@ -35,7 +36,11 @@ MAX_NUM_SEQS = 2
 @pytest.fixture(scope="module")
 def two_seqs(demo_model, runtime_logs) -> Iterator[RuntimeServer]:
     with running_runtime(
-        demo_model, runtime_logs, MAX_NUM_SEQS=str(MAX_NUM_SEQS), MAX_CONCURRENCY="64"
+        demo_model,
+        runtime_logs,
+        MAX_NUM_SEQS=str(MAX_NUM_SEQS),
+        MAX_CONCURRENCY="64",
+        MAX_MODEL_LEN="2048",
     ) as server:
         yield server
 
@@ -56,17 +61,25 @@ def gauges(url: str) -> dict[str, float]:
     return values
 
 
-@IDLE_RACE
 async def test_in_flight_is_what_the_engine_runs_and_the_rest_is_queue(two_seqs):
-    body = {"model": "demo", "prompt": "count", "max_tokens": 200, "ignore_eos": True}
+    # Two long requests take the engine's two places first; the 22 short ones sent after them
+    # wait in vLLM's scheduler, so all 24 stay outstanding for the seconds the long ones run.
+    long_body = {"model": "demo", "prompt": "count", "max_tokens": 2000, "ignore_eos": True}
+    body = {"model": "demo", "prompt": "count", "max_tokens": 20, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=two_seqs.url, timeout=600) as client:
         requests = [
-            asyncio.create_task(client.post("/v1/completions", json=body))
-            for _ in range(CONCURRENT)
+            asyncio.create_task(client.post("/v1/completions", json=long_body))
+            for _ in range(MAX_NUM_SEQS)
         ]
-        # Sample while all 24 are outstanding (the first ones take a while to finish).
-        samples = []
         deadline = time.monotonic() + 120
+        while (await asyncio.to_thread(gauges, two_seqs.url))["vllm:num_requests_running"] < 2:
+            assert time.monotonic() < deadline, "the long requests never ran"
+            await asyncio.sleep(0.05)
+        requests += [
+            asyncio.create_task(client.post("/v1/completions", json=body))
+            for _ in range(CONCURRENT - MAX_NUM_SEQS)
+        ]
+        samples = []
         while time.monotonic() < deadline and len(samples) < 5:
             await asyncio.sleep(0.3)
             sample = await asyncio.to_thread(gauges, two_seqs.url)
@@ -137,7 +150,7 @@ async def _closed_loop_load(url: str, workers: int, stop: asyncio.Event) -> int:
     return done
 
 
-@IDLE_RACE
+@CLOSED_LOOP_FLAKE
 async def test_the_operator_scales_to_the_real_need_of_a_real_pod(two_seqs, tmp_path_factory):
     """One real runtime pod (MAX_NUM_SEQS=2) under 24 concurrent clients: it runs 2 and queues
     22, so at targetQueueDepth 2 the endpoint needs 24 / (2 + 2) = 6 replicas. (The old signal,
@@ -208,12 +221,12 @@ async def test_the_operator_scales_to_the_real_need_of_a_real_pod(two_seqs, tmp_
             await asyncio.sleep(5)  # a few more ticks under the same load
             status = autoscaling()
             # What one replica runs while others wait: vLLM's max_num_seqs here.
-            assert 1 <= status["signals"]["replicaCapacity"] <= MAX_NUM_SEQS
+            assert 1 <= status["signals"]["replicaCapacity"] <= MAX_NUM_SEQS, status
             # 24 / (2 + 2) = 6; a tick that caught a replica between two engine steps (1
             # running) learns capacity 1: 24 / 3 = 8. Never beyond maxReplicas.
-            assert 6 <= replicas() <= MAX_REPLICAS
+            assert 6 <= replicas() <= MAX_REPLICAS, status
             ups = [d for d in status["lastDecisions"] if d["to"] > d["from"]]
-            assert ups[-1]["from"] == 1 and "burst" in ups[-1]["reason"]
+            assert ups[-1]["from"] == 1 and "burst" in ups[-1]["reason"], status["lastDecisions"]
         finally:
             stop.set()
             if load is not None:

@@ -74,6 +74,7 @@ class JobExecutor:
             retries=settings.webhook_retries,
             delay_seconds=settings.webhook_retry_delay_seconds,
             timeout_seconds=settings.webhook_timeout_seconds,
+            max_concurrency=settings.webhook_max_concurrency,
         )
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._workers: list[asyncio.Task[None]] = []

@@ -116,6 +116,7 @@ class SharedQueueJobs:
             retries=job_settings.webhook_retries,
             delay_seconds=job_settings.webhook_retry_delay_seconds,
             timeout_seconds=job_settings.webhook_timeout_seconds,
+            max_concurrency=job_settings.webhook_max_concurrency,
             policy=webhook_policy,
         )
         self._service: QueueJobService | None = None

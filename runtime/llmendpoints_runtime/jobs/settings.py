@@ -43,7 +43,10 @@ class JobSettings(BaseModel):
     # Webhook: 1 attempt + this many retries, this far apart.
     webhook_retries: int = Field(default=2, ge=0)
     webhook_retry_delay_seconds: float = Field(default=10.0, ge=0)
+    # One attempt's deadline, connect to status line (WEBHOOK_TIMEOUT_SECONDS).
     webhook_timeout_seconds: float = Field(default=10.0, gt=0)
+    # Attempts under way at once; the rest wait for a slot (WEBHOOK_MAX_CONCURRENCY).
+    webhook_max_concurrency: int = Field(default=64, ge=1)
 
     @model_validator(mode="after")
     def _batch_sizes_consistent(self) -> JobSettings:

@@ -63,6 +63,7 @@ def build_job_feature(
         retries=settings.webhook_retries,
         delay_seconds=settings.webhook_retry_delay_seconds,
         timeout_seconds=settings.webhook_timeout_seconds,
+        max_concurrency=settings.webhook_max_concurrency,
         policy=webhook_policy,
     )
     executor = JobExecutor(

@@ -123,6 +123,29 @@ def test_refusals_never_repeat_userinfo_or_query() -> None:
     assert redact("https://[::1]:8443/a/b?x=1") == "https://[::1]:8443/a/b"
 
 
+@pytest.mark.parametrize(
+    ("url", "shown", "origin"),
+    [
+        ("https://tok3n@hooks.test/a", "https://hooks.test/a", "https://hooks.test"),
+        (
+            "http://u:p4ss@hooks.test:8080/x?k=s3cret&a=1#frag",
+            "http://hooks.test:8080/x",
+            "http://hooks.test:8080",
+        ),
+        ("http://hooks.test?next=http://u:p4ss@evil/", "http://hooks.test", "http://hooks.test"),
+        ("http://a@b:p4ss@hooks.test/T0KEN", "http://hooks.test/T0KEN", "http://hooks.test"),
+        ("http://u:p4ss@[::1]/", "http://[::1]/", "http://[::1]"),
+        ("http://hooks.test:99999/?k=s3cret", "(an invalid URL)", "(an invalid URL)"),
+    ],
+)
+def test_redact_drops_userinfo_query_and_fragment(url: str, shown: str, origin: str) -> None:
+    assert redact(url) == shown
+    assert redact(url, path=False) == origin
+    for secret in ("tok3n", "p4ss", "s3cret", "frag", "evil"):
+        assert secret not in redact(url)
+    assert "T0KEN" not in redact(url, path=False)
+
+
 def _resolver(table: dict[str, list[str]]):
     async def resolve(host: str, port: int) -> list[str]:
         if host not in table:

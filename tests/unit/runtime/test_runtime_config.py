@@ -272,3 +272,28 @@ def test_webhook_destinations_are_parsed_and_a_bad_entry_is_named():
     assert config().settings.webhook_policy.allowed == ()
     error = error_for(LLMEP_WEBHOOK_DESTINATIONS="hooks.example.com, https://x/")
     assert error.variable == "LLMEP_WEBHOOK_DESTINATIONS" and "'https://x/'" in str(error)
+
+
+def test_webhook_bounds_reach_the_job_settings_and_bad_values_are_named():
+    from llmendpoints_runtime.compose import job_settings_from
+
+    defaults = job_settings_from(config().settings, 300)
+    assert (defaults.webhook_timeout_seconds, defaults.webhook_max_concurrency) == (10.0, 64)
+    tuned = config(WEBHOOK_TIMEOUT_SECONDS="2.5", WEBHOOK_MAX_CONCURRENCY="8").settings
+    jobs = job_settings_from(tuned, 300)
+    assert (jobs.webhook_timeout_seconds, jobs.webhook_max_concurrency) == (2.5, 8)
+    assert error_for(WEBHOOK_TIMEOUT_SECONDS="0").variable == "WEBHOOK_TIMEOUT_SECONDS"
+    assert error_for(WEBHOOK_MAX_CONCURRENCY="0").variable == "WEBHOOK_MAX_CONCURRENCY"
+
+
+def test_the_gateway_reads_the_webhook_settings_by_the_same_names():
+    from llmendpoints_gateway.config import GatewaySettings
+    from llmendpoints_runtime.config import RuntimeSettings
+
+    names = ("webhook_destinations", "webhook_timeout_seconds", "webhook_max_concurrency")
+    for name in names:
+        runtime, gateway = RuntimeSettings.model_fields[name], GatewaySettings.model_fields[name]
+        assert runtime.validation_alias == gateway.validation_alias, name
+        assert runtime.default == gateway.default, name
+    settings = GatewaySettings(WEBHOOK_TIMEOUT_SECONDS="3", WEBHOOK_MAX_CONCURRENCY="5")
+    assert (settings.webhook_timeout_seconds, settings.webhook_max_concurrency) == (3.0, 5)
