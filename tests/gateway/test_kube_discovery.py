@@ -150,8 +150,8 @@ async def test_endpoints_pods_and_keys_come_from_the_cluster(cluster, gateway, s
     assert (await asyncio.to_thread(_chat, gateway, "ka", "alpha-model")).status_code == 200
     assert (await asyncio.to_thread(_chat, gateway, "kb", "beta")).json()["replica"] == "b1"
     # A key of alpha is refused on beta and the other way round; no key at all is a 401.
-    assert (await asyncio.to_thread(_chat, gateway, "ka", "beta")).status_code == 404
-    assert (await asyncio.to_thread(_chat, gateway, "kb", "alpha-model")).status_code == 404
+    assert (await asyncio.to_thread(_chat, gateway, "ka", "beta")).status_code == 403
+    assert (await asyncio.to_thread(_chat, gateway, "kb", "alpha-model")).status_code == 403
     assert (await asyncio.to_thread(_chat, gateway, "nope", "beta")).status_code == 401
 
 
