@@ -165,6 +165,47 @@ def _key_entry(entry: Any, where: str, *, require_name: bool = False) -> tuple[b
     return d, Key(name, None if endpoints is None else frozenset(endpoints), admin, limits)
 
 
+KEY_SECRET_LABEL = "llmendpoints.dev/api-key"
+_SECRET_LIMITS = ("requestsPerMinute", "tokensPerMinute", "maxConcurrent")
+
+
+def secret_api_key(obj: Mapping[str, Any]) -> tuple[bytes, Key]:
+    """PURE: one Secret labelled ``llmendpoints.dev/api-key`` -> (digest, key).
+
+    Its data (all optional but the key): ``key`` or ``keySha256``, ``name`` (default: the
+    Secret's name), ``endpoints`` (comma-separated; default all), ``requestsPerMinute``,
+    ``tokensPerMinute``, ``maxConcurrent``, ``admin`` (``true``/``false``). Errors name the
+    Secret and the field, never the key."""
+    import base64
+
+    meta = obj.get("metadata") or {}
+    where = f"Secret {meta.get('namespace', '')}/{meta.get('name', '')}"
+    data: dict[str, str] = {}
+    for field_name, encoded in (obj.get("data") or {}).items():
+        try:
+            data[field_name] = base64.b64decode(encoded).decode("utf-8").strip()
+        except (ValueError, UnicodeDecodeError):
+            raise KeyFileError(f"{where}: {field_name}: not base64 UTF-8 text") from None
+    entry: dict[str, Any] = {"name": data.get("name") or meta.get("name")}
+    for field_name in ("key", "keySha256"):
+        if field_name in data:
+            entry[field_name] = data[field_name]
+    if "endpoints" in data:
+        entry["endpoints"] = [e.strip() for e in data["endpoints"].split(",") if e.strip()]
+    limits: dict[str, Any] = {}
+    for field_name in _SECRET_LIMITS:
+        if field_name in data:
+            raw = data[field_name]
+            limits[field_name] = int(raw) if raw.isdigit() else raw
+    if limits:
+        entry["limits"] = limits
+    if "admin" in data:
+        if data["admin"].lower() not in ("true", "false"):
+            raise KeyFileError(f"{where}: admin: must be true or false")
+        entry["admin"] = data["admin"].lower() == "true"
+    return _key_entry(entry, where, require_name=True)
+
+
 def parse_endpoints_file_keys(text: str) -> dict[bytes, Key] | None:
     """The ``apiKeys`` of GATEWAY_ENDPOINTS_FILE, or None when the file has none (the
     endpoints in it are checked by discovery/static.py)."""

@@ -48,7 +48,9 @@ def build(settings: GatewaySettings) -> Gateway:
     else:
         from llmendpoints_gateway.discovery.kube import KubeDiscovery
 
-        kube = KubeDiscovery(registry, keys, namespace=settings.namespace)
+        kube = KubeDiscovery(
+            registry, keys, namespace=settings.namespace, keys_namespace=settings.keys_namespace
+        )
         gateway.started.append(kube.start)
         gateway.stopped.append(kube.stop)
     if settings.jobs_queue_url is not None:
