@@ -10,11 +10,16 @@ requests already admitted report (quotas.py).
 Cost on the request path:
 
 - a key without limits: nothing (no NATS, no lock);
-- a key with limits: one publish round trip in the usual case. Every replica follows the
-  bucket (an ordered consumer delivering each change), so its cached revision is the latest
-  and the write wins the first time; a write that loses re-reads and retries. Admissions of
-  one key on one replica are group-committed: those arriving while a write is in flight go in
-  the next write together, so a burst costs a few round trips, not one per request.
+- a key with requestsPerMinute / tokensPerMinute only: usually none. A replica that writes an
+  admission also reserves a share of what is left of the minute's requests (quotas.reservation:
+  1/8 of it, at most 32; none near the limit) and admits the next ones from that allowance
+  without a round trip; tokens are checked against its cached copy of the state;
+- a key with maxConcurrent, or whose allowance is used up: one publish round trip in the usual
+  case. Every replica follows the bucket (an ordered consumer delivering each change), so its
+  cached revision is the latest and the write wins the first time; a write that loses re-reads
+  and retries. Admissions of one key on one replica are group-committed: those arriving while a
+  write is in flight go in the next write together, so a burst costs a few round trips, not one
+  per request;
 - a request refused for requestsPerMinute / tokensPerMinute: decided on the cached value (a
   window's counts only grow, so a stale cache never refuses wrongly); maxConcurrent re-reads
   once before refusing (a slot may have been freed elsewhere).
@@ -54,6 +59,7 @@ from llmendpoints_gateway.quotas import (
     finish,
     rate_headers,
     renew,
+    reservation,
 )
 
 logger = logging.getLogger("llmendpoints.gateway.limiter")
@@ -109,6 +115,9 @@ class Limiter:
         self._watch = None
         self._fallback_logged = False
         self.round_trips = 0  # bucket writes and reads made (bench, tests)
+        self.local_admissions = 0  # admitted from a reservation, no round trip
+        # tenant token -> (window, requests reserved by this replica and not used yet)
+        self._allowance: dict[str, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -186,17 +195,53 @@ class Limiter:
             if hold and limits.max_concurrent is not None
             else None
         )
+        reserve = lease is None and self.shared
+        if reserve and (headers := self._admit_locally(token, limits)) is not None:
+            return Ticket(key.name, limits, None, headers)
 
         def op(state: QuotaState, now: float) -> tuple[QuotaState, Any, bool]:
             after, denied = admit(state, limits, now, lease)
-            return after, (denied, rate_headers(after, limits, now)), denied is None
+            extra = reservation(after, limits) if reserve and denied is None else 0
+            after.requests += extra
+            view = QuotaState(after.window, after.requests - extra, after.tokens)
+            return (
+                after,
+                (denied, rate_headers(view, limits, now), extra, after.window),
+                (denied is None),
+            )
 
-        denied, headers = await self._submit(token, op)
+        denied, headers, extra, window = await self._submit(token, op)
         if denied is not None:
             raise _rate_limited(key.name, limits, denied, headers)
+        if extra:
+            have_window, left = self._allowance.get(token, (window, 0))
+            self._allowance[token] = (window, extra + (left if have_window == window else 0))
         if lease is not None:
             self._held.setdefault(token, set()).add(lease)
         return Ticket(key.name, limits, lease, headers)
+
+    def _admit_locally(self, token: str, limits: Limits) -> list[tuple[bytes, bytes]] | None:
+        """Admit with no round trip when the cached state allows it: from this replica's
+        reserved requests (requestsPerMinute), and the minute's tokens below tokensPerMinute
+        (the cache follows the bucket; a window's counts only grow, so a stale cache may admit
+        a request the tokens limit would refuse only by the charges still in flight -- the
+        bound quotas.py states). None: decide by a write."""
+        cached = self._cache.get(token)
+        if cached is None:
+            return None
+        now = self.clock()
+        state = cached[0].current(now)
+        if limits.tokens_per_minute is not None and state.tokens >= limits.tokens_per_minute:
+            return None
+        if limits.requests_per_minute is None:
+            return rate_headers(state, limits, now)
+        window, left = self._allowance.get(token, (-1, 0))
+        if window != state.window or left <= 0:
+            return None
+        self._allowance[token] = (window, left - 1)
+        self.local_admissions += 1
+        view = QuotaState(state.window, state.requests - (left - 1), state.tokens)
+        return rate_headers(view, limits, now)
 
     def finish(self, ticket: Ticket | None, tokens: int = 0) -> None:
         """The request ended (answered, failed or abandoned): release its lease and charge its

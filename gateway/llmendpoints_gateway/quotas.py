@@ -30,6 +30,10 @@ LEASE_TTL_SECONDS = 60.0
 LEASE_RENEW_SECONDS = 20.0
 # Retry-After for a key at its concurrency limit: a slot frees when any request ends.
 CONCURRENCY_RETRY_AFTER_SECONDS = 1
+# A replica that writes an admission may take this share of what is left of the minute's
+# requests as a local allowance (admitted later with no round trip), at most RESERVE_MAX.
+RESERVE_SHARE = 8
+RESERVE_MAX = 32
 
 LIMIT_FIELDS = {
     "requestsPerMinute": "requests_per_minute",
@@ -164,6 +168,18 @@ def admit(
     if lease is not None and limits.max_concurrent is not None:
         state.leases[lease] = now + LEASE_TTL_SECONDS
     return state, None
+
+
+def reservation(state: QuotaState, limits: Limits) -> int:
+    """How many more of the minute's requests a replica may reserve after admitting one: a
+    1/RESERVE_SHARE share of what is left, so near the limit it is 0 and every admission is
+    exact. Reserved requests count in the shared state at once: reservations never overshoot;
+    what a replica reserved and did not use before the minute ended is lost (at most the share
+    it took, by each replica)."""
+    if limits.requests_per_minute is None:
+        return 0
+    left = limits.requests_per_minute - state.requests
+    return max(0, min(RESERVE_MAX, left // RESERVE_SHARE))
 
 
 def finish(state: QuotaState, now: float, lease: str | None, tokens: int) -> QuotaState:
