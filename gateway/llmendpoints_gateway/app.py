@@ -159,14 +159,16 @@ class Gateway:
         except APIError as exc:
             state.status = exc.status_code
             if not state.responded:
-                await send_error(send, exc, request_id)
+                await send_error(state.send or send, exc, request_id)
         except ClientGone:
             state.status = CLIENT_GONE
         except Exception:
             logger.exception("unexpected error answering %s %s", scope["method"], scope["path"])
             state.status = 500
             if not state.responded:
-                await send_error(send, APIError(500, "internal gateway error"), request_id)
+                await send_error(
+                    state.send or send, APIError(500, "internal gateway error"), request_id
+                )
             else:
                 raise  # cut the connection: the body must not look complete
         finally:
@@ -218,6 +220,8 @@ class Gateway:
             return None
 
         key = self._identify(scope, state)
+        if key is not None and key.limits.any:
+            send = self._with_rate_headers(key, send, state)
         if path.startswith("/v1/"):
             if path == "/v1/models" and method == "GET":
                 return await send_json(send, 200, self._models(key, None, state), state)
@@ -271,19 +275,25 @@ class Gateway:
             )
 
     async def _admit(self, key: Key | None, state: RequestLog, send: Send, *, hold: bool):
-        """The key's limits: 429 over one; else the send that adds the x-ratelimit-* headers
-        to the answer."""
-        if key is None or not key.limits.any:
-            return send
-        ticket = await self.limiter.admit(key, hold=hold)
-        state.ticket = ticket
-        extra = ticket.headers
+        """The key's limits: 429 over one; else a ticket whose headers the answer carries."""
+        if key is not None and key.limits.any:
+            state.ticket = await self.limiter.admit(key, hold=hold)
+        return send
+
+    def _with_rate_headers(self, key: Key, send: Send, state: RequestLog) -> Send:
+        """Every answer to a key with limits carries x-ratelimit-*: the admission's view, or
+        (answers that count nothing: /status, /v1/models, errors) the limiter's current one."""
 
         async def send_with_headers(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message["headers"], *extra]}
+                headers = message["headers"]
+                if not any(name.startswith(b"x-ratelimit-") for name, _ in headers):
+                    ticket = state.ticket
+                    extra = ticket.headers if ticket is not None else self.limiter.peek(key)
+                    message = {**message, "headers": [*headers, *extra]}
             await send(message)
 
+        state.send = send_with_headers
         return send_with_headers
 
     # ---------------------------------------------------------------- keys and models

@@ -76,6 +76,7 @@ class RequestLog:
     record_kind: str | None = None
     record_id: str | None = None
     record_requests: int = 1
+    send: Any = None  # the send that adds x-ratelimit-* headers (keys with limits)
 
 
 def header(scope: Scope, name: bytes) -> str | None:

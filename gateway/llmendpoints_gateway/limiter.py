@@ -243,6 +243,14 @@ class Limiter:
         view = QuotaState(state.window, state.requests - (left - 1), state.tokens)
         return rate_headers(view, limits, now)
 
+    def peek(self, key: Key) -> list[tuple[bytes, bytes]]:
+        """The x-ratelimit-* headers as this replica sees the key now, counting nothing."""
+        token = names.quota_key(key.name)
+        cached = self._cache.get(token) if self.shared else None
+        state = cached[0] if cached is not None else self._local.get(token, QuotaState())
+        now = self.clock()
+        return rate_headers(state.current(now), key.limits, now)
+
     def finish(self, ticket: Ticket | None, tokens: int = 0) -> None:
         """The request ended (answered, failed or abandoned): release its lease and charge its
         tokens, in the background. Called once per ticket; later calls do nothing."""

@@ -213,6 +213,13 @@ def test_requests_per_minute_hold_across_both_gateways_and_429s_carry_the_header
     retry_after = int(refused.headers["retry-after"])
     assert 1 <= retry_after <= 60
     assert refused.headers["x-ratelimit-reset-requests"].endswith("s")
+    # Answers that count nothing carry them too (a model list, a 404), as of now.
+    for answer in (
+        httpx.get(gateways[1].url + "/v1/models", headers=_auth("rpm")),
+        httpx.post(gateways[0].url + CHAT, json=chat("no-such-model"), headers=_auth("rpm")),
+    ):
+        assert answer.headers["x-ratelimit-remaining-requests"] == "0", answer.headers
+        assert all(h in answer.headers for h in RATE_HEADERS)
     # The openai SDK sees a RateLimitError with the same body.
     client = openai.OpenAI(
         base_url=gateways[1].url + "/v1", api_key=KEYS["rpm"]["key"], max_retries=0
