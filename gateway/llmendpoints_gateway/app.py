@@ -260,7 +260,9 @@ class Gateway:
         if self.usage is not None and state.record_kind is not None:
             self.usage.record(
                 UsageRecord(
-                    id=state.record_id or state.request_id,
+                    # Unique per answer (a client may reuse an x-request-id); a job's is its id,
+                    # so a job seen finished through two replicas is stored once.
+                    id=state.record_id or f"{state.request_id}.{uuid.uuid4().hex[:16]}",
                     time=time.time(),
                     key=key,
                     endpoint=state.endpoint,

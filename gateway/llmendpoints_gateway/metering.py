@@ -12,8 +12,9 @@
 
 A request that failed before the engine produced anything has no usage: it counts as a request
 (with its status) and zero tokens. Records go to the JetStream stream ``LLMEP_USAGE`` with the
-request id as the message id, so a record published twice (a publish retried after a lost
-acknowledgement, a job's result read through two replicas) is stored once.
+record's id as the message id (unique per answer; a job's own id for its records), so a record
+published twice (a publish retried after a lost acknowledgement, a job's result read through two
+replicas) is stored once.
 
 Pure parts first (scanner, extraction, aggregation); the NATS publisher and reader at the end.
 """
@@ -207,7 +208,7 @@ class BodyUsage:
 
 @dataclass(frozen=True)
 class UsageRecord:
-    id: str  # the request id (or "job-<id>"): the record's identity in the stream
+    id: str  # unique per answer ("<request id>.<random>"), or "job-<id>"[-usage]
     time: float  # epoch seconds, when the request ended
     key: str  # the API key's name ("" without a key)
     endpoint: str
