@@ -341,3 +341,43 @@ def test_a_limiter_without_nats_enforces_limits_and_skips_keys_without_limits():
         assert limiter.round_trips == 0
 
     asyncio.run(scenario())
+
+
+def test_reservations_take_a_share_of_what_is_left_and_none_near_the_limit():
+    from llmendpoints_gateway.quotas import RESERVE_MAX, reservation
+
+    sixty = Limits(requests_per_minute=60)
+    assert reservation(QuotaState(0, 1, 0), sixty) == 59 // 8
+    assert reservation(QuotaState(0, 53, 0), sixty) == 0  # 7 left: every admission writes
+    assert reservation(QuotaState(0, 0, 0), Limits(requests_per_minute=10**9)) == RESERVE_MAX
+    assert reservation(QuotaState(0, 0, 0), Limits(tokens_per_minute=5)) == 0
+    assert reservation(QuotaState(0, 70, 0), sixty) == 0
+
+
+def test_a_labelled_secret_is_one_key_with_its_limits():
+    import base64
+
+    from llmendpoints_gateway.keys import secret_api_key
+
+    def secret(**data: str) -> dict:
+        return {
+            "metadata": {"name": "team-a", "namespace": "llm"},
+            "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
+        }
+
+    d, key = secret_api_key(
+        secret(key="sk-a", endpoints="demo, chat", requestsPerMinute="5", maxConcurrent="2")
+    )
+    assert d == digest("sk-a")
+    assert key == Key("team-a", frozenset({"demo", "chat"}), False, Limits(5, None, 2))
+    d, key = secret_api_key(
+        secret(keySha256=hashlib.sha256(b"sk-o").hexdigest(), name="ops", admin="true")
+    )
+    assert d == digest("sk-o") and key == Key("ops", None, True)
+    for data, message in [
+        ({}, r"Secret llm/team-a\.key"),
+        ({"key": "k", "tokensPerMinute": "lots"}, r"Secret llm/team-a\.limits\.tokensPerMinute"),
+        ({"key": "k", "admin": "yes"}, "admin"),
+    ]:
+        with pytest.raises(KeyFileError, match=message):
+            secret_api_key(secret(**data))
