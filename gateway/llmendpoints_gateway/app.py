@@ -57,7 +57,6 @@ from llmendpoints_gateway.metering import (
     UsagePublisher,
     UsageRecord,
     prepare_stream_request,
-    usage_of_job_output,
     with_usage_option,
 )
 from llmendpoints_gateway.metrics import GatewayMetrics
@@ -87,7 +86,6 @@ class Gateway:
     jobs: JobGateway | None = None  # the job API, with JOBS_QUEUE_URL
     nudge: Callable[[str], None] | None = None  # "work for an endpoint with no ready replica"
     limiter: Limiter | None = None  # per-key limits (a local one when None)
-    _metered_jobs: dict[str, None] = field(default_factory=dict)  # insertion-ordered LRU
     usage: UsagePublisher | None = None  # durable usage records, with JOBS_QUEUE_URL
 
     def __post_init__(self) -> None:
@@ -387,45 +385,38 @@ class Gateway:
             state.model = ep.models[0] if ep.models else ""
             state.record_kind = "job"
             state.record_id = f"job-{reply['id']}"
-        self._meter_job_tokens(key, ep, reply)
         await send_json(send, 200, reply, state)
 
-    def _meter_job_tokens(self, key: Key | None, ep: Endpoint, reply: dict[str, Any]) -> None:
-        """A finished job's tokens, counted the first time this replica returns its result
-        (the usage stream drops the same record from another replica: its id is the job's)."""
-        job_id = reply.get("id")
-        if reply.get("status") != "COMPLETED" or not isinstance(job_id, str):
-            return
-        if job_id in self._metered_jobs:
-            return
-        usage = usage_of_job_output(reply.get("output"))
-        if usage is None:
-            return
-        self._metered_jobs[job_id] = None
-        if len(self._metered_jobs) > 100_000:
-            self._metered_jobs.pop(next(iter(self._metered_jobs)))
-        name = key.name if key is not None else ""
-        for kind, n in (("prompt", usage.prompt_tokens), ("completion", usage.completion_tokens)):
-            if n:
-                self.metrics.tokens.labels(name, ep.name, kind).inc(n)
-        if key is not None:
-            self.limiter.charge(key, usage.total)
-        if self.usage is not None:
-            self.usage.record(
-                UsageRecord(
-                    id=f"job-{job_id}-usage",
-                    time=time.time(),
-                    key=name,
-                    endpoint=ep.name,
-                    model=ep.models[0] if ep.models else "",
-                    status=200,
-                    prompt_tokens=usage.prompt_tokens,
-                    completion_tokens=usage.completion_tokens,
-                    gateway=self.settings.gateway_id,
-                    kind="job",
-                    requests=0,
-                )
-            )
+    def job_usage(self, record, usage: Usage):
+        """JobUsageMeter's callback: a completed job's usage record, and what to count once
+        the usage stream stored it for the first time."""
+        ep = self.registry.get(record.endpoint)
+        entry = UsageRecord(
+            id=f"job-{record.id}-usage",
+            time=record.finished_at or time.time(),
+            key=record.owner,
+            endpoint=record.endpoint,
+            model=ep.models[0] if ep is not None and ep.models else "",
+            status=200,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            gateway=self.settings.gateway_id,
+            kind="job",
+            requests=0,  # the job was counted when it was accepted
+        )
+
+        def count() -> None:
+            for kind, n in (
+                ("prompt", usage.prompt_tokens),
+                ("completion", usage.completion_tokens),
+            ):
+                if n:
+                    self.metrics.tokens.labels(record.owner, record.endpoint, kind).inc(n)
+            key = self.keys.by_name(record.owner)
+            if key is not None:
+                self.limiter.charge(key, usage.total)
+
+        return entry, count
 
     # ---------------------------------------------------------------- OpenAI proxying
 

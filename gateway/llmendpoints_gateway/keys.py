@@ -260,6 +260,7 @@ class KeyRing:
     _endpoint_keys: dict[str, dict[bytes, Key]] = field(default_factory=dict)
     _secret_keys: dict[bytes, Key] | None = None  # Kubernetes: labelled Secrets
     _merged: dict[bytes, Key] = field(default_factory=dict)
+    _by_name: dict[str, Key] = field(default_factory=dict)
     _checked_at: float = float("-inf")
 
     def __post_init__(self) -> None:
@@ -295,6 +296,10 @@ class KeyRing:
 
     def requires_key(self, endpoint: str) -> bool:
         return self.gateway_keys or bool(self._endpoint_keys.get(endpoint))
+
+    def by_name(self, name: str) -> Key | None:
+        """A key of this name (its limits), e.g. a job's owner."""
+        return self._by_name.get(name)
 
     def identify(self, secret: str) -> Key | None:
         self._refresh()
@@ -334,6 +339,7 @@ class KeyRing:
         for watched in self._files:
             merged.update(watched.keys or {})
         self._merged = merged
+        self._by_name = {key.name: key for key in merged.values()}
 
     def _refresh(self, *, force: bool = False) -> None:
         if not self._files:

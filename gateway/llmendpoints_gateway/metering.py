@@ -7,8 +7,9 @@
   when the client did not ask for it, that chunk is taken out of the client's stream, so the
   client sees what it would have seen without the gateway. /v1/responses streams carry usage in
   their ``response.completed`` event anyway.
-- Jobs: the usage of the job's output (``usage.input`` / ``usage.output`` of its last batch,
-  or an OpenAI route's ``usage``) when the gateway returns the finished job.
+- Jobs: a request when accepted; the usage of the job's output (``usage.input`` /
+  ``usage.output`` of its last batch, or an OpenAI route's ``usage``) when it completes, read by
+  jobs.JobUsageMeter from the job records whoever ran it and however its result is fetched.
 
 A request that failed before the engine produced anything has no usage: it counts as a request
 (with its status) and zero tokens. Records go to the JetStream stream ``LLMEP_USAGE`` with the
@@ -219,7 +220,7 @@ class UsageRecord:
     gateway: str = ""
     kind: str = "openai"  # openai | job
     # 1 for a request or a job's submission; 0 for the record of a job's tokens, written when
-    # the gateway returns the finished job (the submission was counted already).
+    # the job completes (its submission was counted already).
     requests: int = 1
 
     def encode(self) -> bytes:

@@ -54,7 +54,7 @@ def build(settings: GatewaySettings) -> Gateway:
         gateway.started.append(kube.start)
         gateway.stopped.append(kube.stop)
     if settings.jobs_queue_url is not None:
-        from llmendpoints_gateway.jobs import JobGateway
+        from llmendpoints_gateway.jobs import JobGateway, JobUsageMeter
         from llmendpoints_gateway.metering import UsagePublisher
         from llmendpoints_gateway.signals import SignalPublisher
 
@@ -63,7 +63,8 @@ def build(settings: GatewaySettings) -> Gateway:
         gateway.nudge = publisher.nudge_soon
         gateway.jobs = JobGateway(url, publisher.gateway_id, webhook_policy=settings.webhook_policy)
         gateway.usage = UsagePublisher(url, publisher.gateway_id)
-        for part in (publisher, gateway.jobs, gateway.usage):
+        job_usage = JobUsageMeter(url, publisher.gateway_id, gateway.job_usage)
+        for part in (publisher, gateway.jobs, gateway.usage, job_usage):
             gateway.started.append(part.start)
             gateway.stopped.append(part.stop)
     return gateway

@@ -479,3 +479,74 @@ def test_a_revoked_key_stops_on_both_gateways_within_5_s(gateways, endpoints_fil
         httpx.post(gateways[1].url + CHAT, json=chat(), headers=_auth("demo-only")).status_code
         == 200
     )
+
+
+def test_a_completed_jobs_tokens_are_counted_once_whoever_ran_it(gateways, queue_url):
+    """A job accepted by one gateway and completed by a worker (played here with the queue's own
+    record functions, as a runtime pod does) is metered once across both gateways, also when
+    its finished record is written again (a /stream read moving its cursor)."""
+    import asyncio
+
+    from llmendpoints_common.jobs.models import JobStatus
+    from llmendpoints_common.jobs.record import claim, finish
+    from llmendpoints_common.queue.client import QueueConnection
+    from llmendpoints_common.queue.state import JobStates
+
+    job = httpx.post(
+        gateways[1].url + "/v2/demo/run",
+        json={"input": {"prompt": "hi"}},
+        headers=_auth("demo-only"),
+    )
+    assert job.status_code == 200, job.text
+    job_id = job.json()["id"]
+    output = [{"choices": [{"tokens": ["a b"]}], "usage": {"input": 4, "output": 2}}]
+
+    async def work() -> None:
+        connection = await QueueConnection.connect(queue_url, name="test-worker")
+        try:
+            states = JobStates(connection.js, "demo")
+            now = time.time()
+            await states.update(job_id, lambda r: claim(r, now=now, worker="w"))
+            await states.update(
+                job_id, lambda r: finish(r, JobStatus.COMPLETED, now=now, output=output)
+            )
+            await states.update(job_id, lambda r: r.model_copy(update={"stream_cursor": 7}))
+        finally:
+            await connection.close()
+
+    def tokens(kind: str) -> float:
+        return _both(
+            gateways,
+            "llmendpoints_gateway_tokens_total",
+            key="demo-only",
+            endpoint="demo",
+            kind=kind,
+        )
+
+    before = tokens("prompt"), tokens("completion")
+    asyncio.run(work())
+    _until(lambda: tokens("completion") == before[1] + 2, "the job's tokens counted")
+    assert tokens("prompt") == before[0] + 4
+    _until(lambda: _consumer_drained(queue_url), "every change of the record handled")
+    # The second write of the finished record counted nothing.
+    assert tokens("completion") == before[1] + 2
+
+
+def _consumer_drained(queue_url: str) -> bool:
+    import asyncio
+
+    import nats
+    from llmendpoints_common.queue import names
+    from llmendpoints_gateway.jobs import JOB_USAGE_CONSUMER
+
+    async def read() -> bool:
+        nc = await nats.connect(queue_url)
+        try:
+            info = await nc.jetstream().consumer_info(
+                names.kv_stream(names.JOB_STATE_BUCKET), JOB_USAGE_CONSUMER
+            )
+            return info.num_pending == 0 and info.num_ack_pending == 0
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())
