@@ -86,7 +86,11 @@ def _usage(since: float, until: float | None, fmt: str) -> int:
     try:
         records = asyncio.run(read_usage(url, since, until))
     except Exception as exc:
-        print(f"llmendpoints-gateway usage: cannot read usage records: {exc}", file=sys.stderr)
+        detail = str(exc) or type(exc).__name__
+        print(
+            f"llmendpoints-gateway usage: cannot read usage records from JOBS_QUEUE_URL: {detail}",
+            file=sys.stderr,
+        )
         return 1
     rows = summarize(records)
     if fmt == "json":

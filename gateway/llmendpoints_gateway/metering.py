@@ -361,18 +361,43 @@ class UsagePublisher:
                     await asyncio.sleep(1.0)
 
 
+CONNECT_TIMEOUT_SECONDS = 10.0
+
+
 async def read_usage(url: str, since: float, until: float | None) -> list[UsageRecord]:
     """Every record of ``LLMEP_USAGE`` that ended in [since, until): read from the first
     message stored at ``since`` (the stream's own time index) up to its last message now."""
     from datetime import UTC, datetime
 
+    import nats
     from llmendpoints_common.queue import names
-    from llmendpoints_common.queue.client import QueueConnection
+    from llmendpoints_common.queue.topology import QueueLayout, ensure_streams
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-    connection = await QueueConnection.connect(url, name="llmendpoints-gateway-usage")
+    async def quiet(exc: Exception) -> None:
+        pass
+
+    # Bounded, unlike the servers' reconnect-forever (nats-py keeps retrying a first connect
+    # whatever its options say): a CLI says it cannot reach the queue.
     try:
-        js = connection.js
+        nc = await asyncio.wait_for(
+            nats.connect(
+                url,
+                name="llmendpoints-gateway-usage",
+                connect_timeout=5,
+                allow_reconnect=False,
+                max_reconnect_attempts=0,
+                error_cb=quiet,
+            ),
+            CONNECT_TIMEOUT_SECONDS,
+        )
+    except TimeoutError:
+        raise ConnectionError(
+            f"no NATS server answered within {CONNECT_TIMEOUT_SECONDS:.0f} s"
+        ) from None
+    try:
+        js = nc.jetstream(timeout=10)
+        await ensure_streams(js, QueueLayout())
         info = await js.stream_info(names.USAGE_STREAM)
         last = info.state.last_seq
         records: list[UsageRecord] = []
@@ -414,4 +439,4 @@ async def read_usage(url: str, since: float, until: float | None) -> list[UsageR
                 await sub.unsubscribe()
         return records
     finally:
-        await connection.close()
+        await nc.close()

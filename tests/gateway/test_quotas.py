@@ -456,6 +456,16 @@ def test_the_usage_export_lists_what_was_served(gateways, queue_url, standins):
         env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert bad.returncode == 2 and "--since" in bad.stderr and "ISO 8601" in bad.stderr
+    from .harness import free_port
+
+    unreachable = subprocess.run(
+        [sys.executable, "-m", "llmendpoints_gateway", "usage", "--since", since],
+        env={**env, "JOBS_QUEUE_URL": f"nats://127.0.0.1:{free_port()}"},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert unreachable.returncode == 1
+    assert "cannot read usage records from JOBS_QUEUE_URL" in unreachable.stderr
+    assert "Traceback" not in unreachable.stderr
 
 
 # ------------------------------------------------------------------ revocation (last: it rewrites the file)
