@@ -274,11 +274,10 @@ class Gateway:
                 )
             )
 
-    async def _admit(self, key: Key | None, state: RequestLog, send: Send, *, hold: bool):
+    async def _admit(self, key: Key | None, state: RequestLog, *, hold: bool) -> None:
         """The key's limits: 429 over one; else a ticket whose headers the answer carries."""
         if key is not None and key.limits.any:
             state.ticket = await self.limiter.admit(key, hold=hold)
-        return send
 
     def _with_rate_headers(self, key: Key, send: Send, state: RequestLog) -> Send:
         """Every answer to a key with limits carries x-ratelimit-*: the admission's view, or
@@ -377,7 +376,7 @@ class Gateway:
         if submit:
             # Jobs count against the key's limits: a request each; a /runsync holds a
             # concurrency slot while it waits.
-            send = await self._admit(key, state, send, hold=verb == "runsync")
+            await self._admit(key, state, hold=verb == "runsync")
         reply = await self.jobs.handle(ep.name, scope["method"], verb, query, headers, body, owner)
         if submit and not ep.ready and self.nudge is not None:
             self.nudge(ep.name)
@@ -453,7 +452,7 @@ class Gateway:
         elif isinstance(model, str):
             state.model = model
         state.endpoint = ep.name
-        send = await self._admit(key, state, send, hold=True)
+        await self._admit(key, state, hold=True)
         state.record_kind = "openai"  # admitted: it is a request of the key's, billed or not
         ask_usage, strip = prepare_stream_request(upstream_path, payload)
         if ask_usage:
