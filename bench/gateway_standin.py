@@ -9,8 +9,12 @@ thousands of streams cost the backend next to nothing and failures can be made o
   then ``[DONE]``; without, one JSON completion. ``standin_fail``: ``"before"`` exits the process
   without answering (a crash), ``"midstream"`` closes it after two events (``standin_fail_on``: only on the replica of that
   ``--name``).
+- Usage as vLLM reports it: ``prompt_tokens`` = the prompt's (or messages') words,
+  ``completion_tokens`` = the chunks sent; in the JSON answer's ``usage``, and for streams with
+  ``stream_options.include_usage`` a last usage-only chunk (``choices: []``) before ``[DONE]``.
 - ``GET /stats``: requests seen, streams ended by the client's disconnect, the last
-  ``x-request-id`` and which replica this is (``--name``).
+  ``x-request-id``, which replica this is (``--name``), and the tokens it reported in total
+  (``prompt_tokens``, ``completion_tokens``: what metering must add up to).
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ class Standin:
             "disconnects": 0,
             "open": 0,
             "last_request_id": None,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "usage_requested": 0,
         }
 
     async def __call__(self, scope, receive, send):
@@ -69,8 +76,15 @@ class Standin:
             os._exit(3)  # a replica that crashes: the connection resets before any byte
         chunks = int(request.get("standin_chunks", 8))
         interval = float(request.get("standin_interval", 0.01))
+        usage = {
+            "prompt_tokens": _prompt_words(request),
+            "completion_tokens": chunks,
+            "total_tokens": _prompt_words(request) + chunks,
+        }
         if not request.get("stream"):
             await asyncio.sleep(interval * chunks)
+            self.stats["prompt_tokens"] += usage["prompt_tokens"]
+            self.stats["completion_tokens"] += usage["completion_tokens"]
             return await _json(
                 send,
                 200,
@@ -86,6 +100,7 @@ class Standin:
                             "message": {"role": "assistant", "content": "x" * chunks},
                         }
                     ],
+                    "usage": usage,
                 },
             )
         await send(
@@ -118,12 +133,42 @@ class Standin:
                 if done:
                     self.stats["disconnects"] += 1
                     return
+            if (request.get("stream_options") or {}).get("include_usage"):
+                self.stats["usage_requested"] += 1
+                self.stats["prompt_tokens"] += usage["prompt_tokens"]
+                self.stats["completion_tokens"] += usage["completion_tokens"]
+                event = {
+                    "id": "cmpl-standin",
+                    "object": "chat.completion.chunk",
+                    "model": request.get("model"),
+                    "choices": [],
+                    "usage": usage,
+                }
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": b"data: " + json.dumps(event).encode() + b"\n\n",
+                        "more_body": True,
+                    }
+                )
             await send(
                 {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
             )
         finally:
             gone.cancel()
             self.stats["open"] -= 1
+
+
+def _prompt_words(request: dict) -> int:
+    prompt = request.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt.split())
+    words = 0
+    for message in request.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            words += len(content.split())
+    return words
 
 
 async def _json(send, status, body):

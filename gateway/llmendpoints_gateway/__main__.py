@@ -1,4 +1,6 @@
-"""CLI: ``llmendpoints-gateway serve`` (also ``python -m llmendpoints_gateway serve``).
+"""CLI: ``llmendpoints-gateway serve`` (also ``python -m llmendpoints_gateway serve``), and
+``llmendpoints-gateway usage --since T [--until T] [--format csv|json]``: the usage records in
+the shared queue (JOBS_QUEUE_URL), one row per key, endpoint and model, for chargeback.
 
 Settings come from the environment (see config.py and docs/gateway.md)."""
 
@@ -18,7 +20,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command")
     commands.add_parser("serve", help="run the gateway (settings from the environment)")
+    usage = commands.add_parser(
+        "usage",
+        help="export usage per key, endpoint and model from the shared queue (JOBS_QUEUE_URL)",
+    )
+    usage.add_argument(
+        "--since", required=True, type=_when, help="ISO 8601 time, e.g. 2026-11-23T04:00:00Z"
+    )
+    usage.add_argument("--until", type=_when, help="ISO 8601 time (default: now)")
+    usage.add_argument("--format", choices=("csv", "json"), default="csv")
     args = parser.parse_args(argv)
+    if args.command == "usage":
+        return _usage(args.since, args.until, args.format)
     if args.command not in (None, "serve"):
         parser.error(f"unknown command {args.command}")
 
@@ -37,6 +50,56 @@ def main(argv: list[str] | None = None) -> int:
     from llmendpoints_gateway.server import serve
 
     serve(settings)
+    return 0
+
+
+def _when(text: str) -> float:
+    """An ISO 8601 time as epoch seconds; a time without a zone is UTC."""
+    from datetime import UTC, datetime
+
+    try:
+        value = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an ISO 8601 time (e.g. 2026-11-23T04:00:00Z)"
+        ) from None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return value.timestamp()
+
+
+def _usage(since: float, until: float | None, fmt: str) -> int:
+    import asyncio
+    import csv
+    import json
+    import os
+
+    from llmendpoints_gateway.metering import USAGE_COLUMNS, read_usage, summarize
+
+    url = os.environ.get("JOBS_QUEUE_URL")
+    if not url:
+        print("llmendpoints-gateway usage: JOBS_QUEUE_URL is not set", file=sys.stderr)
+        return 2
+    if until is not None and until <= since:
+        print("llmendpoints-gateway usage: --until must be after --since", file=sys.stderr)
+        return 2
+    try:
+        records = asyncio.run(read_usage(url, since, until))
+    except Exception as exc:
+        detail = str(exc) or type(exc).__name__
+        print(
+            f"llmendpoints-gateway usage: cannot read usage records from JOBS_QUEUE_URL: {detail}",
+            file=sys.stderr,
+        )
+        return 1
+    rows = summarize(records)
+    if fmt == "json":
+        json.dump(rows, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        writer = csv.DictWriter(sys.stdout, fieldnames=USAGE_COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
     return 0
 
 

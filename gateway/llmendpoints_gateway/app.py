@@ -6,8 +6,10 @@ thousands of concurrent streams. uvicorn (httptools, uvloop) serves it; aiohttp'
 pool talks to the replicas.
 
 Request path for ``/v1/...`` and ``/v2/{endpoint}/openai/v1/...``:
-key -> body (bounded) -> JSON -> model -> endpoint -> allowed for this key? -> a ready replica
-(held while none) -> route (prefix-aware / least-loaded / round-robin) -> forward, streaming.
+key -> body (bounded) -> JSON -> model -> endpoint -> allowed for this key? (403) -> the key's
+limits (limiter.py: 429, and x-ratelimit-* headers on the answer) -> a ready replica (held
+while none) -> route (prefix-aware / least-loaded / round-robin) -> forward, streaming, reading
+the engine's usage as it passes (metering.py) -> metrics and a usage record.
 """
 
 from __future__ import annotations
@@ -47,6 +49,16 @@ from llmendpoints_gateway.config import GatewaySettings
 from llmendpoints_gateway.holding import ClientGone
 from llmendpoints_gateway.jobs import JobGateway
 from llmendpoints_gateway.keys import Key, KeyRing, key_from_headers
+from llmendpoints_gateway.limiter import Limiter
+from llmendpoints_gateway.metering import (
+    BodyUsage,
+    StreamUsage,
+    Usage,
+    UsagePublisher,
+    UsageRecord,
+    prepare_stream_request,
+    with_usage_option,
+)
 from llmendpoints_gateway.metrics import GatewayMetrics
 from llmendpoints_gateway.proxy import UpstreamFailed, bad_gateway, forward, upstream_headers
 from llmendpoints_gateway.registry import Endpoint, Registry
@@ -73,6 +85,12 @@ class Gateway:
     active: int = 0  # requests being answered (held, proxied or local)
     jobs: JobGateway | None = None  # the job API, with JOBS_QUEUE_URL
     nudge: Callable[[str], None] | None = None  # "work for an endpoint with no ready replica"
+    limiter: Limiter | None = None  # per-key limits (a local one when None)
+    usage: UsagePublisher | None = None  # durable usage records, with JOBS_QUEUE_URL
+
+    def __post_init__(self) -> None:
+        if self.limiter is None:
+            self.limiter = Limiter(self.settings.gateway_id)
 
     # ---------------------------------------------------------------- ASGI
 
@@ -115,8 +133,13 @@ class Gateway:
 
     @property
     def busy(self) -> int:
-        """What a draining gateway waits for: requests in flight, job webhooks being sent."""
-        return self.active + (self.jobs.pending_webhooks if self.jobs is not None else 0)
+        """What a draining gateway waits for: requests in flight, job webhooks being sent,
+        limiter updates (released leases, charged tokens) not written yet."""
+        return (
+            self.active
+            + (self.jobs.pending_webhooks if self.jobs is not None else 0)
+            + self.limiter.pending
+        )
 
     def start_draining(self) -> None:
         self.draining = True
@@ -134,20 +157,22 @@ class Gateway:
         except APIError as exc:
             state.status = exc.status_code
             if not state.responded:
-                await send_error(send, exc, request_id)
+                await send_error(state.send or send, exc, request_id)
         except ClientGone:
             state.status = CLIENT_GONE
         except Exception:
             logger.exception("unexpected error answering %s %s", scope["method"], scope["path"])
             state.status = 500
             if not state.responded:
-                await send_error(send, APIError(500, "internal gateway error"), request_id)
+                await send_error(
+                    state.send or send, APIError(500, "internal gateway error"), request_id
+                )
             else:
                 raise  # cut the connection: the body must not look complete
         finally:
             self.active -= 1
             if state.endpoint is not None:
-                self.metrics.requests.labels(state.endpoint, str(state.status)).inc()
+                self._meter(state)
             access.info(
                 "%s %s %d",
                 scope["method"],
@@ -193,6 +218,8 @@ class Gateway:
             return None
 
         key = self._identify(scope, state)
+        if key is not None and key.limits.any:
+            send = self._with_rate_headers(key, send, state)
         if path.startswith("/v1/"):
             if path == "/v1/models" and method == "GET":
                 return await send_json(send, 200, self._models(key, None, state), state)
@@ -202,10 +229,10 @@ class Gateway:
         if path.startswith("/v2/"):
             name, _, rest = path[len("/v2/") :].partition("/")
             ep = self.registry.get(name)
-            if ep is None or not self.keys.allows(key, name):
-                if ep is not None and key is None:
-                    raise self._missing_key(state)
+            if ep is None:
                 raise NotFoundError(f"endpoint {name!r} does not exist", param="endpoint")
+            if not self.keys.allows(key, name):
+                raise self._refused(key, ep, state)
             if rest.startswith("openai/v1/"):
                 upstream = rest[len("openai") :]
                 if upstream == "/v1/models" and method == "GET":
@@ -215,6 +242,58 @@ class Gateway:
                 return await self._openai(scope, receive, send, state, key, ep, upstream)
             return await self._job(scope, receive, send, state, key, ep, rest)
         raise NotFoundError(f"{method} {path} is not a route of this gateway")
+
+    def _meter(self, state: RequestLog) -> None:
+        """Count the answer (metrics, usage record) and end its limiter ticket."""
+        key = state.key_name or ""
+        usage = state.usage or Usage()
+        self.metrics.requests.labels(key, state.endpoint, str(state.status)).inc()
+        if usage.prompt_tokens:
+            self.metrics.tokens.labels(key, state.endpoint, "prompt").inc(usage.prompt_tokens)
+        if usage.completion_tokens:
+            self.metrics.tokens.labels(key, state.endpoint, "completion").inc(
+                usage.completion_tokens
+            )
+        self.limiter.finish(state.ticket, usage.total)
+        if self.usage is not None and state.record_kind is not None:
+            self.usage.record(
+                UsageRecord(
+                    # Unique per answer (a client may reuse an x-request-id); a job's is its id,
+                    # so a job seen finished through two replicas is stored once.
+                    id=state.record_id or f"{state.request_id}.{uuid.uuid4().hex[:16]}",
+                    time=time.time(),
+                    key=key,
+                    endpoint=state.endpoint,
+                    model=state.model or "",
+                    status=state.status,
+                    prompt_tokens=usage.prompt_tokens,
+                    completion_tokens=usage.completion_tokens,
+                    gateway=self.settings.gateway_id,
+                    kind=state.record_kind,
+                    requests=state.record_requests,
+                )
+            )
+
+    async def _admit(self, key: Key | None, state: RequestLog, *, hold: bool) -> None:
+        """The key's limits: 429 over one; else a ticket whose headers the answer carries."""
+        if key is not None and key.limits.any:
+            state.ticket = await self.limiter.admit(key, hold=hold)
+
+    def _with_rate_headers(self, key: Key, send: Send, state: RequestLog) -> Send:
+        """Every answer to a key with limits carries x-ratelimit-*: the admission's view, or
+        (answers that count nothing: /status, /v1/models, errors) the limiter's current one."""
+
+        async def send_with_headers(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                headers = message["headers"]
+                if not any(name.startswith(b"x-ratelimit-") for name, _ in headers):
+                    ticket = state.ticket
+                    extra = ticket.headers if ticket is not None else self.limiter.peek(key)
+                    message = {**message, "headers": [*headers, *extra]}
+            await send(message)
+
+        state.send = send_with_headers
+        return send_with_headers
 
     # ---------------------------------------------------------------- keys and models
 
@@ -231,6 +310,14 @@ class Gateway:
             return None
         state.key_name = key.name
         return key
+
+    def _refused(self, key: Key | None, ep: Endpoint, state: RequestLog) -> APIError:
+        """401 without a (valid) key; 403 for a key that may not use this endpoint."""
+        if key is None:
+            return self._missing_key(state)
+        return PermissionDeniedError(
+            f"API key {key.name!r} may not use endpoint {ep.name!r}", code="endpoint_not_allowed"
+        )
 
     def _missing_key(self, state: RequestLog) -> APIError:
         reason = "invalid API key" if state.invalid_key else "missing API key"
@@ -285,10 +372,50 @@ class Gateway:
         query = dict(parse_qsl((scope.get("query_string") or b"").decode("latin-1")))
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         owner = None if key is not None and key.admin else (key.name if key is not None else "")
+        submit = scope["method"] == "POST" and verb in ("run", "runsync")
+        if submit:
+            # Jobs count against the key's limits: a request each; a /runsync holds a
+            # concurrency slot while it waits.
+            await self._admit(key, state, hold=verb == "runsync")
         reply = await self.jobs.handle(ep.name, scope["method"], verb, query, headers, body, owner)
-        if verb in ("run", "runsync") and not ep.ready and self.nudge is not None:
+        if submit and not ep.ready and self.nudge is not None:
             self.nudge(ep.name)
+        if submit and isinstance(reply.get("id"), str):
+            state.model = ep.models[0] if ep.models else ""
+            state.record_kind = "job"
+            state.record_id = f"job-{reply['id']}"
         await send_json(send, 200, reply, state)
+
+    def job_usage(self, record, usage: Usage):
+        """JobUsageMeter's callback: a completed job's usage record, and what to count once
+        the usage stream stored it for the first time."""
+        ep = self.registry.get(record.endpoint)
+        entry = UsageRecord(
+            id=f"job-{record.id}-usage",
+            time=record.finished_at or time.time(),
+            key=record.owner,
+            endpoint=record.endpoint,
+            model=ep.models[0] if ep is not None and ep.models else "",
+            status=200,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            gateway=self.settings.gateway_id,
+            kind="job",
+            requests=0,  # the job was counted when it was accepted
+        )
+
+        def count() -> None:
+            for kind, n in (
+                ("prompt", usage.prompt_tokens),
+                ("completion", usage.completion_tokens),
+            ):
+                if n:
+                    self.metrics.tokens.labels(record.owner, record.endpoint, kind).inc(n)
+            key = self.keys.by_name(record.owner)
+            if key is not None:
+                self.limiter.charge(key, usage.total)
+
+        return entry, count
 
     # ---------------------------------------------------------------- OpenAI proxying
 
@@ -314,25 +441,34 @@ class Gateway:
                 raise BadRequestError("`model` must be a string", param="model")
             state.model = model
             ep = self.registry.by_model(model)
-            if ep is None or not self.keys.allows(key, ep.name):
-                if ep is not None and key is None:
-                    raise self._missing_key(state)
+            if ep is None:
                 raise NotFoundError(
                     f"The model `{model}` does not exist.", param="model", code="model_not_found"
                 )
+            if not self.keys.allows(key, ep.name):
+                raise self._refused(key, ep, state)
         elif not self.keys.allows(key, ep.name):
-            raise (
-                self._missing_key(state)
-                if key is None
-                else PermissionDeniedError(f"this API key may not use endpoint {ep.name!r}")
-            )
+            raise self._refused(key, ep, state)
+        elif isinstance(model, str):
+            state.model = model
         state.endpoint = ep.name
+        await self._admit(key, state, hold=True)
+        state.record_kind = "openai"  # admitted: it is a request of the key's, billed or not
+        ask_usage, strip = prepare_stream_request(upstream_path, payload)
+        if ask_usage:
+            body = with_usage_option(payload)
+
+        def meter(status: int, is_sse: bool):
+            if status != 200:
+                return None
+            return StreamUsage(strip) if is_sse else BodyUsage()
+
         query = scope.get("query_string") or b""
         path_qs = upstream_path + ("?" + query.decode("latin-1") if query else "")
         headers = upstream_headers(scope["headers"], state.request_id)
         prefix = prefix_key(upstream_path, payload)
         await self._route_and_forward(
-            ep, prefix, scope["method"], path_qs, headers, body, receive, send, state
+            ep, prefix, scope["method"], path_qs, headers, body, receive, send, state, meter
         )
 
     async def _route_and_forward(
@@ -346,6 +482,7 @@ class Gateway:
         receive: Receive,
         send: Send,
         state: RequestLog,
+        meter=None,
     ) -> None:
         disconnected = Disconnect(receive)
         try:
@@ -375,6 +512,7 @@ class Gateway:
                             body,
                             send,
                             retriable_503=len(ep.ready) > 1 and not tried,
+                            meter=meter,
                         )
                     )
                 except UpstreamFailed as exc:
@@ -390,6 +528,8 @@ class Gateway:
                     self.registry.release(ep, replica)
                 state.responded = True
                 state.status = result.status
+                if result.meter is not None:
+                    state.usage = result.meter.usage
                 if result.first_byte_s is not None:
                     self.metrics.ttft.labels(ep.name).observe(result.first_byte_s)
                 self.metrics.duration.labels(ep.name).observe(result.duration_s)

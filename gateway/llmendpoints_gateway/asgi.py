@@ -69,6 +69,14 @@ class RequestLog:
     outcome: str | None = None
     key_name: str | None = None
     invalid_key: bool = False
+    # Metering: the engine's usage, the limiter's ticket, the usage record to write (kind None:
+    # none, e.g. /status, /metrics, requests refused before reaching an endpoint).
+    usage: Any = None
+    ticket: Any = None
+    record_kind: str | None = None
+    record_id: str | None = None
+    record_requests: int = 1
+    send: Any = None  # the send that adds x-ratelimit-* headers (keys with limits)
 
 
 def header(scope: Scope, name: bytes) -> str | None:

@@ -71,6 +71,12 @@ class GatewaySettings(BaseSettings):
         validation_alias="GATEWAY_NAMESPACE",
         description="Kubernetes discovery: watch only this namespace (default: all namespaces).",
     )
+    keys_namespace: str | None = Field(
+        None,
+        validation_alias="GATEWAY_KEYS_NAMESPACE",
+        description="Kubernetes: the namespace whose Secrets labelled `llmendpoints.dev/api-key` "
+        "are API keys with names, endpoints and limits (default: the gateway's own namespace).",
+    )
     hold_timeout_seconds: float = Field(
         600.0,
         gt=0,

@@ -12,6 +12,7 @@ parameter values, image support) happen in the runtime, which fails the job with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -204,3 +205,103 @@ def _wait_ms(raw: str | None) -> int:
             param="wait",
         )
     return int(raw)
+
+
+# The one durable consumer every gateway replica pulls job state changes from: each change is
+# handled by one replica.
+JOB_USAGE_CONSUMER = "gateway-job-usage"
+
+
+class JobUsageMeter:
+    """Meters the tokens of jobs when they complete, whoever ran them and however the client
+    learns the result (``/runsync``, ``/status``, a webhook, never).
+
+    Every gateway replica pulls from one durable consumer on the job records
+    (``KV_LLMEP_JOB_STATE``), so each change is handled by one replica. A COMPLETED record's
+    output usage becomes the usage record ``job-<id>-usage``; the stream drops a second copy
+    (a later write to the finished record, e.g. a ``/stream`` read moving its cursor), and only
+    a record the stream stored for the first time is counted in ``tokens_total`` and charged to
+    the owner's tokensPerMinute."""
+
+    def __init__(self, url: str, gateway_id: str, on_usage) -> None:
+        self.url = url
+        self.gateway_id = gateway_id
+        # on_usage(record: JobRecord, usage) -> UsageRecord | None: what to store and count
+        self.on_usage = on_usage
+        self._task: asyncio.Task | None = None
+        self._connection: QueueConnection | None = None
+        self.counted = 0
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._connection is not None:
+            await self._connection.close()
+
+    async def _run(self) -> None:
+        from llmendpoints_common.queue import names
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        from llmendpoints_gateway.metering import usage_of_job_output
+
+        while True:
+            try:
+                if self._connection is None:
+                    self._connection = await QueueConnection.connect(
+                        self.url, name=f"gateway-job-usage-{self.gateway_id}"
+                    )
+                js = self._connection.js
+                sub = await js.pull_subscribe(
+                    names.kv_subject(names.JOB_STATE_BUCKET, ">"),
+                    durable=JOB_USAGE_CONSUMER,
+                    stream=names.kv_stream(names.JOB_STATE_BUCKET),
+                    config=ConsumerConfig(
+                        deliver_policy=DeliverPolicy.NEW,
+                        ack_policy=AckPolicy.EXPLICIT,
+                        ack_wait=30.0,
+                        max_ack_pending=10_000,
+                    ),
+                )
+                while True:
+                    try:
+                        messages = await sub.fetch(256, timeout=5.0)
+                    except TimeoutError:
+                        continue
+                    for msg in messages:
+                        await self._handle(js, msg.data, usage_of_job_output)
+                        await msg.ack()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.warning("metering job usage: %s; retrying", exc)
+                await asyncio.sleep(2.0)
+
+    async def _handle(self, js, data: bytes | None, usage_of_job_output) -> None:
+        from llmendpoints_common.jobs.models import JobStatus
+        from llmendpoints_common.queue import names
+
+        if not data:
+            return
+        try:
+            record = JobRecord.decode(data)
+        except ValueError:
+            return
+        if record.status is not JobStatus.COMPLETED:
+            return
+        usage = usage_of_job_output(record.output)
+        if usage is None:
+            return
+        entry, count = self.on_usage(record, usage)
+        ack = await js.publish(
+            names.usage_subject(entry.endpoint, entry.key),
+            entry.encode(),
+            headers={"Nats-Msg-Id": entry.id},
+        )
+        if not ack.duplicate:
+            self.counted += 1
+            count()

@@ -1,8 +1,8 @@
 """API keys and what each may use.
 
-A key (DESIGN.md "Identity and authority") has a name (the tenant: what logs, metrics and
-queued jobs carry; never the secret), the endpoints it may use (None: all), and ``admin``.
-Per-key limits (quotas, metering) attach to ``Key`` later without changing callers.
+A key (DESIGN.md "Identity and authority") has a name (the tenant: what logs, metrics, usage
+records and queued jobs carry; never the secret), the endpoints it may use (None: all),
+``admin``, and optional limits (quotas.py: requestsPerMinute, tokensPerMinute, maxConcurrent).
 
 Sources, all merged into one lookup:
 
@@ -10,12 +10,19 @@ Sources, all merged into one lookup:
   (a short hash of the secret);
 - ``API_KEYS_FILE``: the runtime's format (one secret per line, ``#`` comments) or YAML
   ``keys: [{name, key, endpoints?, admin?}]``; re-read when its modification time changes;
+- ``apiKeys: [{name, key | keySha256, endpoints?, limits?, admin?}]`` in GATEWAY_ENDPOINTS_FILE
+  (the local form, re-read when it changes): when the file has ``apiKeys``, every request needs
+  one of them;
+- in Kubernetes, Secrets labelled ``llmendpoints.dev/api-key`` (discovery/kube.py, watched: a
+  new, changed or deleted Secret takes effect at once), same fields;
 - in Kubernetes, each endpoint's ``spec.api.apiKeysSecretRef``: secrets valid on that endpoint
   only (the runtime's file format).
 
 An endpoint needs a key when the gateway has keys of its own or the endpoint has some; a key
 that is not valid for an endpoint cannot see it (not in /v1/models, 404 for its models).
-Secrets are looked up by their SHA-256 digest, so nothing is compared byte by byte.
+Secrets are looked up by their SHA-256 digest, so nothing is compared byte by byte; a key may
+be declared by its digest alone (``keySha256``), so the secret need not be stored anywhere the
+gateway reads.
 """
 
 from __future__ import annotations
@@ -24,12 +31,14 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 from llmendpoints_common.jobs.service import key_owner
+
+from llmendpoints_gateway.quotas import NO_LIMITS, Limits, LimitsError, parse_limits
 
 logger = logging.getLogger("llmendpoints.gateway.keys")
 
@@ -39,6 +48,7 @@ class Key:
     name: str
     endpoints: frozenset[str] | None = None  # None: every endpoint
     admin: bool = False
+    limits: Limits = NO_LIMITS
 
     def may_use(self, endpoint: str) -> bool:
         return self.admin or self.endpoints is None or endpoint in self.endpoints
@@ -85,13 +95,61 @@ def parse_keys_file(text: str) -> dict[bytes, Key]:
     return keys
 
 
-def _key_entry(entry: Any, where: str) -> tuple[bytes, Key]:
-    if not isinstance(entry, Mapping):
-        raise KeyFileError(f"{where}: must be a mapping with name and key")
+def parse_api_keys(entries: Any, where: str = "apiKeys") -> dict[bytes, Key]:
+    """PURE: ``apiKeys`` (GATEWAY_ENDPOINTS_FILE, labelled Secrets) -> keys by digest. Errors
+    name the entry and field, never the secret."""
+    if not isinstance(entries, list):
+        raise KeyFileError(f"{where}: must be a list of {{name, key, endpoints, limits}}")
+    keys: dict[bytes, Key] = {}
+    names: dict[str, int] = {}
+    for i, entry in enumerate(entries):
+        d, key = _key_entry(entry, f"{where}[{i}]", require_name=True)
+        if d in keys:
+            raise KeyFileError(f"{where}[{i}].key: the same key is listed twice")
+        if key.name in names and keys_limits_differ(keys, key):
+            raise KeyFileError(
+                f"{where}[{i}].name: {key.name!r} is also {where}[{names[key.name]}] with other "
+                "limits; keys sharing a name share its limits and must declare the same ones"
+            )
+        names.setdefault(key.name, i)
+        keys[d] = key
+    return keys
+
+
+def keys_limits_differ(keys: Mapping[bytes, Key], key: Key) -> bool:
+    return any(k.name == key.name and k.limits != key.limits for k in keys.values())
+
+
+def _secret_digest(entry: Mapping[str, Any], where: str) -> tuple[bytes, str | None]:
     secret = entry.get("key")
+    hashed = entry.get("keySha256")
+    if secret is not None and hashed is not None:
+        raise KeyFileError(f"{where}: give key or keySha256, not both")
+    if hashed is not None:
+        text = hashed.removeprefix("sha256:") if isinstance(hashed, str) else ""
+        try:
+            raw = bytes.fromhex(text)
+        except ValueError:
+            raw = b""
+        if len(raw) != 32:
+            raise KeyFileError(f"{where}.keySha256: must be 64 hex digits (sha256 of the key)")
+        return raw, None
     if not isinstance(secret, str) or not secret:
         raise KeyFileError(f"{where}.key: a non-empty string is required")
-    name = entry.get("name", hashed_name(secret))
+    return digest(secret), secret
+
+
+def _key_entry(entry: Any, where: str, *, require_name: bool = False) -> tuple[bytes, Key]:
+    if not isinstance(entry, Mapping):
+        raise KeyFileError(f"{where}: must be a mapping with name and key")
+    d, secret = _secret_digest(entry, where)
+    name = entry.get("name")
+    if name is None and (require_name or secret is None):
+        raise KeyFileError(f"{where}.name: a non-empty string is required")
+    if name is None:
+        name = hashed_name(secret or "")
+    if not isinstance(name, str) or not name:
+        raise KeyFileError(f"{where}.name: a non-empty string is required")
     endpoints = entry.get("endpoints")
     if endpoints is not None and not (
         isinstance(endpoints, list) and all(isinstance(e, str) for e in endpoints)
@@ -100,36 +158,148 @@ def _key_entry(entry: Any, where: str) -> tuple[bytes, Key]:
     admin = entry.get("admin", False)
     if not isinstance(admin, bool):
         raise KeyFileError(f"{where}.admin: must be true or false")
-    return digest(secret), Key(
-        str(name), None if endpoints is None else frozenset(endpoints), admin
-    )
+    try:
+        limits = parse_limits(entry.get("limits"), f"{where}.limits")
+    except LimitsError as exc:
+        raise KeyFileError(str(exc)) from None
+    return d, Key(name, None if endpoints is None else frozenset(endpoints), admin, limits)
+
+
+KEY_SECRET_LABEL = "llmendpoints.dev/api-key"
+_SECRET_LIMITS = ("requestsPerMinute", "tokensPerMinute", "maxConcurrent")
+
+
+def secret_api_key(obj: Mapping[str, Any]) -> tuple[bytes, Key]:
+    """PURE: one Secret labelled ``llmendpoints.dev/api-key`` -> (digest, key).
+
+    Its data (all optional but the key): ``key`` or ``keySha256``, ``name`` (default: the
+    Secret's name), ``endpoints`` (comma-separated; default all), ``requestsPerMinute``,
+    ``tokensPerMinute``, ``maxConcurrent``, ``admin`` (``true``/``false``). Errors name the
+    Secret and the field, never the key."""
+    import base64
+
+    meta = obj.get("metadata") or {}
+    where = f"Secret {meta.get('namespace', '')}/{meta.get('name', '')}"
+    data: dict[str, str] = {}
+    for field_name, encoded in (obj.get("data") or {}).items():
+        try:
+            data[field_name] = base64.b64decode(encoded).decode("utf-8").strip()
+        except (ValueError, UnicodeDecodeError):
+            raise KeyFileError(f"{where}: {field_name}: not base64 UTF-8 text") from None
+    entry: dict[str, Any] = {"name": data.get("name") or meta.get("name")}
+    for field_name in ("key", "keySha256"):
+        if field_name in data:
+            entry[field_name] = data[field_name]
+    if "endpoints" in data:
+        entry["endpoints"] = [e.strip() for e in data["endpoints"].split(",") if e.strip()]
+    limits: dict[str, Any] = {}
+    for field_name in _SECRET_LIMITS:
+        if field_name in data:
+            raw = data[field_name]
+            limits[field_name] = int(raw) if raw.isdigit() else raw
+    if limits:
+        entry["limits"] = limits
+    if "admin" in data:
+        if data["admin"].lower() not in ("true", "false"):
+            raise KeyFileError(f"{where}: admin: must be true or false")
+        entry["admin"] = data["admin"].lower() == "true"
+    return _key_entry(entry, where, require_name=True)
+
+
+def parse_endpoints_file_keys(text: str) -> dict[bytes, Key] | None:
+    """The ``apiKeys`` of GATEWAY_ENDPOINTS_FILE, or None when the file has none (the
+    endpoints in it are checked by discovery/static.py)."""
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise KeyFileError(f"not valid YAML: {exc}") from None
+    if not isinstance(document, Mapping) or "apiKeys" not in document:
+        return None
+    return parse_api_keys(document["apiKeys"] or [], "apiKeys")
+
+
+@dataclass
+class _WatchedFile:
+    """A file of keys re-read when it changes (checked at most every ``check_interval``)."""
+
+    path: str
+    parse: Callable[[str], dict[bytes, Key] | None]
+    label: str
+    keys: dict[bytes, Key] | None = None
+    stamp: tuple[int, int] | None = None
+
+    def load(self, *, force: bool) -> bool:
+        """True when the keys changed. Fail closed: a file that cannot be read or parsed keeps
+        the previous keys (and at start-up stops the gateway)."""
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_mtime_ns, st.st_size)
+            if stamp == self.stamp:
+                return False
+            with open(self.path, encoding="utf-8") as handle:
+                keys = self.parse(handle.read())
+        except (OSError, UnicodeDecodeError, KeyFileError) as exc:
+            logger.error("cannot use %s (%s); keeping the previous keys", self.label, exc)
+            if force:
+                raise
+            return False
+        self.stamp = stamp
+        self.keys = keys
+        if keys is not None:
+            logger.info("loaded %d API key(s) from %s", len(keys), self.label)
+        return True
 
 
 @dataclass
 class KeyRing:
     static: dict[bytes, Key] = field(default_factory=dict)
     keys_file: str | None = None
+    endpoints_file: str | None = None
     check_interval: float = 1.0
-    _file_keys: dict[bytes, Key] = field(default_factory=dict)
+    _files: list[_WatchedFile] = field(default_factory=list)
     _endpoint_keys: dict[str, dict[bytes, Key]] = field(default_factory=dict)
+    _secret_keys: dict[bytes, Key] | None = None  # Kubernetes: labelled Secrets
     _merged: dict[bytes, Key] = field(default_factory=dict)
-    _file_mtime: float | None = None
+    _by_name: dict[str, Key] = field(default_factory=dict)
     _checked_at: float = float("-inf")
 
+    def __post_init__(self) -> None:
+        if self.keys_file:
+            self._files.append(_WatchedFile(self.keys_file, parse_keys_file, "API_KEYS_FILE"))
+        if self.endpoints_file:
+            self._files.append(
+                _WatchedFile(
+                    self.endpoints_file,
+                    parse_endpoints_file_keys,
+                    "apiKeys of GATEWAY_ENDPOINTS_FILE",
+                )
+            )
+
     @classmethod
-    def from_settings(cls, api_keys: str | None, keys_file: str | None) -> KeyRing:
+    def from_settings(
+        cls, api_keys: str | None, keys_file: str | None, endpoints_file: str | None = None
+    ) -> KeyRing:
         secrets = parse_plain_keys((api_keys or "").replace(",", "\n"))
-        ring = cls({digest(s): Key(hashed_name(s)) for s in secrets}, keys_file)
+        ring = cls({digest(s): Key(hashed_name(s)) for s in secrets}, keys_file, endpoints_file)
         ring._refresh(force=True)
         ring._merge()
         return ring
 
     @property
     def gateway_keys(self) -> bool:
-        return bool(self.static) or bool(self.keys_file)
+        return (
+            bool(self.static)
+            or bool(self.keys_file)
+            or self._secret_keys is not None
+            or any(f.keys is not None for f in self._files if f.path == self.endpoints_file)
+        )
 
     def requires_key(self, endpoint: str) -> bool:
         return self.gateway_keys or bool(self._endpoint_keys.get(endpoint))
+
+    def by_name(self, name: str) -> Key | None:
+        """A key of this name (its limits), e.g. a job's owner."""
+        return self._by_name.get(name)
 
     def identify(self, secret: str) -> Key | None:
         self._refresh()
@@ -149,6 +319,12 @@ class KeyRing:
             self._endpoint_keys.pop(endpoint, None)
         self._merge()
 
+    def set_secret_keys(self, keys: dict[bytes, Key] | None) -> None:
+        """Kubernetes: every key of the labelled Secrets (None: the watch has not listed yet,
+        or no such Secret exists; an empty dict still means "keys are required")."""
+        self._secret_keys = keys
+        self._merge()
+
     def _merge(self) -> None:
         merged: dict[bytes, Key] = {}
         for keys in self._endpoint_keys.values():
@@ -157,33 +333,26 @@ class KeyRing:
                 if have is not None and have.endpoints is not None and key.endpoints is not None:
                     key = Key(key.name, have.endpoints | key.endpoints)
                 merged[d] = key
-        # Gateway keys win: they carry names, admin and the widest scope.
+        # Gateway keys win: they carry names, admin, limits and the widest scope.
         merged.update(self.static)
-        merged.update(self._file_keys)
+        merged.update(self._secret_keys or {})
+        for watched in self._files:
+            merged.update(watched.keys or {})
         self._merged = merged
+        self._by_name = {key.name: key for key in merged.values()}
 
     def _refresh(self, *, force: bool = False) -> None:
-        if not self.keys_file:
+        if not self._files:
             return
         now = time.monotonic()
         if not force and now - self._checked_at < self.check_interval:
             return
         self._checked_at = now
-        try:
-            mtime = os.stat(self.keys_file).st_mtime
-            if mtime == self._file_mtime:
-                return
-            with open(self.keys_file, encoding="utf-8") as handle:
-                self._file_keys = parse_keys_file(handle.read())
-            self._file_mtime = mtime
-            logger.info("loaded %d API key(s) from API_KEYS_FILE", len(self._file_keys))
-        except (OSError, UnicodeDecodeError, KeyFileError) as exc:
-            # Fail closed: a configured but unreadable file never opens the gateway.
-            logger.error("cannot use API_KEYS_FILE (%s); keeping the previous keys", exc)
-            if force:
-                raise
-            return
-        self._merge()
+        changed = False
+        for watched in self._files:
+            changed = watched.load(force=force) or changed
+        if changed:
+            self._merge()
 
 
 def key_from_headers(headers: Iterable[tuple[bytes, bytes]]) -> str | None:

@@ -13,8 +13,16 @@ class GatewayMetrics:
         r = self.registry
         self.requests = Counter(
             "llmendpoints_gateway_requests",
-            "Requests answered, by endpoint and HTTP status (499: the client went away).",
-            ["endpoint", "status"],
+            "Requests answered, by API key name (empty: no key), endpoint and HTTP status code "
+            "(499: the client went away; 429: over the key's limits).",
+            ["key", "endpoint", "code"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "llmendpoints_gateway_tokens",
+            "Tokens the engine reported for answered requests and jobs, by API key name, "
+            "endpoint and kind (prompt, completion).",
+            ["key", "endpoint", "kind"],
             registry=r,
         )
         self.held = Gauge(

@@ -16,7 +16,9 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import aiohttp
 from llmendpoints_common.errors import APIError, error_object
@@ -70,6 +72,15 @@ class UpstreamResult:
     first_byte_s: float | None
     duration_s: float
     body_bytes: int
+    meter: Meter | None = None
+
+
+class Meter(Protocol):
+    usage: Any
+
+    def feed(self, chunk: bytes) -> bytes: ...
+
+    def flush(self) -> bytes: ...
 
 
 def upstream_headers(headers: list[tuple[bytes, bytes]], request_id: str) -> dict[str, str]:
@@ -93,11 +104,15 @@ async def forward(
     send,
     *,
     retriable_503: bool,
+    meter: Callable[[int, bool], Meter | None] | None = None,
 ) -> UpstreamResult:
     """Send the request to ``replica`` and relay its answer through the ASGI ``send``.
 
     Raises UpstreamFailed when nothing has been sent to the client yet and the failure is one
     another replica may not have.
+
+    ``meter(status, is_sse)``: a reader the answer's bytes pass through (metering.py), which
+    may hold back or drop some (the usage chunk the client did not ask for).
     """
     started = time.perf_counter()
     try:
@@ -118,6 +133,8 @@ async def forward(
         if "x-request-id" not in response.headers:
             response_headers.append((b"x-request-id", headers["x-request-id"].encode("latin-1")))
         is_sse = response.content_type == "text/event-stream"
+        reader = meter(response.status, is_sse) if meter is not None else None
+        result_meter = reader
         first_byte: float | None = None
         sent = 0
         try:
@@ -131,8 +148,12 @@ async def forward(
         try:
             while chunk:
                 sent += len(chunk)
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                out = chunk if reader is None else reader.feed(chunk)
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
                 chunk = await response.content.readany()
+            if reader is not None and (tail := reader.flush()):
+                await send({"type": "http.response.body", "body": tail, "more_body": True})
         except (TimeoutError, aiohttp.ClientError) as exc:
             logger.warning(
                 "replica %s failed mid-response after %d bytes: %s", replica, sent, _describe(exc)
@@ -151,7 +172,7 @@ async def forward(
         else:
             status = response.status
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return UpstreamResult(status, first_byte, time.perf_counter() - started, sent)
+        return UpstreamResult(status, first_byte, time.perf_counter() - started, sent, result_meter)
     finally:
         # On cancellation (client gone) this closes the connection: the runtime sees the
         # disconnect and aborts the request in the engine.

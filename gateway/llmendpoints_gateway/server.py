@@ -17,6 +17,7 @@ import uvicorn
 from llmendpoints_gateway.app import Gateway
 from llmendpoints_gateway.config import GatewaySettings
 from llmendpoints_gateway.keys import KeyRing
+from llmendpoints_gateway.limiter import Limiter
 from llmendpoints_gateway.metrics import GatewayMetrics
 from llmendpoints_gateway.registry import Registry
 
@@ -27,9 +28,17 @@ def build(settings: GatewaySettings) -> Gateway:
     metrics = GatewayMetrics()
     registry = Registry(metrics, settings.hold_queue_length, settings.load_factor)
     keys = KeyRing.from_settings(
-        settings.api_keys.get_secret_value() if settings.api_keys else None, settings.api_keys_file
+        settings.api_keys.get_secret_value() if settings.api_keys else None,
+        settings.api_keys_file,
+        settings.endpoints_file,
     )
-    gateway = Gateway(settings, keys, registry, metrics)
+    url = settings.jobs_queue_url.get_secret_value() if settings.jobs_queue_url else None
+    # Per-key limits: shared by every replica through NATS when there is one, else this
+    # replica's own; usage records need NATS too.
+    limiter = Limiter(settings.gateway_id, url)
+    gateway = Gateway(settings, keys, registry, metrics, limiter=limiter)
+    gateway.started.append(limiter.start)
+    gateway.stopped.append(limiter.stop)
     if settings.endpoints_file:
         from llmendpoints_gateway.discovery.static import StaticDiscovery
 
@@ -39,14 +48,16 @@ def build(settings: GatewaySettings) -> Gateway:
     else:
         from llmendpoints_gateway.discovery.kube import KubeDiscovery
 
-        kube = KubeDiscovery(registry, keys, namespace=settings.namespace)
+        kube = KubeDiscovery(
+            registry, keys, namespace=settings.namespace, keys_namespace=settings.keys_namespace
+        )
         gateway.started.append(kube.start)
         gateway.stopped.append(kube.stop)
     if settings.jobs_queue_url is not None:
-        from llmendpoints_gateway.jobs import JobGateway
+        from llmendpoints_gateway.jobs import JobGateway, JobUsageMeter
+        from llmendpoints_gateway.metering import UsagePublisher
         from llmendpoints_gateway.signals import SignalPublisher
 
-        url = settings.jobs_queue_url.get_secret_value()
         publisher = SignalPublisher(url, settings.gateway_id)
         registry.on_held = publisher.held_changed
         gateway.nudge = publisher.nudge_soon
@@ -57,7 +68,9 @@ def build(settings: GatewaySettings) -> Gateway:
             webhook_timeout_seconds=settings.webhook_timeout_seconds,
             webhook_max_concurrency=settings.webhook_max_concurrency,
         )
-        for part in (publisher, gateway.jobs):
+        gateway.usage = UsagePublisher(url, publisher.gateway_id)
+        job_usage = JobUsageMeter(url, publisher.gateway_id, gateway.job_usage)
+        for part in (publisher, gateway.jobs, gateway.usage, job_usage):
             gateway.started.append(part.start)
             gateway.stopped.append(part.stop)
     return gateway

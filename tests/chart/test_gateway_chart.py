@@ -73,6 +73,8 @@ def test_every_gateway_document_validates_strictly(
             "ServiceAccount",
             "ClusterRole",
             "ClusterRoleBinding",
+            "Role",  # list/watch of the key Secrets' namespace
+            "RoleBinding",
         ]
     )
     for doc in docs:
@@ -149,10 +151,27 @@ def test_gateway_rbac_reads_only_what_discovery_needs(helm: Path, tmp_path: Path
     account = _one(docs, "ServiceAccount")["metadata"]["name"]
     assert binding["subjects"][0]["name"] == account
     assert _one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == account
+    # Key Secrets (labelled llmendpoints.dev/api-key): list and watch, in one namespace only.
+    keys_role = _one(docs, "Role")
+    assert keys_role["metadata"]["namespace"] == "llm-system"
+    assert keys_role["rules"] == [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["list", "watch"]}
+    ]
+    assert _one(docs, "RoleBinding")["roleRef"]["name"] == keys_role["metadata"]["name"]
+    env = {
+        e["name"]: e.get("value")
+        for e in _one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["GATEWAY_KEYS_NAMESPACE"] == "llm-system"
     namespaced = _gateway_docs(
-        render(helm, tmp_path, {"gateway": {"enabled": True, "namespace": "team-a"}})
+        render(
+            helm,
+            tmp_path,
+            {"gateway": {"enabled": True, "namespace": "team-a", "keySecretsNamespace": "keys"}},
+        )
     )
-    assert _one(namespaced, "Role")["metadata"]["namespace"] == "team-a"
+    roles = {d["metadata"]["name"]: d for d in namespaced if d["kind"] == "Role"}
+    assert sorted(r["metadata"]["namespace"] for r in roles.values()) == ["keys", "team-a"]
     assert not [d for d in namespaced if d["kind"] == "ClusterRole"]
 
 

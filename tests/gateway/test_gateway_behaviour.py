@@ -154,10 +154,12 @@ def test_openai_sdk_through_the_gateway(gateway):
 
 
 def test_a_key_of_one_endpoint_is_refused_on_another(gateway):
+    # 403 naming the key's name and the endpoint (never the key); /v1/models does not list it.
     with _client(gateway, BOB) as c:
-        error = _error(c.post(CHAT, json=chat("pair-model")), 404)
-        assert "pair-model" in error["message"] and error["param"] == "model"
-        _error(c.post("/v2/pair/openai/v1/chat/completions", json=chat("pair-model")), 404)
+        error = _error(c.post(CHAT, json=chat("pair-model")), 403)
+        assert error["message"] == "API key 'bob' may not use endpoint 'pair'"
+        assert error["type"] == "PermissionDeniedError" and BOB not in json.dumps(error)
+        _error(c.post("/v2/pair/openai/v1/chat/completions", json=chat("pair-model")), 403)
         assert (
             c.post("/v2/other/openai/v1/chat/completions", json=chat("other-model")).status_code
             == 200
@@ -341,7 +343,14 @@ def test_a_client_that_leaves_while_held_is_dropped(gateway):
         c.post(CHAT, json=chat("never-model"))
     deadline = time.monotonic() + 5
     while (
-        _metric(gateway, "llmendpoints_gateway_requests_total", endpoint="never", status="499") != 1
+        _metric(
+            gateway,
+            "llmendpoints_gateway_requests_total",
+            key="alice",
+            endpoint="never",
+            code="499",
+        )
+        != 1
     ):
         assert time.monotonic() < deadline, "the held request was not dropped"
         time.sleep(0.05)

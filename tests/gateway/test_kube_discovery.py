@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.kube, pytest.mark.asyncio(loop_scope="module")]
 NS = "models"
 SLICES = "discovery.k8s.io/v1/endpointslices"
 SECRETS = "v1/secrets"
+KEYS_NS = "gateway-keys"  # where labelled key Secrets live (the gateway's own namespace)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,11 @@ async def cluster() -> AsyncIterator[Cluster]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def gateway(cluster: Cluster, logs: Path) -> AsyncIterator[Process]:
-    gw = launch_gateway(logs, KUBECONFIG=str(cluster.write_kubeconfig(logs / "kubeconfig")))
+    gw = launch_gateway(
+        logs,
+        KUBECONFIG=str(cluster.write_kubeconfig(logs / "kubeconfig")),
+        GATEWAY_KEYS_NAMESPACE=KEYS_NS,
+    )
     try:
         await _until(lambda: _status(gw, "/health") == 200, "the gateway listens")
         yield gw
@@ -150,8 +155,8 @@ async def test_endpoints_pods_and_keys_come_from_the_cluster(cluster, gateway, s
     assert (await asyncio.to_thread(_chat, gateway, "ka", "alpha-model")).status_code == 200
     assert (await asyncio.to_thread(_chat, gateway, "kb", "beta")).json()["replica"] == "b1"
     # A key of alpha is refused on beta and the other way round; no key at all is a 401.
-    assert (await asyncio.to_thread(_chat, gateway, "ka", "beta")).status_code == 404
-    assert (await asyncio.to_thread(_chat, gateway, "kb", "alpha-model")).status_code == 404
+    assert (await asyncio.to_thread(_chat, gateway, "ka", "beta")).status_code == 403
+    assert (await asyncio.to_thread(_chat, gateway, "kb", "alpha-model")).status_code == 403
     assert (await asyncio.to_thread(_chat, gateway, "nope", "beta")).status_code == 401
 
 
@@ -188,3 +193,49 @@ async def test_a_deleted_endpoint_is_gone(cluster, gateway):
     await cluster.delete(LLMEP, NS, "beta")
     await _until(lambda: _models(gateway, "kb") == {}, "beta gone")
     assert (await asyncio.to_thread(_chat, gateway, "kb", "beta")).status_code == 404
+
+
+def _key_secret(name: str, **data: str) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": name,
+            "namespace": KEYS_NS,
+            "labels": {"llmendpoints.dev/api-key": "true"},
+        },
+        "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
+    }
+
+
+async def test_labelled_key_secrets_give_keys_with_limits_and_revocation_is_immediate(
+    cluster, gateway, standins
+):
+    """Runs last: once a labelled key Secret exists every request needs a key."""
+    await _until(lambda: _chat(gateway, "ka", "alpha-model").status_code == 200, "alpha serves")
+    await cluster.create(
+        SECRETS,
+        KEYS_NS,
+        _key_secret("team-a", key="sk-team-a", endpoints="alpha", requestsPerMinute="1000"),
+    )
+    # A Secret that is not a valid key is refused with a reason in the log, and is no key.
+    await cluster.create(SECRETS, KEYS_NS, _key_secret("broken", key="sk-b", maxConcurrent="0"))
+    await _until(
+        lambda: _chat(gateway, "sk-team-a", "alpha-model").status_code == 200, "the new key works"
+    )
+    answer = await asyncio.to_thread(_chat, gateway, "sk-team-a", "alpha-model")
+    assert answer.headers["x-ratelimit-limit-requests"] == "1000"
+    assert (await asyncio.to_thread(_chat, gateway, "sk-b", "alpha-model")).status_code == 401
+    assert "Secret gateway-keys/broken" in gateway.log() and "maxConcurrent" in gateway.log()
+    # With gateway keys declared, a request without a key is a 401; an endpoint key still works.
+    assert (
+        httpx.post(gateway.url + "/v1/chat/completions", json={"model": "alpha-model"}).status_code
+        == 401
+    )
+    # Revoked: deleting the Secret stops the key at once (the watch delivers it).
+    await cluster.delete(SECRETS, KEYS_NS, "team-a")
+    await _until(
+        lambda: _chat(gateway, "sk-team-a", "alpha-model").status_code == 401,
+        "the deleted key refused",
+        timeout=5.0,
+    )

@@ -16,6 +16,12 @@ Layout (one set for all endpoints; the endpoint is a subject token):
 - key-value bucket ``LLMEP_SIGNALS`` (entries expire): key ``held.<endpoint>.<gateway id>`` ->
   requests that gateway holds for the endpoint; subject ``llmep.nudge.<endpoint>`` (core NATS):
   "work arrived for an endpoint with no ready replica", so the autoscaler need not wait a tick.
+- key-value bucket ``LLMEP_QUOTAS`` (entries expire when idle): key ``<tenant token>`` -> one
+  API key name's (tenant's) limiter state: the current minute window's request and token counts
+  and its concurrency leases, changed only by compare-and-set (the gateway's limiter).
+- stream ``LLMEP_USAGE`` (limits retention, kept ``usage_max_age``): subjects
+  ``llmep.usage.<endpoint>.<tenant token>``, one usage record per request or job served
+  (key name, endpoint, model, prompt and completion tokens), de-duplicated by request id.
 
 Endpoint ids are Kubernetes object names (lowercase alphanumerics, ``-`` and ``.``); ``.``
 separates subject tokens, so it is written ``_`` (which Kubernetes names never contain: the
@@ -24,6 +30,7 @@ mapping is one to one).
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 JOBS_STREAM = "LLMEP_JOBS"
@@ -31,6 +38,8 @@ JOB_STATE_BUCKET = "LLMEP_JOB_STATE"
 CHUNKS_STREAM = "LLMEP_JOB_CHUNKS"
 SIGNALS_BUCKET = "LLMEP_SIGNALS"
 IDEMPOTENCY_BUCKET = "LLMEP_JOB_IDEMPOTENCY"
+QUOTAS_BUCKET = "LLMEP_QUOTAS"
+USAGE_STREAM = "LLMEP_USAGE"
 
 PRIORITIES = ("normal", "low")
 
@@ -106,3 +115,17 @@ def idempotency_key(endpoint: str, digest: str) -> str:
     if not re.fullmatch(r"[0-9a-f]{16,64}", digest):
         raise ValueError("idempotency digest must be 16-64 lowercase hex digits")
     return f"{token(endpoint)}.{digest}"
+
+
+def tenant_token(name: str) -> str:
+    """An API key's name (any text) as one key segment / subject token: a digest of it, so
+    names with dots, spaces or wildcards map one to one onto safe tokens."""
+    return hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:24]
+
+
+def quota_key(name: str) -> str:
+    return tenant_token(name)
+
+
+def usage_subject(endpoint: str, key_name: str) -> str:
+    return f"llmep.usage.{token(endpoint)}.{tenant_token(key_name)}"

@@ -12,6 +12,10 @@ a rolling upgrade never fights over configuration.
   after its retention), direct gets (reads served by any replica).
 - ``KV_LLMEP_JOB_IDEMPOTENCY``: the same shape, entries live for the idempotency window.
 - ``LLMEP_JOB_CHUNKS``: stream output, per-message TTL, bounded by ``chunk_max_age``.
+- ``KV_LLMEP_QUOTAS``: the gateway's per-key limiter state (one value per key name, per-message
+  TTL: an idle key's state goes away on its own).
+- ``LLMEP_USAGE``: usage records for chargeback, kept ``usage_max_age``, de-duplicated by
+  request id over ``usage_duplicate_window``.
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ class QueueLayout:
     heartbeat_timeout_seconds: float = 30.0
     # Upper bound on how long stream chunks are kept (each also expires with its job).
     chunk_max_age_seconds: float = 24 * 3600.0
+    # How long usage records are kept for export (about 13 months: a year of chargeback).
+    usage_max_age_seconds: float = 400 * 24 * 3600.0
+    # A usage record published again with the same request id within this window is dropped.
+    usage_duplicate_window_seconds: float = 600.0
 
 
 def _kv_stream(bucket: str, replicas: int) -> js_api.StreamConfig:
@@ -82,6 +90,15 @@ def stream_configs(layout: QueueLayout) -> list[js_api.StreamConfig]:
             max_age=layout.chunk_max_age_seconds,
             allow_direct=True,
             allow_msg_ttl=True,
+            num_replicas=layout.replicas,
+        ),
+        _kv_stream(names.QUOTAS_BUCKET, layout.replicas),
+        js_api.StreamConfig(
+            name=names.USAGE_STREAM,
+            subjects=["llmep.usage.>"],
+            storage=js_api.StorageType.FILE,
+            max_age=layout.usage_max_age_seconds,
+            duplicate_window=layout.usage_duplicate_window_seconds,
             num_replicas=layout.replicas,
         ),
     ]

@@ -8,6 +8,11 @@ pod becoming ready or going away reaches the routing table as soon as the API se
   the endpoint's name), port named ``http``, endpoints whose ``conditions.ready`` is not false.
 - ``spec.api.apiKeysSecretRef``: the Secret's key holds that endpoint's API keys (the runtime's
   file format); re-read on every change of the endpoint and every 30 s (rotations).
+- Secrets labelled ``llmendpoints.dev/api-key`` in GATEWAY_KEYS_NAMESPACE (default: the
+  gateway's own namespace): one API key each, with its name, endpoints and limits
+  (keys.secret_api_key). Watched, so a new, changed or deleted key Secret takes effect on every
+  replica as soon as the API server tells it (well within 5 s). While at least one exists,
+  every request needs a key.
 
 Endpoint ids are names, so two endpoints of one name in different namespaces collide: the
 last one seen wins and a warning says so; GATEWAY_NAMESPACE limits the gateway to one namespace.
@@ -31,7 +36,14 @@ from typing import Any
 import aiohttp
 import yaml
 
-from llmendpoints_gateway.keys import KeyRing, parse_plain_keys
+from llmendpoints_gateway.keys import (
+    KEY_SECRET_LABEL,
+    Key,
+    KeyFileError,
+    KeyRing,
+    parse_plain_keys,
+    secret_api_key,
+)
 from llmendpoints_gateway.registry import Registry
 from llmendpoints_gateway.routing import Strategy
 
@@ -152,10 +164,20 @@ def _file(section: Mapping[str, Any], name: str) -> str | None:
 
 
 class KubeDiscovery:
-    def __init__(self, registry: Registry, keys: KeyRing, namespace: str | None = None):
+    def __init__(
+        self,
+        registry: Registry,
+        keys: KeyRing,
+        namespace: str | None = None,
+        keys_namespace: str | None = None,
+    ):
         self.registry = registry
         self.keys = keys
         self.namespace = namespace
+        self.keys_namespace = keys_namespace or own_namespace()
+        # (namespace, name) -> its key, or None for a malformed one (which still makes keys
+        # required: a typo in a Secret must not open the gateway).
+        self._key_secrets: dict[tuple[str, str], tuple[bytes, Key] | None] = {}
         self._endpoints: dict[tuple[str, str], EndpointView] = {}
         self._slices: dict[tuple[str, str], tuple[str | None, list[str]]] = {}
         self._tasks: list[asyncio.Task] = []
@@ -190,6 +212,13 @@ class KubeDiscovery:
                 )
             ),
             asyncio.create_task(self._refresh_keys_forever()),
+            asyncio.create_task(
+                self._watch(
+                    f"/api/v1/namespaces/{self.keys_namespace}/secrets",
+                    self._on_key_secret,
+                    label_selector=KEY_SECRET_LABEL,
+                )
+            ),
         ]
         logger.info("discovering endpoints from the Kubernetes API at %s", conn.server)
 
@@ -247,7 +276,23 @@ class KubeDiscovery:
                 await asyncio.sleep(1.0)
 
     def _known(self, handler) -> list[tuple[str, str]]:
+        if handler == self._on_key_secret:
+            return list(self._key_secrets)
         return list(self._endpoints if handler == self._on_endpoint else self._slices)
+
+    async def _on_key_secret(self, kind: str, obj: Mapping[str, Any]) -> None:
+        key = _key(obj)
+        if kind == "DELETED":
+            self._key_secrets.pop(key, None)
+        else:
+            try:
+                self._key_secrets[key] = secret_api_key(obj)
+            except KeyFileError as exc:
+                # A malformed Secret is no key (its old value neither): fail closed, say why.
+                logger.error("ignoring API key %s", exc)
+                self._key_secrets[key] = None
+        keys = dict(v for v in self._key_secrets.values() if v is not None)
+        self.keys.set_secret_keys(keys if self._key_secrets else None)
 
     async def _on_endpoint(self, kind: str, obj: Mapping[str, Any]) -> None:
         key = _key(obj)
@@ -332,6 +377,14 @@ class KubeDiscovery:
             for view in list(self._endpoints.values()):
                 with contextlib.suppress(Exception):
                     await self._load_keys(view)
+
+
+def own_namespace() -> str:
+    """The gateway pod's namespace (its service account's), else ``default``."""
+    try:
+        return (SA_DIR / "namespace").read_text().strip() or "default"
+    except OSError:
+        return os.environ.get("POD_NAMESPACE") or "default"
 
 
 def _key(obj: Mapping[str, Any]) -> tuple[str, str]:

@@ -1,0 +1,433 @@
+"""Per-key limits enforced across every gateway replica, on the shared NATS (JOBS_QUEUE_URL).
+
+Each key name (tenant) with limits has one value in the key-value bucket ``LLMEP_QUOTAS``
+(quotas.QuotaState: the minute window's request and token counts, the concurrency leases). It
+changes only by compare-and-set: a write carries the revision it was computed from
+(``Nats-Expected-Last-Subject-Sequence``), so two replicas never both take the last slot --
+there is no overshoot of requestsPerMinute or maxConcurrent; tokensPerMinute overshoots by what
+requests already admitted report (quotas.py).
+
+Cost on the request path:
+
+- a key without limits: nothing (no NATS, no lock);
+- a key with requestsPerMinute / tokensPerMinute only: usually none. A replica that writes an
+  admission also reserves a share of what is left of the minute's requests (quotas.reservation:
+  1/8 of it, at most 32; none near the limit) and admits the next ones from that allowance
+  without a round trip; tokens are checked against its cached copy of the state;
+- a key with maxConcurrent, or whose allowance is used up: one publish round trip in the usual
+  case. Every replica follows the bucket (an ordered consumer delivering each change), so its
+  cached revision is the latest and the write wins the first time; a write that loses re-reads
+  and retries. Admissions of one key on one replica are group-committed: those arriving while a
+  write is in flight go in the next write together, so a burst costs a few round trips, not one
+  per request;
+- a request refused for requestsPerMinute / tokensPerMinute: decided on the cached value (a
+  window's counts only grow, so a stale cache never refuses wrongly); maxConcurrent re-reads
+  once before refusing (a slot may have been freed elsewhere).
+
+Ending a request (its lease released, its tokens charged) happens after the answer is sent, in
+the background. Leases are renewed every LEASE_RENEW_SECONDS while their request runs, so a
+replica that dies frees its slots within LEASE_TTL_SECONDS.
+
+When NATS is unreachable the replica enforces the limits on its own state (each replica then
+admits up to the limit: the fleet up to N times it) rather than refusing every request; it
+logs that it does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from llmendpoints_common.errors import RateLimitError
+from llmendpoints_common.queue import names
+
+from llmendpoints_gateway.keys import Key
+from llmendpoints_gateway.quotas import (
+    LEASE_RENEW_SECONDS,
+    Denied,
+    Limits,
+    QuotaState,
+    admit,
+    denial_message,
+    finish,
+    rate_headers,
+    renew,
+    reservation,
+)
+
+logger = logging.getLogger("llmendpoints.gateway.limiter")
+
+_WRONG_LAST_SEQUENCE = 10071
+_EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
+# One write to the bucket may take this long before the replica decides on its own state.
+WRITE_TIMEOUT_SECONDS = 2.0
+
+# op(state, now) -> (new state, result, changed)
+Op = Callable[[QuotaState, float], tuple[QuotaState, Any, bool]]
+
+
+@dataclass
+class Ticket:
+    """An admitted request of a key with limits."""
+
+    name: str
+    limits: Limits
+    lease: str | None
+    headers: list[tuple[bytes, bytes]]
+    finished: bool = False
+
+
+class _Pending:
+    def __init__(self) -> None:
+        self.ops: list[tuple[Op, asyncio.Future]] = []
+        self.running = False
+
+
+class Limiter:
+    def __init__(
+        self,
+        gateway_id: str,
+        url: str | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.gateway_id = gateway_id
+        self.url = url
+        self.clock = clock
+        # Lease ids are unique across replicas and restarts (two replicas may share a name).
+        self._lease_prefix = f"{gateway_id}.{os.urandom(4).hex()}"
+        self._lease_ids = itertools.count(1)
+        self._local: dict[str, QuotaState] = {}
+        self._cache: dict[str, tuple[QuotaState, int]] = {}
+        self._pending: dict[str, _Pending] = {}
+        self._held: dict[str, set[str]] = {}  # tenant token -> leases this replica holds
+        self._names: dict[str, str] = {}  # tenant token -> key name (for renewals)
+        self._connection = None
+        self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
+        self._watch = None
+        self._fallback_logged = False
+        self.round_trips = 0  # bucket writes and reads made (bench, tests)
+        self.local_admissions = 0  # admitted from a reservation, no round trip
+        # tenant token -> (window, requests reserved by this replica and not used yet)
+        self._allowance: dict[str, tuple[int, int]] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self.url is not None:
+            self._tasks.append(asyncio.create_task(self._connect()))
+        self._tasks.append(asyncio.create_task(self._renew_forever()))
+
+    async def stop(self) -> None:
+        if self._background:
+            await asyncio.wait(self._background, timeout=2.0)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._watch is not None:
+            with contextlib.suppress(Exception):
+                await self._watch.unsubscribe()
+        if self._connection is not None:
+            await self._connection.close()
+
+    @property
+    def pending(self) -> int:
+        return len(self._background)
+
+    @property
+    def shared(self) -> bool:
+        """True when the limits are enforced with the other replicas (NATS reachable)."""
+        return self._connection is not None and self._connection.connected
+
+    async def _connect(self) -> None:
+        from llmendpoints_common.queue.client import QueueConnection
+        from nats.js.api import DeliverPolicy
+
+        while True:
+            try:
+                connection = await QueueConnection.connect(
+                    self.url, name=f"gateway-quotas-{self.gateway_id}", request_timeout=2.0
+                )
+                self._watch = await connection.js.subscribe(
+                    names.kv_subject(names.QUOTAS_BUCKET, ">"),
+                    ordered_consumer=True,
+                    deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+                    cb=self._on_change,
+                )
+                self._connection = connection
+                logger.info("per-key limits shared through the bucket %s", names.QUOTAS_BUCKET)
+                return
+            except Exception as exc:
+                logger.warning("cannot reach the queue for limits (%s); retrying", exc)
+                await asyncio.sleep(2.0)
+
+    async def _on_change(self, msg) -> None:
+        token = msg.subject.rsplit(".", 1)[-1]
+        seq = msg.metadata.sequence.stream
+        have = self._cache.get(token)
+        if have is not None and have[1] >= seq:
+            return
+        operation = (msg.headers or {}).get("KV-Operation")
+        state = QuotaState() if operation in ("DEL", "PURGE") else QuotaState.decode(msg.data)
+        self._cache[token] = (state, seq)
+
+    # ------------------------------------------------------------------ the request path
+
+    async def admit(self, key: Key, *, hold: bool = True) -> Ticket | None:
+        """Count one request of ``key`` (and hold a concurrency lease while it runs when
+        ``hold``); None for a key without limits. Over a limit: RateLimitError (429) naming the
+        limit and the key's name, with Retry-After and the x-ratelimit-* headers."""
+        limits = key.limits
+        if not limits.any:
+            return None
+        token = names.quota_key(key.name)
+        self._names[token] = key.name
+        lease = (
+            f"{self._lease_prefix}.{next(self._lease_ids)}"
+            if hold and limits.max_concurrent is not None
+            else None
+        )
+        reserve = lease is None and self.shared
+        if reserve and (headers := self._admit_locally(token, limits)) is not None:
+            return Ticket(key.name, limits, None, headers)
+
+        def op(state: QuotaState, now: float) -> tuple[QuotaState, Any, bool]:
+            after, denied = admit(state, limits, now, lease)
+            extra = reservation(after, limits) if reserve and denied is None else 0
+            after.requests += extra
+            view = QuotaState(after.window, after.requests - extra, after.tokens)
+            return (
+                after,
+                (denied, rate_headers(view, limits, now), extra, after.window),
+                (denied is None),
+            )
+
+        denied, headers, extra, window = await self._submit(token, op)
+        if denied is not None:
+            raise _rate_limited(key.name, limits, denied, headers)
+        if extra:
+            have_window, left = self._allowance.get(token, (window, 0))
+            self._allowance[token] = (window, extra + (left if have_window == window else 0))
+        if lease is not None:
+            self._held.setdefault(token, set()).add(lease)
+        return Ticket(key.name, limits, lease, headers)
+
+    def _admit_locally(self, token: str, limits: Limits) -> list[tuple[bytes, bytes]] | None:
+        """Admit with no round trip when the cached state allows it: from this replica's
+        reserved requests (requestsPerMinute), and the minute's tokens below tokensPerMinute
+        (the cache follows the bucket; a window's counts only grow, so a stale cache may admit
+        a request the tokens limit would refuse only by the charges still in flight -- the
+        bound quotas.py states). None: decide by a write."""
+        cached = self._cache.get(token)
+        if cached is None:
+            return None
+        now = self.clock()
+        state = cached[0].current(now)
+        if limits.tokens_per_minute is not None and state.tokens >= limits.tokens_per_minute:
+            return None
+        if limits.requests_per_minute is None:
+            return rate_headers(state, limits, now)
+        window, left = self._allowance.get(token, (-1, 0))
+        if window != state.window or left <= 0:
+            return None
+        self._allowance[token] = (window, left - 1)
+        self.local_admissions += 1
+        view = QuotaState(state.window, state.requests - (left - 1), state.tokens)
+        return rate_headers(view, limits, now)
+
+    def peek(self, key: Key) -> list[tuple[bytes, bytes]]:
+        """The x-ratelimit-* headers as this replica sees the key now, counting nothing."""
+        token = names.quota_key(key.name)
+        cached = self._cache.get(token) if self.shared else None
+        state = cached[0] if cached is not None else self._local.get(token, QuotaState())
+        now = self.clock()
+        return rate_headers(state.current(now), key.limits, now)
+
+    def finish(self, ticket: Ticket | None, tokens: int = 0) -> None:
+        """The request ended (answered, failed or abandoned): release its lease and charge its
+        tokens, in the background. Called once per ticket; later calls do nothing."""
+        if ticket is None or ticket.finished:
+            return
+        ticket.finished = True
+        token = names.quota_key(ticket.name)
+        if ticket.lease is not None:
+            held = self._held.get(token)
+            if held is not None:
+                held.discard(ticket.lease)
+        if ticket.lease is None and tokens <= 0:
+            return
+        if ticket.limits.tokens_per_minute is None and ticket.lease is None:
+            return
+
+        def op(state: QuotaState, now: float) -> tuple[QuotaState, Any, bool]:
+            charged = tokens if ticket.limits.tokens_per_minute is not None else 0
+            return finish(state, now, ticket.lease, charged), None, True
+
+        task = asyncio.get_running_loop().create_task(self._submit(token, op))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def charge(self, key: Key, tokens: int) -> None:
+        """Tokens of work admitted earlier (a job's, known when it ends)."""
+        if key.limits.tokens_per_minute is not None and tokens > 0:
+            self.finish(Ticket(key.name, key.limits, None, []), tokens)
+
+    # ------------------------------------------------------------------ group commit
+
+    async def _submit(self, token: str, op: Op) -> Any:
+        pending = self._pending.get(token)
+        if pending is None:
+            pending = self._pending[token] = _Pending()
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        pending.ops.append((op, future))
+        if not pending.running:
+            pending.running = True
+            try:
+                while pending.ops:
+                    batch, pending.ops = pending.ops, []
+                    try:
+                        results = await self._apply(token, [o for o, _ in batch])
+                    except Exception as exc:  # a bug in an op: fail the batch, keep going
+                        for _, fut in batch:
+                            if not fut.done():
+                                fut.set_exception(exc)
+                        continue
+                    for (_, fut), result in zip(batch, results, strict=True):
+                        if not fut.done():
+                            fut.set_result(result)
+            finally:
+                pending.running = False
+                if not pending.ops:
+                    self._pending.pop(token, None)
+        return await future
+
+    @staticmethod
+    def _run_ops(state: QuotaState, ops: list[Op], now: float) -> tuple[QuotaState, list, bool]:
+        results = []
+        changed = False
+        for op in ops:
+            state, result, did = op(state, now)
+            results.append(result)
+            changed = changed or did
+        return state, results, changed
+
+    async def _apply(self, token: str, ops: list[Op]) -> list[Any]:
+        if not self.shared:
+            return self._apply_local(token, ops)
+        try:
+            return await self._apply_shared(token, ops)
+        except Exception as exc:
+            if not self._fallback_logged:
+                logger.warning(
+                    "the limits bucket is unreachable (%s); this replica enforces limits on "
+                    "its own until it is back",
+                    type(exc).__name__,
+                )
+                self._fallback_logged = True
+            return self._apply_local(token, ops)
+
+    def _apply_local(self, token: str, ops: list[Op]) -> list[Any]:
+        state = self._local.get(token) or QuotaState()
+        state, results, _ = self._run_ops(state, ops, self.clock())
+        self._local[token] = state
+        return results
+
+    async def _apply_shared(self, token: str, ops: list[Op]) -> list[Any]:
+        js = self._connection.js
+        subject = names.kv_subject(names.QUOTAS_BUCKET, token)
+        fresh = False
+        while True:
+            cached = self._cache.get(token)
+            if cached is None:
+                cached = await self._read(token)
+                fresh = True
+            state, seq = cached
+            now = self.clock()
+            after, results, changed = self._run_ops(state.current(now), ops, now)
+            if not changed:
+                # Nothing admitted and nothing to release: refusals. A concurrency refusal is
+                # checked against the stored value once (a slot may have been freed).
+                if fresh or not any(_concurrency_denial(r) for r in results):
+                    return results
+                self._cache.pop(token, None)
+                continue
+            try:
+                self.round_trips += 1
+                ack = await js.publish(
+                    subject,
+                    after.encode(),
+                    headers={_EXPECTED_LAST: str(seq)},
+                    msg_ttl=max(1, round(after.ttl(now))),
+                    timeout=WRITE_TIMEOUT_SECONDS,
+                )
+            except Exception as exc:
+                if getattr(exc, "err_code", None) == _WRONG_LAST_SEQUENCE:
+                    self._cache.pop(token, None)  # another replica wrote first: read, redo
+                    continue
+                raise
+            self._fallback_logged = False
+            have = self._cache.get(token)
+            if have is None or have[1] < ack.seq:
+                self._cache[token] = (after, ack.seq)
+            return results
+
+    async def _read(self, token: str) -> tuple[QuotaState, int]:
+        from nats.js.errors import NotFoundError
+
+        self.round_trips += 1
+        try:
+            raw = await self._connection.js.get_msg(
+                names.kv_stream(names.QUOTAS_BUCKET),
+                subject=names.kv_subject(names.QUOTAS_BUCKET, token),
+                direct=True,
+            )
+        except NotFoundError:
+            return QuotaState(), 0
+        operation = (raw.headers or {}).get("KV-Operation")
+        state = QuotaState() if operation in ("DEL", "PURGE") else QuotaState.decode(raw.data)
+        self._cache[token] = (state, raw.seq)
+        return state, raw.seq
+
+    # ------------------------------------------------------------------ leases
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(LEASE_RENEW_SECONDS)
+            for token, leases in list(self._held.items()):
+                if not leases:
+                    self._held.pop(token, None)
+                    continue
+                held = set(leases)
+
+                def op(state: QuotaState, now: float, held=held):
+                    return renew(state, now, held), None, True
+
+                try:
+                    await self._submit(token, op)
+                except Exception as exc:
+                    logger.warning("renewing concurrency leases failed: %s", exc)
+
+
+def _concurrency_denial(result: Any) -> bool:
+    if not isinstance(result, tuple) or not result:
+        return False
+    denied = result[0]
+    return isinstance(denied, Denied) and denied.limit == "maxConcurrent"
+
+
+def _rate_limited(
+    name: str, limits: Limits, denied: Denied, headers: list[tuple[bytes, bytes]]
+) -> RateLimitError:
+    extra = {k.decode(): v.decode() for k, v in headers}
+    extra["retry-after"] = str(denied.retry_after)
+    return RateLimitError(
+        denial_message(name, limits, denied), code="rate_limit_exceeded", headers=extra
+    )

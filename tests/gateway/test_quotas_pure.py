@@ -1,0 +1,383 @@
+"""The pure parts of keys, quotas and metering: limits and `apiKeys` parsing, window math, the
+x-ratelimit-* header values, the usage read from answers and streams, the export's rows; and
+the limiter on its own state (no NATS: one replica)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+
+import pytest
+from llmendpoints_common.errors import RateLimitError
+from llmendpoints_gateway.keys import (
+    Key,
+    KeyFileError,
+    KeyRing,
+    digest,
+    parse_api_keys,
+    parse_endpoints_file_keys,
+)
+from llmendpoints_gateway.limiter import Limiter
+from llmendpoints_gateway.metering import (
+    StreamUsage,
+    Usage,
+    UsageRecord,
+    prepare_stream_request,
+    summarize,
+    usage_of_body,
+    usage_of_job_output,
+    with_usage_option,
+)
+from llmendpoints_gateway.quotas import (
+    LEASE_TTL_SECONDS,
+    Limits,
+    LimitsError,
+    QuotaState,
+    admit,
+    denial_message,
+    duration,
+    finish,
+    parse_limits,
+    rate_headers,
+    renew,
+    window_of,
+)
+
+T0 = 1_800_000_000.0  # a minute boundary (divisible by 60)
+LIMITS = Limits(requests_per_minute=2, tokens_per_minute=100, max_concurrent=1)
+
+
+# ------------------------------------------------------------------ limits and keys
+
+
+def test_limits_parse_and_refuse_what_would_silently_mean_unlimited():
+    assert parse_limits(
+        {"requestsPerMinute": 5, "tokensPerMinute": 100000, "maxConcurrent": 2}, "x"
+    ) == Limits(5, 100000, 2)
+    assert not parse_limits(None, "x").any
+    for bad, field in [
+        ({"requestsPerMinut": 5}, "x.requestsPerMinut"),
+        ({"maxConcurrent": 0}, "x.maxConcurrent"),
+        ({"tokensPerMinute": "100"}, "x.tokensPerMinute"),
+        ({"requestsPerMinute": True}, "x.requestsPerMinute"),
+        ([5], "x"),
+    ]:
+        with pytest.raises(LimitsError, match=field.replace(".", r"\.") + r"\b"):
+            parse_limits(bad, "x")
+
+
+def test_api_keys_as_the_issue_writes_them():
+    keys = parse_endpoints_file_keys(
+        """
+endpoints: [{name: demo, models: [demo], backends: []}]
+apiKeys:
+  - name: team-a
+    key: sk-team-a-123
+    endpoints: [demo]
+    limits: {requestsPerMinute: 5, tokensPerMinute: 100000, maxConcurrent: 2}
+  - name: ops
+    keySha256: OPS_DIGEST
+    admin: true
+""".replace("OPS_DIGEST", hashlib.sha256(b"sk-ops").hexdigest())
+    )
+    team = keys[digest("sk-team-a-123")]
+    assert team == Key("team-a", frozenset({"demo"}), False, Limits(5, 100000, 2))
+    assert keys[digest("sk-ops")] == Key("ops", None, True)  # declared by its digest alone
+    # A file without apiKeys declares no keys (None), an empty list declares "none is valid".
+    assert parse_endpoints_file_keys("endpoints: []") is None
+    assert parse_endpoints_file_keys("endpoints: []\napiKeys: []") == {}
+
+
+@pytest.mark.parametrize(
+    ("entries", "message"),
+    [
+        ([{"key": "k"}], r"apiKeys\[0\]\.name"),
+        ([{"name": "a"}], r"apiKeys\[0\]\.key"),
+        ([{"name": "a", "keySha256": "abc"}], r"apiKeys\[0\]\.keySha256"),
+        ([{"name": "a", "key": "k", "keySha256": "0" * 64}], "not both"),
+        ([{"name": "a", "key": "k", "limits": {"rpm": 1}}], r"apiKeys\[0\]\.limits\.rpm"),
+        ([{"name": "a", "key": "k", "endpoints": "demo"}], r"apiKeys\[0\]\.endpoints"),
+        ([{"name": "a", "key": "k"}, {"name": "b", "key": "k"}], "listed twice"),
+        (
+            [
+                {"name": "a", "key": "k1", "limits": {"requestsPerMinute": 1}},
+                {"name": "a", "key": "k2", "limits": {"requestsPerMinute": 2}},
+            ],
+            "share its limits",
+        ),
+        ({"name": "a"}, "must be a list"),
+    ],
+)
+def test_api_keys_errors_name_the_entry_and_never_the_key(entries, message):
+    with pytest.raises(KeyFileError, match=message) as error:
+        parse_api_keys(entries)
+    assert "k1" not in str(error.value) and "'k'" not in str(error.value)
+
+
+def test_endpoints_file_keys_are_required_and_reread(tmp_path):
+    path = tmp_path / "endpoints.yaml"
+    path.write_text("endpoints: []\napiKeys: [{name: a, key: sk-a}]\n")
+    ring = KeyRing.from_settings(None, None, str(path))
+    ring.check_interval = 0
+    assert ring.requires_key("demo")
+    assert ring.identify("sk-a").name == "a"
+    path.write_text("endpoints: []\napiKeys: [{name: b, key: sk-b}]\n")
+    os.utime(path, ns=(1, 1))  # a rewrite within the clock's granularity is seen too
+    assert ring.identify("sk-a") is None and ring.identify("sk-b").name == "b"
+    path.write_text("endpoints: [\n")  # broken: the previous keys stay (fail closed)
+    assert ring.identify("sk-b").name == "b"
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("endpoints: []\n")
+    assert not KeyRing.from_settings(None, None, str(plain)).requires_key("demo")
+
+
+# ------------------------------------------------------------------ window math
+
+
+def test_requests_are_counted_per_minute_window():
+    state = QuotaState()
+    state, denied = admit(state, LIMITS, T0 + 1, None)
+    state, denied = admit(state, LIMITS, T0 + 2, None)
+    assert denied is None and state.requests == 2 and state.window == window_of(T0)
+    same, denied = admit(state, LIMITS, T0 + 50, None)
+    assert denied.limit == "requestsPerMinute" and denied.retry_after == 10
+    assert same.requests == 2  # a refusal changes nothing
+    fresh, denied = admit(state, LIMITS, T0 + 60, None)
+    assert denied is None and fresh.requests == 1 and fresh.window == window_of(T0) + 1
+
+
+def test_a_replica_whose_clock_lags_never_rolls_the_window_back():
+    ahead = QuotaState(window_of(T0) + 1, 2, 0)
+    state, denied = admit(ahead, LIMITS, T0 + 59, None)
+    assert denied is not None and state.window == window_of(T0) + 1
+
+
+def test_tokens_admit_while_below_the_limit_and_are_charged_after():
+    state, _ = admit(QuotaState(), LIMITS, T0, None)
+    state = finish(state, T0 + 1, None, 150)  # overshoot: known only once it ended
+    assert state.tokens == 150
+    _, denied = admit(state, LIMITS, T0 + 2, None)
+    assert denied.limit == "tokensPerMinute"
+    # Tokens of a request that ends in the next minute count in that minute.
+    assert finish(state, T0 + 61, None, 5).tokens == 5
+
+
+def test_concurrency_leases_are_held_released_and_expire():
+    state, denied = admit(QuotaState(), LIMITS, T0, "g1.1")
+    assert denied is None and set(state.leases) == {"g1.1"}
+    _, denied = admit(state, LIMITS, T0 + 1, "g2.1")
+    assert denied.limit == "maxConcurrent" and denied.retry_after == 1
+    released = finish(state, T0 + 2, "g1.1", 0)
+    assert released.leases == {}
+    # A lease nobody renews (its replica died) frees its slot after LEASE_TTL_SECONDS ...
+    state_later, denied = admit(state, LIMITS, T0 + LEASE_TTL_SECONDS + 1, "g2.1")
+    assert denied is None and set(state_later.leases) == {"g2.1"}
+    # ... and a renewed one does not.
+    renewed = renew(state, T0 + 30, {"g1.1"})
+    _, denied = admit(renewed, LIMITS, T0 + LEASE_TTL_SECONDS + 1, "g2.1")
+    assert denied.limit == "maxConcurrent"
+
+
+def test_state_round_trips_and_survives_garbage():
+    state = QuotaState(123, 4, 56, {"a.1": 7.5})
+    assert QuotaState.decode(state.encode()) == state
+    assert QuotaState.decode(b"not json") == QuotaState()
+    assert QuotaState.decode(b'{"w": "x"}') == QuotaState()
+    assert 60 < state.ttl(123 * 60.0) <= 121
+
+
+# ------------------------------------------------------------------ headers and messages
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0.0201, "21ms"), (0.5, "500ms"), (1, "1s"), (17.2, "18s"), (60, "1m0s"), (372, "6m12s")],
+)
+def test_reset_durations_are_spelled_as_openai_does(seconds, text):
+    assert duration(seconds) == text
+
+
+def test_rate_headers_report_what_is_left_in_the_window():
+    state = QuotaState(window_of(T0), 1, 30)
+    headers = dict(rate_headers(state, LIMITS, T0 + 43))
+    assert headers == {
+        b"x-ratelimit-limit-requests": b"2",
+        b"x-ratelimit-remaining-requests": b"1",
+        b"x-ratelimit-reset-requests": b"17s",
+        b"x-ratelimit-limit-tokens": b"100",
+        b"x-ratelimit-remaining-tokens": b"70",
+        b"x-ratelimit-reset-tokens": b"17s",
+    }
+    over = dict(rate_headers(QuotaState(window_of(T0), 0, 130), LIMITS, T0))
+    assert over[b"x-ratelimit-remaining-tokens"] == b"0"
+    only_requests = rate_headers(state, Limits(requests_per_minute=2), T0)
+    assert {k for k, _ in only_requests} == {
+        b"x-ratelimit-limit-requests",
+        b"x-ratelimit-remaining-requests",
+        b"x-ratelimit-reset-requests",
+    }
+
+
+def test_denial_names_the_limit_and_the_key_name():
+    _, denied = admit(QuotaState(window_of(T0), 2, 0), LIMITS, T0, None)
+    message = denial_message("team-a", LIMITS, denied)
+    assert "requestsPerMinute = 2" in message and "'team-a'" in message
+
+
+# ------------------------------------------------------------------ usage
+
+
+def _sse(*events: dict | str) -> bytes:
+    return b"".join(
+        b"data: " + (e.encode() if isinstance(e, str) else json.dumps(e).encode()) + b"\n\n"
+        for e in events
+    )
+
+
+TOKEN = {"choices": [{"index": 0, "delta": {"content": "x"}}]}
+USAGE_CHUNK = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}
+
+
+@pytest.mark.parametrize("split", [1, 5, 17, 10_000])
+def test_stream_usage_is_read_and_stripped_when_the_client_did_not_ask(split):
+    stream = _sse(TOKEN, TOKEN, USAGE_CHUNK, "[DONE]")
+    for strip in (True, False):
+        reader = StreamUsage(strip)
+        out = b"".join(reader.feed(stream[i : i + split]) for i in range(0, len(stream), split))
+        out += reader.flush()
+        assert reader.usage == Usage(7, 3)
+        assert out == (_sse(TOKEN, TOKEN, "[DONE]") if strip else stream)
+
+
+def test_stream_usage_with_continuous_stats_keeps_every_chunk_and_takes_the_last():
+    each = {**TOKEN, "usage": {"prompt_tokens": 7, "completion_tokens": 1}}
+    stream = _sse(each, USAGE_CHUNK, "[DONE]")
+    reader = StreamUsage(strip=True)
+    assert reader.feed(stream) == _sse(each, "[DONE]")
+    assert reader.usage == Usage(7, 3)
+
+
+def test_responses_stream_usage():
+    event = {
+        "type": "response.completed",
+        "response": {"usage": {"input_tokens": 4, "output_tokens": 9}},
+    }
+    reader = StreamUsage(strip=True)
+    assert reader.feed(_sse(event)) == _sse(event)  # never stripped: it is the answer itself
+    assert reader.usage == Usage(4, 9)
+
+
+def test_usage_of_answers_and_jobs():
+    assert usage_of_body(b'{"usage": {"prompt_tokens": 5, "completion_tokens": 2}}') == Usage(5, 2)
+    assert usage_of_body(b'{"usage": {"prompt_tokens": 5, "total_tokens": 5}}') == Usage(5, 0)
+    assert usage_of_body(b'{"error": {}}') is None and usage_of_body(b"[1") is None
+    batches = [{"usage": {"input": 6, "output": 1}}, {"usage": {"input": 6, "output": 4}}]
+    assert usage_of_job_output(batches) == Usage(6, 4)
+    assert usage_of_job_output({"usage": {"prompt_tokens": 3, "completion_tokens": 1}}) == Usage(
+        3, 1
+    )
+    assert usage_of_job_output("text") is None
+
+
+def test_usage_is_asked_for_streams_of_chat_and_completions_only():
+    assert prepare_stream_request("/v1/chat/completions", {"stream": True}) == (True, True)
+    assert prepare_stream_request("/v1/completions?x=1", {"stream": True}) == (True, True)
+    asked = {"stream": True, "stream_options": {"include_usage": True}}
+    assert prepare_stream_request("/v1/chat/completions", asked) == (False, False)
+    assert prepare_stream_request("/v1/chat/completions", {"stream": False}) == (False, False)
+    assert prepare_stream_request("/v1/embeddings", {"stream": True}) == (False, False)
+    body = json.loads(with_usage_option({"stream": True, "stream_options": {"x": 1}}))
+    assert body["stream_options"] == {"x": 1, "include_usage": True}
+
+
+def test_export_rows_per_key_endpoint_model_with_duplicates_once():
+    def rec(id, key, ep, model, p, c, requests=1):
+        return UsageRecord(id, T0, key, ep, model, 200, p, c, requests=requests)
+
+    rows = summarize(
+        [
+            rec("r1", "a", "demo", "demo", 3, 4),
+            rec("r1", "a", "demo", "demo", 3, 4),  # published twice: counted once
+            rec("r2", "a", "demo", "demo", 1, 1),
+            rec("job-1", "b", "demo", "demo", 0, 0),
+            rec("job-1-usage", "b", "demo", "demo", 5, 6, requests=0),
+        ]
+    )
+    assert rows == [
+        {"key": "a", "endpoint": "demo", "model": "demo", "requests": 2, "prompt_tokens": 4,
+         "completion_tokens": 5},
+        {"key": "b", "endpoint": "demo", "model": "demo", "requests": 1, "prompt_tokens": 5,
+         "completion_tokens": 6},
+    ]  # fmt: skip
+    record = rec("x", "a", "demo", "demo", 1, 2)
+    assert UsageRecord.decode(record.encode()) == record
+
+
+# ------------------------------------------------------------------ the limiter, one replica
+
+
+def test_a_limiter_without_nats_enforces_limits_and_skips_keys_without_limits():
+    async def scenario():
+        now = [T0 + 1]
+        limiter = Limiter("g", clock=lambda: now[0])
+        assert await limiter.admit(Key("free")) is None  # no limits: no state at all
+        key = Key("team", limits=Limits(requests_per_minute=5, max_concurrent=2))
+        results = await asyncio.gather(
+            *(limiter.admit(key) for _ in range(4)), return_exceptions=True
+        )
+        admitted = [r for r in results if not isinstance(r, Exception)]
+        refused = [r for r in results if isinstance(r, RateLimitError)]
+        assert len(admitted) == 2 and len(refused) == 2
+        assert refused[0].headers["retry-after"] == "1"
+        assert "maxConcurrent" in refused[0].message
+        limiter.finish(admitted[0], 0)
+        limiter.finish(admitted[0], 0)  # twice: once
+        await asyncio.sleep(0)
+        await asyncio.wait(limiter._background) if limiter._background else None
+        third = await limiter.admit(key)
+        assert dict(third.headers)[b"x-ratelimit-remaining-requests"] == b"2"
+        assert limiter.round_trips == 0
+
+    asyncio.run(scenario())
+
+
+def test_reservations_take_a_share_of_what_is_left_and_none_near_the_limit():
+    from llmendpoints_gateway.quotas import RESERVE_MAX, reservation
+
+    sixty = Limits(requests_per_minute=60)
+    assert reservation(QuotaState(0, 1, 0), sixty) == 59 // 8
+    assert reservation(QuotaState(0, 53, 0), sixty) == 0  # 7 left: every admission writes
+    assert reservation(QuotaState(0, 0, 0), Limits(requests_per_minute=10**9)) == RESERVE_MAX
+    assert reservation(QuotaState(0, 0, 0), Limits(tokens_per_minute=5)) == 0
+    assert reservation(QuotaState(0, 70, 0), sixty) == 0
+
+
+def test_a_labelled_secret_is_one_key_with_its_limits():
+    import base64
+
+    from llmendpoints_gateway.keys import secret_api_key
+
+    def secret(**data: str) -> dict:
+        return {
+            "metadata": {"name": "team-a", "namespace": "llm"},
+            "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
+        }
+
+    d, key = secret_api_key(
+        secret(key="sk-a", endpoints="demo, chat", requestsPerMinute="5", maxConcurrent="2")
+    )
+    assert d == digest("sk-a")
+    assert key == Key("team-a", frozenset({"demo", "chat"}), False, Limits(5, None, 2))
+    d, key = secret_api_key(
+        secret(keySha256=hashlib.sha256(b"sk-o").hexdigest(), name="ops", admin="true")
+    )
+    assert d == digest("sk-o") and key == Key("ops", None, True)
+    for data, message in [
+        ({}, r"Secret llm/team-a\.key"),
+        ({"key": "k", "tokensPerMinute": "lots"}, r"Secret llm/team-a\.limits\.tokensPerMinute"),
+        ({"key": "k", "admin": "yes"}, "admin"),
+    ]:
+        with pytest.raises(KeyFileError, match=message):
+            secret_api_key(secret(**data))

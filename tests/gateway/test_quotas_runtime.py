@@ -1,0 +1,308 @@
+"""Keys, limits and metering with the real engine: two gateway processes sharing one real
+nats-server in front of one real runtime (vLLM CPU, demo model), which also takes the
+endpoint's jobs from the queue. One runtime for the whole module.
+
+What only the engine can show: the tokens the gateways count are the engine's own
+(``vllm:prompt_tokens_total`` / ``vllm:generation_tokens_total`` on the runtime), for streams
+too (the usage chunk asked for upstream and taken out of the client's stream), and for jobs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+from integration.nats_kit import nats_server
+
+from .harness import Process, launch_gateway, launch_runtime
+
+pytestmark = pytest.mark.engine
+
+KEYS = [
+    {"name": "meter", "key": "sk-meter"},
+    {"name": "rpm", "key": "sk-rpm", "limits": {"requestsPerMinute": 3}},
+    {"name": "conc", "key": "sk-conc", "limits": {"maxConcurrent": 1}},
+    {"name": "gone", "key": "sk-gone"},
+]
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory) -> Path:
+    from llmendpoints_runtime.demo import write_demo_model
+
+    return write_demo_model(tmp_path_factory.mktemp("demo-model"))
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("quota-runtime-logs")
+
+
+@pytest.fixture(scope="module")
+def queue_url():
+    with nats_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def runtime(demo_model, logs, queue_url):
+    proc = launch_runtime(
+        demo_model, logs, SERVED_MODEL_NAME="demo", JOBS_QUEUE_URL=queue_url, ENDPOINT_ID="demo"
+    )
+    try:
+        # Engine start-up: 25-90 s on a quiet 2-core machine, minutes on a busy one.
+        proc.wait_http("/ready?strict=1", timeout=900)
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _write(path: Path, runtime: Process, keys: list[dict]) -> None:
+    document = {
+        "endpoints": [{"name": "demo", "models": ["demo"], "backends": [runtime.url]}],
+        "apiKeys": keys,
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(document))
+    tmp.replace(path)
+
+
+@pytest.fixture(scope="module")
+def endpoints_file(logs, runtime) -> Path:
+    path = logs / "endpoints.yaml"
+    _write(path, runtime, KEYS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gateways(logs, endpoints_file, queue_url):
+    procs = [
+        launch_gateway(
+            logs,
+            GATEWAY_ENDPOINTS_FILE=str(endpoints_file),
+            JOBS_QUEUE_URL=queue_url,
+            GATEWAY_ID=f"g{i}",
+        )
+        for i in (1, 2)
+    ]
+    try:
+        for proc in procs:
+            proc.wait_http("/health")
+            _until(
+                lambda proc=proc: (
+                    [
+                        m["ready_replicas"]
+                        for m in httpx.get(proc.url + "/v1/models", headers=_auth("meter")).json()[
+                            "data"
+                        ]
+                    ]
+                    == [1]
+                ),
+                "the runtime ready behind both gateways",
+            )
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def _auth(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer sk-{name}"}
+
+
+def _until(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
+        time.sleep(0.05)
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _engine_tokens(runtime: Process) -> tuple[float, float]:
+    return (
+        _metric(runtime.url, "vllm:prompt_tokens_total"),
+        _metric(runtime.url, "vllm:generation_tokens_total"),
+    )
+
+
+def _gateway_tokens(gateways, key: str) -> tuple[float, float]:
+    return tuple(
+        sum(
+            _metric(gw.url, "llmendpoints_gateway_tokens_total", key=key, kind=kind)
+            for gw in gateways
+        )
+        for kind in ("prompt", "completion")
+    )
+
+
+def _fresh_window(margin: float = 25.0) -> None:
+    left = 60 - time.time() % 60
+    if left < margin:
+        time.sleep(left + 0.2)
+
+
+def test_the_tokens_counted_are_the_engines_own_for_answers_streams_and_jobs(gateways, runtime):
+    engine_before = _engine_tokens(runtime)
+    clients = [
+        openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-meter", max_retries=0, timeout=300)
+        for gw in gateways
+    ]
+    messages = [{"role": "user", "content": "Count the tokens of this request, please."}]
+    reply = clients[0].chat.completions.create(model="demo", messages=messages, max_tokens=7)
+    seen = [reply.usage.prompt_tokens, reply.usage.completion_tokens]
+    completion = clients[1].completions.create(model="demo", prompt="Once upon", max_tokens=5)
+    seen[0] += completion.usage.prompt_tokens
+    seen[1] += completion.usage.completion_tokens
+    # A stream whose client did not ask for usage: none reaches the client, yet it is counted.
+    chunks = list(
+        clients[1].chat.completions.create(
+            model="demo",
+            messages=messages,
+            max_tokens=6,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks and all(c.usage is None for c in chunks) and all(c.choices for c in chunks)
+    # One that asked gets the usage chunk, as from vLLM.
+    asked = list(
+        clients[0].completions.create(
+            model="demo",
+            prompt="A story",
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert asked[-1].choices == [] and asked[-1].usage.completion_tokens == 4
+    # A job through the shared queue, run by the runtime, returned by /runsync.
+    job = httpx.post(
+        gateways[0].url + "/v2/demo/runsync",
+        json={"input": {"prompt": "Hello", "sampling_params": {"max_tokens": 3}}},
+        headers=_auth("meter"),
+        timeout=300,
+    ).json()
+    assert job["status"] == "COMPLETED", job
+    job_usage = job["output"][-1]["usage"]
+
+    engine_after = _engine_tokens(runtime)
+    engine = (engine_after[0] - engine_before[0], engine_after[1] - engine_before[1])
+    _until(lambda: _gateway_tokens(gateways, "meter") == engine, "the gateways' counters")
+    assert engine[1] == seen[1] + 6 + 4 + job_usage["output"]
+    assert engine[0] > seen[0] + job_usage["input"]  # plus the two streams' prompts
+    assert (
+        sum(
+            _metric(gw.url, "llmendpoints_gateway_requests_total", key="meter", code="200")
+            for gw in gateways
+        )
+        == 5
+    )
+
+
+def test_limits_hold_across_both_gateways_in_front_of_the_engine(gateways):
+    _fresh_window()
+    body = {"model": "demo", "prompt": "Hi", "max_tokens": 2, "ignore_eos": True}
+    answers = [
+        httpx.post(
+            gateways[i % 2].url + "/v1/completions", json=body, headers=_auth("rpm"), timeout=300
+        )
+        for i in range(4)
+    ]
+    assert [a.status_code for a in answers] == [200, 200, 200, 429]
+    refused = answers[-1]
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert "'rpm'" in refused.json()["error"]["message"] and "sk-rpm" not in refused.text
+    assert int(refused.headers["retry-after"]) >= 1
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    assert [a.headers["x-ratelimit-remaining-requests"] for a in answers[:3]] == ["2", "1", "0"]
+
+    # maxConcurrent 1: of three long streams sent at once to both gateways, one runs.
+    long = {"model": "demo", "prompt": "Go", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    def stream(i: int) -> int:
+        with httpx.stream(
+            "POST",
+            gateways[i % 2].url + "/v1/completions",
+            json=long,
+            headers=_auth("conc"),
+            timeout=600,
+        ) as response:
+            response.read()
+            return response.status_code
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        codes = sorted(pool.map(stream, range(3)))
+    assert codes == [200, 429, 429]
+
+
+def test_the_export_lists_what_was_served(gateways, queue_url):
+    env = {**os.environ, "JOBS_QUEUE_URL": queue_url}
+
+    def rows() -> list[dict]:
+        done = subprocess.run(
+            [
+                sys.executable, "-m", "llmendpoints_gateway", "usage",
+                "--since", "2020-01-01T00:00:00Z", "--format", "json",
+            ],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    prompt, completion = _gateway_tokens(gateways, "meter")
+    _until(
+        lambda: any(r["key"] == "meter" and r["completion_tokens"] == completion for r in rows()),
+        "the usage records",
+    )
+    (meter,) = [r for r in rows() if r["key"] == "meter"]
+    assert meter == {
+        "key": "meter",
+        "endpoint": "demo",
+        "model": "demo",
+        "requests": 5,  # 4 OpenAI requests and 1 job
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+    }
+    (rpm,) = [r for r in rows() if r["key"] == "rpm"]
+    assert rpm["requests"] == 3 and rpm["completion_tokens"] == 6
+
+
+def test_a_revoked_key_stops_on_both_gateways_within_5_s(gateways, endpoints_file, runtime):
+    body = {"model": "demo", "prompt": "Hi", "max_tokens": 1}
+    for gw in gateways:
+        assert (
+            httpx.post(
+                gw.url + "/v1/completions", json=body, headers=_auth("gone"), timeout=300
+            ).status_code
+            == 200
+        )
+    _write(endpoints_file, runtime, [k for k in KEYS if k["name"] != "gone"])
+    revoked_at = time.monotonic()
+    for gw in gateways:
+        _until(
+            lambda gw=gw: (
+                httpx.post(
+                    gw.url + "/v1/completions", json=body, headers=_auth("gone"), timeout=300
+                ).status_code
+                == 401
+            ),
+            "the revoked key refused",
+            timeout=max(0.1, revoked_at + 5.0 - time.monotonic()),
+        )
