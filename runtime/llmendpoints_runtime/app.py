@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,9 +25,16 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 from llmendpoints_common.errors import (
+    APIError,
+    ContentTooLargeError,
     InternalServerError,
     RateLimitError,
     ServiceUnavailableError,
+)
+from llmendpoints_common.fair_use import (
+    SEQUENCE_ROUTES,
+    may_ask_for_more_than_one,
+    request_sequences,
 )
 from starlette.routing import Mount
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -38,7 +46,7 @@ from llmendpoints_runtime.engine import Engine
 from llmendpoints_runtime.errors import install_exception_handlers, send_error
 from llmendpoints_runtime.health import EngineState, Health
 from llmendpoints_runtime.metrics import CONTENT_TYPE, RuntimeMetrics
-from llmendpoints_runtime.middleware import BodyGuard, RequestContext
+from llmendpoints_runtime.middleware import BodyGuard, RequestContext, replay
 from llmendpoints_runtime.openapi import openapi_builder
 
 logger = logging.getLogger("llmendpoints.app")
@@ -80,7 +88,12 @@ class Runtime:
 
 
 class EngineDelegate:
-    """The fallback ASGI app: vLLM's application once the engine is ready, 503 before."""
+    """The fallback ASGI app: vLLM's application once the engine is ready, 503 before.
+
+    Generation requests take as many admission slots as they run sequences (``n`` x prompts,
+    ``llmendpoints_common.fair_use``), after the ``MAX_N`` check: the body is read here once
+    (within the body limit) and replayed to vLLM.
+    """
 
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
@@ -96,8 +109,21 @@ class EngineDelegate:
         if scope["method"] != "POST" or scope["path"] in _CHEAP_POSTS:
             await inner(scope, receive, send)
             return
+        weight = 1
+        if scope["path"] in SEQUENCE_ROUTES:
+            settings = runtime.config.settings
+            try:
+                body = await _read_body(receive, settings.max_request_body_bytes)
+                if body is None:
+                    return  # the client left
+                weight = await _sequences(scope["path"], body, settings.max_n)
+            except APIError as exc:
+                runtime.metrics.rejected.labels(reason="too_many_sequences").inc()
+                await send_error(send, exc)
+                return
+            receive = replay(body, then=receive)
         try:
-            await runtime.admission.acquire()
+            slots = await runtime.admission.acquire(weight)
         except RateLimitError as exc:
             runtime.metrics.rejected.labels(reason="queue_full").inc()
             await send_error(send, exc)
@@ -105,7 +131,47 @@ class EngineDelegate:
         try:
             await inner(scope, receive, send)
         finally:
-            runtime.admission.release()
+            runtime.admission.release(slots)
+
+
+# Bodies larger than this are parsed off the event loop (a parse of megabytes stalls it).
+_PARSE_IN_THREAD_BYTES = 256 * 1024
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body (None if the client disconnected), 413 beyond ``limit``."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise ContentTooLargeError(
+                f"request body is larger than the limit of {limit} bytes (MAX_REQUEST_BODY_BYTES)"
+            )
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _sequences(route: str, body: bytes, max_n: int) -> int:
+    """The sequences a generation request runs; BadRequestError above MAX_N. A body that is
+    not a JSON object counts 1: vLLM answers it with its own 400."""
+    if not may_ask_for_more_than_one(route, body):
+        return 1
+    try:
+        if len(body) > _PARSE_IN_THREAD_BYTES:
+            value = await asyncio.to_thread(json.loads, body)
+        else:
+            value = json.loads(body)
+    except (ValueError, RecursionError):
+        return 1
+    if not isinstance(value, dict):
+        return 1
+    return request_sequences(route, value, max_n)
 
 
 OPENAI_PREFIX = "/v1/"
