@@ -117,8 +117,9 @@ class EngineDelegate:
                 if body is None:
                     return  # the client left
                 weight = await _sequences(scope["path"], body, settings.max_n)
-            except APIError as exc:
-                runtime.metrics.rejected.labels(reason="too_many_sequences").inc()
+            except APIError as exc:  # 413, or n / best_of above MAX_N
+                reason = "body_too_large" if exc.status_code == 413 else "max_n"
+                runtime.metrics.rejected.labels(reason=reason).inc()
                 await send_error(send, exc)
                 return
             receive = replay(body, then=receive)
