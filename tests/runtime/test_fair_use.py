@@ -2,8 +2,9 @@
 MAX_N on every contract, sequence-counted admission, the policy's ranges, a finished job that
 keeps its output and not its input.
 
-The server runs with MAX_N=4, MAX_CONCURRENCY=4 (sequences), MAX_QUEUE_LENGTH=2 (sequences
-waiting) and MAX_JOB_TTL_MS=1 h.
+The server runs with MAX_N=32, MAX_CONCURRENCY=32 (sequences: one MAX_N request fills it),
+MAX_QUEUE_LENGTH=2 (sequences waiting) and MAX_JOB_TTL_MS=1 h. MAX_N is large so that a MAX_N
+request runs for seconds on the tiny demo model.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from conftest import RuntimeServer, running_runtime
 
 pytestmark = pytest.mark.engine
 
-MAX_N = 4
+MAX_N = 32
 CHAT = [{"role": "user", "content": "hi"}]
 # Streams long enough (seconds on two cores) to be caught running.
 HEAVY = {
@@ -30,6 +31,7 @@ HEAVY = {
     "ignore_eos": True,
     "n": MAX_N,
     "stream": True,
+    "stream_options": {"include_usage": True},
 }
 
 
@@ -39,7 +41,7 @@ def server(demo_model, runtime_logs) -> Iterator[RuntimeServer]:
         demo_model,
         runtime_logs,
         MAX_N=str(MAX_N),
-        MAX_CONCURRENCY="4",
+        MAX_CONCURRENCY=str(MAX_N),
         MAX_QUEUE_LENGTH="2",
         MAX_JOB_TTL_MS="3600000",
     ) as running:
@@ -70,13 +72,17 @@ def refused(response: httpx.Response, param: str) -> dict:
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("/v1/completions", {"model": "demo", "prompt": "x", "n": 5}, "n"),
-        ("/v1/completions", {"model": "demo", "prompt": "x", "best_of": "5"}, "best_of"),
-        ("/v1/chat/completions", {"model": "demo", "messages": CHAT, "n": 5}, "n"),
+        ("/v1/completions", {"model": "demo", "prompt": "x", "n": 33}, "n"),
+        ("/v1/completions", {"model": "demo", "prompt": "x", "best_of": "33"}, "best_of"),
+        ("/v1/chat/completions", {"model": "demo", "messages": CHAT, "n": 33.0}, "n"),
         ("/v1/chat/completions", {"model": "demo", "messages": CHAT, "n": 16384}, "n"),
-        ("/v2/any-id/openai/v1/chat/completions", {"model": "demo", "messages": CHAT, "n": 9}, "n"),
-        ("/invocations", {"messages": CHAT, "n": 5}, "n"),
-        ("/invocations", {"prompt": "x", "best_of": 5}, "best_of"),
+        (
+            "/v2/any-id/openai/v1/chat/completions",
+            {"model": "demo", "messages": CHAT, "n": 40},
+            "n",
+        ),
+        ("/invocations", {"messages": CHAT, "n": 33}, "n"),
+        ("/invocations", {"prompt": "x", "best_of": 33}, "best_of"),
     ],
 )
 def test_n_above_max_n_is_a_400_naming_the_field(http, path, body, param) -> None:
@@ -85,24 +91,24 @@ def test_n_above_max_n_is_a_400_naming_the_field(http, path, body, param) -> Non
 
 
 def test_tgi_parameters_cannot_ask_for_more_sequences(http) -> None:
-    answer = http.post("/invocations", json={"inputs": "x", "parameters": {"best_of": 5}})
+    answer = http.post("/invocations", json={"inputs": "x", "parameters": {"best_of": 33}})
     refused(answer, "parameters.best_of")
 
 
 @pytest.mark.parametrize(
     ("path", "job", "param"),
     [
-        ("/run", {"prompt": "x", "sampling_params": {"n": 5}}, "input.sampling_params.n"),
+        ("/run", {"prompt": "x", "sampling_params": {"n": 33}}, "input.sampling_params.n"),
         (
             "/runsync",
-            {"openai_route": "/v1/completions", "openai_input": {"prompt": "x", "n": 5}},
+            {"openai_route": "/v1/completions", "openai_input": {"prompt": "x", "n": 33}},
             "input.openai_input.n",
         ),
         (
             "/v2/any-id/run",
             {
                 "openai_route": "/v1/chat/completions",
-                "openai_input": {"messages": CHAT, "best_of": 8},
+                "openai_input": {"messages": CHAT, "best_of": 64},
             },
             "input.openai_input.best_of",
         ),
@@ -129,7 +135,7 @@ def test_n_of_max_n_is_served(http) -> None:
 
 def _stream(url: str, body: dict, first: concurrent.futures.Future, done: threading.Event):
     """Stream a completion; ``first`` gets the status once the first token (or an error)
-    arrives; returns (status, completion tokens seen)."""
+    arrives; returns (status, completion tokens in the final usage)."""
     tokens = 0
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=180) as response:
@@ -140,7 +146,9 @@ def _stream(url: str, body: dict, first: concurrent.futures.Future, done: thread
                 if line.startswith("data: {"):
                     if not first.done():
                         first.set_result(200)
-                    tokens += len(json.loads(line[6:])["choices"])
+                    usage = json.loads(line[6:]).get("usage")
+                    if usage:
+                        tokens = usage["completion_tokens"]
             return 200, tokens
     finally:
         done.set()
@@ -154,7 +162,7 @@ def test_a_max_n_request_holds_max_n_sequences(server, http) -> None:
         first, heavy_done = concurrent.futures.Future(), threading.Event()
         heavy = pool.submit(_stream, server.url, HEAVY, first, heavy_done)
         assert first.result(120) == 200
-        # The n=4 request holds all 4 slots: 3 more sequences exceed the 2 that may wait, so
+        # The n=32 request holds all 32 slots: 3 more sequences exceed the 2 that may wait, so
         # this is refused at once (counted as 1, it would have been admitted beside it).
         busy = http.post(
             "/v1/completions", json={"model": "demo", "prompt": "x", "n": 3, "max_tokens": 1}
@@ -162,7 +170,7 @@ def test_a_max_n_request_holds_max_n_sequences(server, http) -> None:
         assert not heavy_done.is_set(), "the heavy request ended before the check: inconclusive"
         assert busy.status_code == 429, busy.text
         assert busy.json()["error"]["type"] == "RateLimitError"
-        assert "4 sequences running" in busy.json()["error"]["message"]
+        assert f"{MAX_N} sequences running" in busy.json()["error"]["message"]
         # A small request waits for a slot, then runs.
         small_first, small_done = concurrent.futures.Future(), threading.Event()
         small = pool.submit(
@@ -185,11 +193,15 @@ def _status(http: httpx.Client, job_id: str) -> str:
     return http.get(f"/status/{job_id}").json()["status"]
 
 
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT"}
+
+
 def _wait_status(http: httpx.Client, job_id: str, wanted: set[str], timeout: float = 120) -> str:
+    """The job's status once it is one of ``wanted`` or final."""
     deadline = time.monotonic() + timeout
-    while (status := _status(http, job_id)) not in wanted:
+    while (status := _status(http, job_id)) not in wanted | FINAL:
         assert time.monotonic() < deadline, f"job {job_id} stayed {status}"
-        time.sleep(0.1)
+        time.sleep(0.05)
     return status
 
 
@@ -198,16 +210,30 @@ def test_jobs_count_their_sequences(http) -> None:
         "prompt": "hi",
         "sampling_params": {"n": MAX_N, "max_tokens": 480, "ignore_eos": True},
     }
-    heavy = http.post("/run", json={"input": long_job}).json()["id"]
-    _wait_status(http, heavy, {"IN_PROGRESS"})
+    heavy = [http.post("/run", json={"input": long_job}).json()["id"] for _ in range(2)]
+    assert _wait_status(http, heavy[0], {"IN_PROGRESS"}) == "IN_PROGRESS", "inconclusive"
     small = http.post("/run", json={"input": {"prompt": "x", "sampling_params": {"max_tokens": 1}}})
     small_id = small.json()["id"]
-    # Read the small job, then the heavy one: while the heavy job holds all 4 slots the small
-    # one cannot have started (counted as 1, it would run at once).
-    seen = _status(http, small_id)
-    if _status(http, heavy) == "IN_PROGRESS":
-        assert seen == "IN_QUEUE"
-    assert http.post(f"/cancel/{heavy}").json()["status"] == "CANCELLED"
+    # Each heavy job holds all 32 slots: the second waits for the first, the small one for
+    # both (FIFO). Counted as 1 each, all three would run at once. Statuses only move forward,
+    # so reading the small job first and the heavy ones after is conclusive: a heavy job not
+    # yet finished then was not finished before either.
+    seen_waiting = False
+    deadline = time.monotonic() + 180
+    while True:
+        assert time.monotonic() < deadline, "the jobs did not finish"
+        small_status = _status(http, small_id)
+        first, second = (_status(http, job_id) for job_id in heavy)
+        if first == "IN_PROGRESS":
+            assert second == "IN_QUEUE" and small_status == "IN_QUEUE", (first, second)
+            seen_waiting = True
+        elif second in ("IN_QUEUE", "IN_PROGRESS"):
+            assert small_status == "IN_QUEUE", (first, second, small_status)
+        else:
+            break
+        time.sleep(0.05)
+    assert seen_waiting, "the first heavy job ended before anything was read: inconclusive"
+    assert [first, second] == ["COMPLETED", "COMPLETED"]
     assert _wait_status(http, small_id, {"COMPLETED", "FAILED"}) == "COMPLETED"
 
 
@@ -237,7 +263,7 @@ def test_unknown_message_fields_are_refused(http) -> None:
 
 
 def test_a_finished_job_keeps_its_output_not_its_input(http) -> None:
-    prompt = "hello " * 150
+    prompt = "hello " * 60  # 360 bytes: within the 512-token context whatever the tokens
     before = metric(http, "llmendpoints_job_store_bytes")
     done = http.post(
         "/runsync", json={"input": {"prompt": prompt, "sampling_params": {"max_tokens": 1}}}
@@ -245,10 +271,11 @@ def test_a_finished_job_keeps_its_output_not_its_input(http) -> None:
     assert done["status"] == "COMPLETED"
     kept = metric(http, "llmendpoints_job_store_bytes") - before
     assert 0 < kept < len(prompt)  # the result and the request's policy, not the prompt
-    # A FAILED job keeps its input for /retry: the store holds the prompt then.
+    # A FAILED job (its prompt is longer than the context) keeps its input for /retry.
+    too_long = "hello " * 150
     before = metric(http, "llmendpoints_job_store_bytes")
     failed = http.post(
-        "/runsync", json={"input": {"prompt": prompt, "sampling_params": {"max_tokens": 100000}}}
+        "/runsync", json={"input": {"prompt": too_long, "sampling_params": {"max_tokens": 1}}}
     ).json()
     assert failed["status"] == "FAILED"
-    assert metric(http, "llmendpoints_job_store_bytes") - before > len(prompt)
+    assert metric(http, "llmendpoints_job_store_bytes") - before > len(too_long)
