@@ -3,8 +3,8 @@
 /v2/{endpoint_id}/openai/v1. One server for the whole module.
 
 The server runs with small, non-default limits so that the environment knobs are proven to
-work: MAX_CONCURRENCY=32 (two LONG jobs' sequences: admission counts sequences),
-MAX_QUEUE_LENGTH=4, DEFAULT_MAX_TOKENS=24, batches 2, 4, 8, 8, ...
+work: MAX_N=1024 (SLOW), MAX_CONCURRENCY=32 (two LONG jobs' sequences: admission counts
+sequences), MAX_QUEUE_LENGTH=4, DEFAULT_MAX_TOKENS=24, batches 2, 4, 8, 8, ...
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ ENDPOINT_ID = "ep-e2e"
 # Long enough (several seconds on two cores, with MAX_MODEL_LEN 2048) to be caught running,
 # queued, cancelled.
 LONG = {"prompt": "hi", "sampling_params": {"max_tokens": 2000, "ignore_eos": True, "n": 16}}
+# Runs well past RunPod's shortest executionTimeout (5 s): 1,024 x 480 tokens, in several
+# waves of the engine's batch (the demo model does 256 x 480 in under 5 s).
+SLOW = {"prompt": "hi", "sampling_params": {"max_tokens": 480, "ignore_eos": True, "n": 1024}}
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +40,7 @@ def server(demo_model, runtime_logs) -> Iterator[RuntimeServer]:
         runtime_logs,
         API_KEYS=API_KEY,
         MAX_MODEL_LEN="2048",
+        MAX_N="1024",
         MAX_CONCURRENCY="32",
         MAX_QUEUE_LENGTH="4",
         DEFAULT_MAX_TOKENS="24",
@@ -246,8 +250,8 @@ def test_queue_limit_purge_and_queue_depth(endpoint, http) -> None:
 
 
 def test_execution_timeout_and_retry(http) -> None:
-    # RunPod's shortest executionTimeout, 5 s: LONG runs longer.
-    job = http.post("/run", json={"input": LONG, "policy": {"executionTimeout": 5000}}).json()
+    # RunPod's shortest executionTimeout, 5 s: SLOW runs longer.
+    job = http.post("/run", json={"input": SLOW, "policy": {"executionTimeout": 5000}}).json()
     final = wait_final(http, job["id"])
     assert final["status"] == "TIMED_OUT" and "output" not in final
     assert (
@@ -479,7 +483,9 @@ def test_sigterm_finishes_accepted_jobs_delivers_their_webhooks_and_refuses_new_
     try:
         thread = threading.Thread(target=runsync)
         thread.start()
-        wait_for(lambda: health(http)["jobs"]["inProgress"] == 1)
+        wait_for(
+            lambda: health(http)["jobs"]["inProgress"] == 1, describe=lambda: f"{health(http)}"
+        )
         server.process.send_signal(signal.SIGTERM)
         wait_for(lambda: http.get("/ready").status_code == 503)
         refused = http.post("/run", json={"input": {"prompt": "x"}})
