@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -27,9 +28,16 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 from llmendpoints_common.errors import (
+    APIError,
+    ContentTooLargeError,
     InternalServerError,
     RateLimitError,
     ServiceUnavailableError,
+)
+from llmendpoints_common.fair_use import (
+    SEQUENCE_ROUTES,
+    may_ask_for_more_than_one,
+    request_sequences,
 )
 from starlette.routing import Mount
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -42,7 +50,7 @@ from llmendpoints_runtime.engine import Engine
 from llmendpoints_runtime.errors import install_exception_handlers, send_error
 from llmendpoints_runtime.health import EngineState, Health
 from llmendpoints_runtime.metrics import CONTENT_TYPE, RuntimeMetrics
-from llmendpoints_runtime.middleware import BodyGuard, RequestContext
+from llmendpoints_runtime.middleware import BodyGuard, RequestContext, replay
 from llmendpoints_runtime.openapi import openapi_builder
 
 logger = logging.getLogger("llmendpoints.app")
@@ -90,6 +98,10 @@ class EngineDelegate:
 
     vLLM's engine-control routes (control_routes.py) answer 403 to every caller without an
     admin key -- with no admin key configured, to everyone.
+
+    Generation requests take as many admission slots as they run sequences (``n`` x prompts,
+    ``llmendpoints_common.fair_use``), after the ``MAX_N`` check: the body is read here once
+    (within the body limit) and replayed to vLLM.
     """
 
     def __init__(self, runtime: Runtime):
@@ -110,8 +122,22 @@ class EngineDelegate:
         if scope["method"] != "POST" or scope["path"] in _CHEAP_POSTS:
             await inner(scope, receive, send)
             return
+        weight = 1
+        if scope["path"] in SEQUENCE_ROUTES:
+            settings = runtime.config.settings
+            try:
+                body = await _read_body(receive, settings.max_request_body_bytes)
+                if body is None:
+                    return  # the client left
+                weight = await _sequences(scope["path"], body, settings.max_n)
+            except APIError as exc:  # 413, or n / best_of above MAX_N
+                reason = "body_too_large" if exc.status_code == 413 else "max_n"
+                runtime.metrics.rejected.labels(reason=reason).inc()
+                await send_error(send, exc)
+                return
+            receive = replay(body, then=receive)
         try:
-            await runtime.admission.acquire()
+            slots = await runtime.admission.acquire(weight)
         except RateLimitError as exc:
             runtime.metrics.rejected.labels(reason="queue_full").inc()
             await send_error(send, exc)
@@ -119,7 +145,47 @@ class EngineDelegate:
         try:
             await inner(scope, receive, send)
         finally:
-            runtime.admission.release()
+            runtime.admission.release(slots)
+
+
+# Bodies larger than this are parsed off the event loop (a parse of megabytes stalls it).
+_PARSE_IN_THREAD_BYTES = 256 * 1024
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body (None if the client disconnected), 413 beyond ``limit``."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise ContentTooLargeError(
+                f"request body is larger than the limit of {limit} bytes (MAX_REQUEST_BODY_BYTES)"
+            )
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _sequences(route: str, body: bytes, max_n: int) -> int:
+    """The sequences a generation request runs; BadRequestError above MAX_N. A body that is
+    not a JSON object counts 1: vLLM answers it with its own 400."""
+    if not may_ask_for_more_than_one(route, body):
+        return 1
+    try:
+        if len(body) > _PARSE_IN_THREAD_BYTES:
+            value = await asyncio.to_thread(json.loads, body)
+        else:
+            value = json.loads(body)
+    except (ValueError, RecursionError):
+        return 1
+    if not isinstance(value, dict):
+        return 1
+    return request_sequences(route, value, max_n)
 
 
 OPENAI_PREFIX = "/v1/"

@@ -12,6 +12,7 @@ its work in flight and its shutdown, and hands its routers to ``app.create_app``
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from llmendpoints_common.jobs.models import DEFAULT_EXECUTION_TIMEOUT_MS, DEFAULT_TTL_MS
 from starlette.types import ASGIApp
 
 from llmendpoints_runtime import adapters, app
@@ -86,7 +87,7 @@ def create_app(runtime: Runtime, *, start_engine: bool = True) -> ASGIApp:
             capacity=lambda: runtime.admission.limit,
             webhook_policy=settings.webhook_policy,
         )
-        runtime.metrics.add_in_flight_source(lambda: queued.jobs.running)
+        runtime.metrics.add_in_flight_source(lambda: queued.jobs.running_sequences)
     else:
         jobs = local = build_job_feature(
             engine,
@@ -98,9 +99,10 @@ def create_app(runtime: Runtime, *, start_engine: bool = True) -> ASGIApp:
             webhook_policy=settings.webhook_policy,
         )
         # Queued jobs count in llmendpoints_queue_depth (except policy.lowPriority ones),
-        # running ones in llmendpoints_requests_in_flight.
+        # running ones in llmendpoints_requests_in_flight, both in sequences as the engine
+        # runs them (a job with n: 4 counts 4), like the OpenAI requests' admission.
         runtime.metrics.add_queue_source(lambda: local.executor.queued_for_scaling)
-        runtime.metrics.add_in_flight_source(lambda: local.executor.running)
+        runtime.metrics.add_in_flight_source(lambda: local.executor.running_sequences)
     # A draining pod waits for jobs and webhooks.
     runtime.busy_sources.append(jobs.busy)
     runtime.drainers.append(jobs.drain)
@@ -138,6 +140,16 @@ def job_settings_from(settings: RuntimeSettings, max_concurrency: int) -> JobSet
         default_batch_size_growth_factor=settings.default_batch_size_growth_factor,
         raw_openai_output=settings.raw_openai_output,
         max_stored_jobs=settings.max_stored_jobs,
+        max_stored_job_bytes=settings.max_stored_job_bytes,
+        max_n=settings.max_n,
+        max_execution_timeout_ms=settings.max_execution_timeout_ms,
+        max_ttl_ms=settings.max_job_ttl_ms,
+        default_execution_timeout_ms=min(
+            DEFAULT_EXECUTION_TIMEOUT_MS, settings.max_execution_timeout_ms
+        ),
+        default_ttl_ms=min(DEFAULT_TTL_MS, settings.max_job_ttl_ms),
+        run_retention_seconds=settings.jobs_run_retention_seconds,
+        runsync_retention_seconds=settings.jobs_runsync_retention_seconds,
         max_body_bytes=settings.max_request_body_bytes,
         max_runsync_body_bytes=settings.max_runsync_body_bytes,
         webhook_timeout_seconds=settings.webhook_timeout_seconds,

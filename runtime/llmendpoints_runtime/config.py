@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from llmendpoints_common.destinations import DestinationPolicy
+from llmendpoints_common.fair_use import DEFAULT_MAX_N
+from llmendpoints_common.jobs.models import MAX_POLICY_MS, MIN_EXECUTION_TIMEOUT_MS, MIN_TTL_MS
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -95,13 +97,23 @@ class RuntimeSettings(BaseSettings):
         None,
         ge=1,
         validation_alias="MAX_CONCURRENCY",
-        description="Requests running in the engine at once; default: max(300, the engine's max_num_seqs).",
+        description="Sequences running in the engine at once (a request with n: 4 takes 4; a "
+        "request for more than this is a 400); default: max(300, the engine's max_num_seqs).",
     )
     max_queue_length: int = Field(
         1000,
         ge=0,
         validation_alias="MAX_QUEUE_LENGTH",
-        description="Requests waiting for a slot beyond MAX_CONCURRENCY; more get 429 with Retry-After.",
+        description="Sequences waiting for a slot beyond MAX_CONCURRENCY (and queued jobs); "
+        "more get 429 with Retry-After.",
+    )
+    max_n: int = Field(
+        DEFAULT_MAX_N,
+        ge=1,
+        le=4096,
+        validation_alias="MAX_N",
+        description="Largest n (and best_of) of one request, on every contract (OpenAI routes, "
+        "jobs, /invocations); more is a 400 naming the field.",
     )
     max_request_body_bytes: int = Field(
         10 * 1024 * 1024,
@@ -180,7 +192,31 @@ class RuntimeSettings(BaseSettings):
         10_000,
         ge=1,
         validation_alias="MAX_STORED_JOBS",
-        description="Jobs this pod keeps; finished ones expire after policy.ttl, oldest first when full.",
+        description="Jobs this pod keeps; finished ones are dropped when their retention ends "
+        "(30 min after /run, 1 min after /runsync, never past policy.ttl), oldest first when full.",
+    )
+    max_stored_job_bytes: int = Field(
+        512 * 1024 * 1024,
+        ge=1024 * 1024,
+        validation_alias="MAX_STORED_JOB_BYTES",
+        description="Bytes of requests and results this pod's job store keeps (JSON size); "
+        "oldest finished jobs are dropped first, then new jobs get 429.",
+    )
+    max_execution_timeout_ms: int = Field(
+        MAX_POLICY_MS,
+        ge=MIN_EXECUTION_TIMEOUT_MS,
+        le=MAX_POLICY_MS,
+        validation_alias="MAX_EXECUTION_TIMEOUT_MS",
+        description="Largest policy.executionTimeout a job may set (RunPod's range: 5 s to 7 "
+        "days); the default 600 s is lowered to it.",
+    )
+    max_job_ttl_ms: int = Field(
+        MAX_POLICY_MS,
+        ge=MIN_TTL_MS,
+        le=MAX_POLICY_MS,
+        validation_alias="MAX_JOB_TTL_MS",
+        description="Largest policy.ttl a job may set (RunPod's range: 10 s to 7 days); the "
+        "default 24 h is lowered to it.",
     )
     # The shared job queue (NATS JetStream): with it, every replica and the gateway serve every
     # job of the endpoint, and this pod is one of the endpoint's workers.
@@ -218,14 +254,14 @@ class RuntimeSettings(BaseSettings):
         1800.0,
         ge=1,
         validation_alias="LLMEP_JOBS_RUN_RETENTION_SECONDS",
-        description="Shared queue: a /run job's result is kept this long after it ends (unless "
-        "policy.ttl says otherwise); then /status answers 404.",
+        description="A /run job's result is kept this long after it ends (never past "
+        "policy.ttl), in the pod or in the shared queue; then /status answers 404.",
     )
     jobs_runsync_retention_seconds: float = Field(
         60.0,
         ge=1,
         validation_alias="LLMEP_JOBS_RUNSYNC_RETENTION_SECONDS",
-        description="Shared queue: the same for /runsync jobs.",
+        description="The same for /runsync jobs.",
     )
     jobs_idempotency_window_seconds: float = Field(
         600.0,

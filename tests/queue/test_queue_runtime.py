@@ -69,7 +69,9 @@ def pods(demo_model, nats, tmp_path_factory):
         JOBS_QUEUE_URL=nats.url,
         ENDPOINT_ID=ENDPOINT,
         API_KEYS=KEY,
-        MAX_CONCURRENCY="2",
+        # Two LONG jobs' sequences (admission counts sequences; a pod takes a job while one
+        # of its slots is free): "two slots" of long jobs.
+        MAX_CONCURRENCY=str(2 * LONG_N),
         MAX_MODEL_LEN="2048",
         DEFAULT_MAX_TOKENS="24",
         DEFAULT_BATCH_SIZE="27",

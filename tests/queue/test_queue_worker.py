@@ -9,8 +9,8 @@ import time
 
 import pytest
 import pytest_asyncio
-from llmendpoints_common.errors import BadRequestError
-from llmendpoints_common.jobs.models import JobStatus, parse_job_request
+from llmendpoints_common.errors import BadRequestError, ContentTooLargeError
+from llmendpoints_common.jobs.models import JobRequest, JobStatus, parse_job_request
 from llmendpoints_common.queue.client import QueueConnection, QueueJobService
 from llmendpoints_common.queue.topology import QueueLayout
 from llmendpoints_common.queue.worker import QueueWorker, WorkerSettings
@@ -26,6 +26,12 @@ def request(**input_fields):
     if policy:
         body["policy"] = policy
     return parse_job_request(json.dumps(body).encode())
+
+
+def unchecked(**input_fields):
+    """A job request as a test needs it, past the API's limits (policy minima)."""
+    policy = input_fields.pop("policy", None)
+    return JobRequest.model_validate({"input": {"prompt": "p", **input_fields}, "policy": policy})
 
 
 class StandIn:
@@ -185,8 +191,9 @@ async def test_engine_error_fails_the_job_with_its_message(pair):
 
 async def test_execution_timeout_is_timed_out(pair):
     await pair.worker.start()
+    # Built without the API's checks: a client's executionTimeout is 5 s at least.
     job = await pair.client.submit(
-        request(sampling_params={"steps": 50, "delay": 0.1}, policy={"executionTimeout": 300}),
+        unchecked(sampling_params={"steps": 50, "delay": 0.1}, policy={"executionTimeout": 300}),
         sync=True,
         owner="",
     )
@@ -250,3 +257,51 @@ async def test_each_job_end_is_reported_once_by_the_process_that_stored_it(pair)
         ("worker", done.id, JobStatus.COMPLETED),
         ("client", slow.id, JobStatus.CANCELLED),
     ]
+
+
+# ---- job policy on the shared queue (issue 16) ----------------------------------------------
+
+
+async def until_gone(service, job_id: str, timeout: float = 15.0) -> None:
+    async with asyncio.timeout(timeout):
+        while await service.states.read(job_id) is not None:
+            await asyncio.sleep(0.2)
+
+
+async def test_a_finished_jobs_record_keeps_its_output_not_its_input(pair):
+    await pair.worker.start()
+    job = await pair.client.submit(request(), sync=True, owner="")
+    done = await pair.client.wait(job.id, 10, owner="")
+    assert done.status is JobStatus.COMPLETED and done.output
+    stored, _ = await pair.client.states.read(job.id)
+    assert "input" not in stored.request and stored.output == done.output
+    assert stored.retention_seconds == 60.0 and stored.ttl_seconds == 24 * 3600.0
+
+
+async def test_a_job_never_runs_past_its_ttl_and_its_record_then_goes(pair):
+    await pair.worker.start()
+    job = await pair.client.submit(
+        unchecked(sampling_params={"steps": 200, "delay": 0.1}, policy={"ttl": 2000}),
+        sync=False,
+        owner="",
+    )
+    done = await pair.client.wait(job.id, 15, owner="")
+    assert done.status is JobStatus.TIMED_OUT and done.error["param"] == "policy.ttl"
+    assert job.id in pair.engine.aborted
+    await until_gone(pair.client, job.id)
+
+
+async def test_a_job_queued_past_its_ttl_is_never_run(pair):
+    job = await pair.client.submit(unchecked(policy={"ttl": 1000}), sync=False, owner="")
+    await until_gone(pair.client, job.id)
+    await pair.worker.start()
+    later = await pair.client.submit(request(), sync=True, owner="")
+    assert (await pair.client.wait(later.id, 10, owner="")).status is JobStatus.COMPLETED
+    assert pair.engine.started == [later.id]
+
+
+async def test_a_job_larger_than_the_queues_message_limit_is_a_413(pair):
+    limit = pair.client.connection.nc.max_payload
+    with pytest.raises(ContentTooLargeError) as info:
+        await pair.client.submit(request(prompt="x" * limit), sync=False, owner="")
+    assert f"at most {limit} bytes" in info.value.message

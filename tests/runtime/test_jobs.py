@@ -3,7 +3,8 @@
 /v2/{endpoint_id}/openai/v1. One server for the whole module.
 
 The server runs with small, non-default limits so that the environment knobs are proven to
-work: MAX_CONCURRENCY=2, MAX_QUEUE_LENGTH=4, DEFAULT_MAX_TOKENS=24, batches 2, 4, 8, 8, ...
+work: MAX_N=1024 (SLOW), MAX_CONCURRENCY=32 (two LONG jobs' sequences: admission counts
+sequences), MAX_QUEUE_LENGTH=4, DEFAULT_MAX_TOKENS=24, batches 2, 4, 8, 8, ...
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ ENDPOINT_ID = "ep-e2e"
 # Long enough (several seconds on two cores, with MAX_MODEL_LEN 2048) to be caught running,
 # queued, cancelled.
 LONG = {"prompt": "hi", "sampling_params": {"max_tokens": 2000, "ignore_eos": True, "n": 16}}
+# Runs well past RunPod's shortest executionTimeout (5 s): 1,024 x 480 tokens, in several
+# waves of the engine's batch (the demo model does 256 x 480 in under 5 s).
+SLOW = {"prompt": "hi", "sampling_params": {"max_tokens": 480, "ignore_eos": True, "n": 1024}}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +40,8 @@ def server(demo_model, runtime_logs) -> Iterator[RuntimeServer]:
         runtime_logs,
         API_KEYS=API_KEY,
         MAX_MODEL_LEN="2048",
-        MAX_CONCURRENCY="2",
+        MAX_N="1024",
+        MAX_CONCURRENCY="32",
         MAX_QUEUE_LENGTH="4",
         DEFAULT_MAX_TOKENS="24",
         DEFAULT_BATCH_SIZE="8",
@@ -245,10 +250,13 @@ def test_queue_limit_purge_and_queue_depth(endpoint, http) -> None:
 
 
 def test_execution_timeout_and_retry(http) -> None:
-    job = http.post("/run", json={"input": LONG, "policy": {"executionTimeout": 300}}).json()
+    # RunPod's shortest executionTimeout, 5 s: SLOW runs longer.
+    job = http.post("/run", json={"input": SLOW, "policy": {"executionTimeout": 5000}}).json()
     final = wait_final(http, job["id"])
     assert final["status"] == "TIMED_OUT" and "output" not in final
-    assert final["error"]["type"] == "RequestTimeoutError" and "300 ms" in final["error"]["message"]
+    assert (
+        final["error"]["type"] == "RequestTimeoutError" and "5000 ms" in final["error"]["message"]
+    )
     assert health(http)["engine"]["running"] == 0
     retried_before = health(http)["jobs"]["retried"]
     again = http.post(f"/retry/{job['id']}").json()
@@ -275,17 +283,20 @@ def test_engine_side_failure_is_failed_with_a_json_error(http) -> None:
     assert "2048" in body["error"]["message"]  # says what the limit is
 
 
-def test_results_expire_after_their_ttl(http) -> None:
+def test_results_expire_at_the_end_of_their_ttl(http) -> None:
+    # RunPod's shortest ttl, 10 s from submission (a /runsync result is kept 1 min otherwise).
     body = http.post(
         "/runsync",
         json={
             "input": {"prompt": "x", "sampling_params": {"max_tokens": 1}},
-            "policy": {"ttl": 1500},
+            "policy": {"ttl": 10000},
         },
     ).json()
     assert http.get(f"/status/{body['id']}").status_code == 200
-    time.sleep(2.0)
-    gone = http.get(f"/status/{body['id']}")
+    deadline = time.monotonic() + 60
+    while (gone := http.get(f"/status/{body['id']}")).status_code == 200:
+        assert time.monotonic() < deadline, "the result outlived its ttl"
+        time.sleep(0.5)
     assert gone.status_code == 404 and "expired" in gone.json()["error"]["message"]
 
 
@@ -472,7 +483,9 @@ def test_sigterm_finishes_accepted_jobs_delivers_their_webhooks_and_refuses_new_
     try:
         thread = threading.Thread(target=runsync)
         thread.start()
-        wait_for(lambda: health(http)["jobs"]["inProgress"] == 1)
+        wait_for(
+            lambda: health(http)["jobs"]["inProgress"] == 1, describe=lambda: f"{health(http)}"
+        )
         server.process.send_signal(signal.SIGTERM)
         wait_for(lambda: http.get("/ready").status_code == 503)
         refused = http.post("/run", json={"input": {"prompt": "x"}})

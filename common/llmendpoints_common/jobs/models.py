@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from llmendpoints_common.errors import BadRequestError, describe_validation_errors
+from llmendpoints_common.fair_use import DEFAULT_MAX_N, check_max_n, request_sequences
 from pydantic import (
     AnyHttpUrl,
     BaseModel,
@@ -62,14 +65,51 @@ OPENAI_ROUTES: dict[str, str] = {
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
+# The fields of a chat message that vLLM 0.32's chat API knows (OpenAI's message types and
+# vLLM's own CustomChatCompletionMessageParam; tests/unit/runtime checks the list against
+# vLLM). vLLM drops any other field silently; a job refuses it, so a job cannot carry
+# megabytes of fields nobody reads (and nothing is silently ignored).
+MESSAGE_FIELDS = frozenset(
+    {
+        "role",
+        "content",
+        "name",
+        "tool_call_id",
+        "tool_calls",
+        "function_call",
+        "refusal",
+        "audio",
+        "reasoning",
+        "reasoning_content",
+        "tools",
+        "task",
+    }
+)
+
 
 class Message(BaseModel):
-    """One chat message; content is text or OpenAI content parts (validated by vLLM)."""
+    """One chat message; content is text or OpenAI content parts, the other fields (tool
+    calls, name, ...) as vLLM takes them (validated by vLLM)."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
     role: StrictStr
     content: StrictStr | list[dict[str, Any]] | None = None
+
+
+def check_message_fields(messages: list[Any], field: str) -> None:
+    """400 naming the first message field vLLM's chat API does not know
+    (``input.messages[2].extra``)."""
+    for i, message in enumerate(messages):
+        names = message if isinstance(message, Mapping) else (message.model_extra or {})
+        for name in names:
+            if name not in MESSAGE_FIELDS:
+                path = f"{field}[{i}].{name}"
+                raise BadRequestError(
+                    f"{path}: unknown message field (vLLM's chat messages take "
+                    f"{', '.join(sorted(MESSAGE_FIELDS))})",
+                    param=path,
+                )
 
 
 class JobInput(BaseModel):
@@ -131,10 +171,22 @@ class JobInput(BaseModel):
         return self.openai_route is not None
 
 
+# RunPod's documented ranges for a job's policy, in milliseconds.
+MIN_EXECUTION_TIMEOUT_MS = 5_000
+DEFAULT_EXECUTION_TIMEOUT_MS = 600_000
+MIN_TTL_MS = 10_000
+DEFAULT_TTL_MS = 24 * 3_600_000
+MAX_POLICY_MS = 7 * 24 * 3_600_000
+
+
 class Policy(BaseModel):
     model_config = _STRICT
 
+    # How long the job may run once started (default 600 s). Range: 5 s to 7 days, or less
+    # where the server's MAX_EXECUTION_TIMEOUT_MS says so (``JobLimits``).
     executionTimeout: StrictInt | None = Field(default=None, ge=1)
+    # The job's whole life from submission: queued, running and its kept result never outlive
+    # it (default 24 h). Range: 10 s to 7 days, or less (MAX_JOB_TTL_MS).
     ttl: StrictInt | None = Field(default=None, ge=1)
     # RunPod: a low-priority job does not trigger scaling. Here: it is not counted in
     # llmendpoints_queue_depth, so the autoscaler does not add replicas for it.
@@ -147,6 +199,79 @@ class JobRequest(BaseModel):
     input: JobInput
     webhook: AnyHttpUrl | None = None
     policy: Policy = Field(default_factory=Policy)
+
+
+@dataclass(frozen=True)
+class JobLimits:
+    """What a job may ask for on this server (the runtime's settings; RunPod's ranges and
+    MAX_N's default elsewhere). One place checks them: ``check_limits``."""
+
+    max_n: int = DEFAULT_MAX_N
+    max_execution_timeout_ms: int = MAX_POLICY_MS
+    max_ttl_ms: int = MAX_POLICY_MS
+
+    @property
+    def default_execution_timeout_ms(self) -> int:
+        return min(DEFAULT_EXECUTION_TIMEOUT_MS, self.max_execution_timeout_ms)
+
+    @property
+    def default_ttl_ms(self) -> int:
+        return min(DEFAULT_TTL_MS, self.max_ttl_ms)
+
+
+def _check_range(field: str, value: int | None, low: int, high: int, setting: str) -> None:
+    if value is None or low <= value <= high:
+        return
+    raise BadRequestError(
+        f"{field}: must be between {low} and {high} ms ({_duration(low)} to "
+        f"{_duration(high)}{'' if high == MAX_POLICY_MS else ', ' + setting}), got {value}",
+        param=field,
+    )
+
+
+def _duration(ms: int) -> str:
+    for unit, size in (("days", 86_400_000), ("h", 3_600_000), ("min", 60_000), ("s", 1_000)):
+        if ms >= size and ms % size == 0:
+            return f"{ms // size} {unit}"
+    return f"{ms} ms"
+
+
+def check_limits(request: JobRequest, limits: JobLimits) -> None:
+    """The job's policy within its ranges, ``n`` / ``best_of`` within MAX_N, and only message
+    fields vLLM knows: 400 naming the field otherwise. The in-pod API, the gateway and the
+    queue's workers all call this (``parse_job_request`` does)."""
+    policy = request.policy
+    _check_range(
+        "policy.executionTimeout",
+        policy.executionTimeout,
+        MIN_EXECUTION_TIMEOUT_MS,
+        limits.max_execution_timeout_ms,
+        "MAX_EXECUTION_TIMEOUT_MS",
+    )
+    _check_range("policy.ttl", policy.ttl, MIN_TTL_MS, limits.max_ttl_ms, "MAX_JOB_TTL_MS")
+    job_input = request.input
+    if job_input.openai_input is not None and job_input.openai_route is not None:
+        request_sequences(
+            job_input.openai_route,
+            job_input.openai_input,
+            limits.max_n,
+            prefix="input.openai_input.",
+        )
+        messages = job_input.openai_input.get("messages")
+        if job_input.openai_route == "/v1/chat/completions" and isinstance(messages, list):
+            check_message_fields(messages, "input.openai_input.messages")
+    else:
+        check_max_n(job_input.sampling_params, limits.max_n, prefix="input.sampling_params.")
+        if job_input.messages is not None:
+            check_message_fields(job_input.messages, "input.messages")
+
+
+def job_sequences(request: JobRequest) -> int:
+    """The engine sequences a job runs (after ``check_limits``): what it weighs in admission."""
+    job_input = request.input
+    if job_input.openai_input is not None and job_input.openai_route is not None:
+        return request_sequences(job_input.openai_route, job_input.openai_input, 1 << 30)
+    return check_max_n(job_input.sampling_params, 1 << 30)
 
 
 def parse_json_object(body: bytes, *, what: str = "request body") -> dict[str, Any]:
@@ -170,8 +295,9 @@ def parse_json_object(body: bytes, *, what: str = "request body") -> dict[str, A
     return value
 
 
-def parse_job_request(body: bytes) -> JobRequest:
-    """Validate a ``/run`` or ``/runsync`` body."""
+def parse_job_request(body: bytes, limits: JobLimits | None = None) -> JobRequest:
+    """Validate a ``/run`` or ``/runsync`` body, within ``limits`` (default: RunPod's ranges
+    and MAX_N's default)."""
     value = parse_json_object(body)
     if "input" not in value:
         raise BadRequestError(
@@ -184,10 +310,12 @@ def parse_job_request(body: bytes) -> JobRequest:
         )
     value = {**value, "input": worker_vllm_route_input(value["input"])}
     try:
-        return JobRequest.model_validate(value)
+        request = JobRequest.model_validate(value)
     except ValidationError as exc:
         message, field = describe_validation_errors(exc.errors(include_url=False))
         raise BadRequestError(message, param=field) from None
+    check_limits(request, limits or JobLimits())
+    return request
 
 
 _ROUTE_KEYS = ("route", "body", "method")

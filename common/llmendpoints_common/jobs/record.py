@@ -17,6 +17,8 @@ from typing import Any
 from llmendpoints_common.jobs.models import FINAL_STATUSES, JobStatus
 from pydantic import BaseModel, ConfigDict
 
+RETRYABLE = frozenset({JobStatus.FAILED, JobStatus.TIMED_OUT})
+
 
 class JobRecord(BaseModel):
     # Extra fields are kept out, not refused: during a rolling upgrade a newer pod may write
@@ -27,15 +29,21 @@ class JobRecord(BaseModel):
     endpoint: str
     # The name of the API key that submitted the job (never the key); "" with no keys.
     owner: str
-    # The validated job request as JSON (input, webhook, policy).
+    # The validated job request as JSON (input, webhook, policy). Once the job ends for good
+    # (COMPLETED, CANCELLED) its ``input`` is dropped: the result is kept, not the request.
+    # FAILED and TIMED_OUT jobs keep it while their result is kept, for /retry.
     request: dict[str, Any]
     sync: bool
     status: JobStatus = JobStatus.IN_QUEUE
     submitted_at: float
     started_at: float | None = None
     finished_at: float | None = None
-    # How long the result is kept after the job ends (policy.ttl, else 30 min /run, 1 min /runsync).
+    # How long the result is kept after the job ends (30 min after /run, 1 min after /runsync,
+    # as RunPod keeps them) -- never past ``ttl_seconds``.
     retention_seconds: float
+    # policy.ttl: the job's whole life from submission; queued, running or finished, its record
+    # is gone after it. None in records written before the field existed.
+    ttl_seconds: float | None = None
     # Engine attempts ever made; names the engine request and tags stream chunks, so a chunk of
     # an abandoned attempt is never mistaken for one of the current attempt.
     attempt: int = 0
@@ -70,6 +78,30 @@ class JobRecord(BaseModel):
     @classmethod
     def decode(cls, data: bytes) -> JobRecord:
         return cls.model_validate_json(data)
+
+
+def expires_at(record: JobRecord) -> float | None:
+    """When the record goes: its retention after it ends, never past its ttl (None: not
+    before it ends)."""
+    ends = []
+    if record.ttl_seconds is not None:
+        ends.append(record.submitted_at + record.ttl_seconds)
+    if record.finished_at is not None:
+        ends.append(record.finished_at + record.retention_seconds)
+    return min(ends) if ends else None
+
+
+def record_ttl(record: JobRecord, now: float) -> float | None:
+    """How long a record is still kept from ``now`` (at least 1 s; None: unbounded)."""
+    end = expires_at(record)
+    return None if end is None else max(1.0, end - now)
+
+
+def without_input(request: dict[str, Any], status: JobStatus) -> dict[str, Any]:
+    """The request a finished job keeps: no ``input`` unless /retry may still need it."""
+    if status in RETRYABLE or "input" not in request:
+        return request
+    return {key: value for key, value in request.items() if key != "input"}
 
 
 class Conflict(Exception):
@@ -140,6 +172,7 @@ def finish(
             else now,
             "output": output if status is JobStatus.COMPLETED else None,
             "error": error,
+            "request": without_input(record.request, status),
         }
     )
 
@@ -151,9 +184,6 @@ def cancel(record: JobRecord, *, now: float) -> JobRecord:
             "be cancelled"
         )
     return finish(record, JobStatus.CANCELLED, now=now)
-
-
-RETRYABLE = frozenset({JobStatus.FAILED, JobStatus.TIMED_OUT})
 
 
 def requeue_for_retry(record: JobRecord) -> JobRecord:

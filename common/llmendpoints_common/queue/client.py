@@ -45,11 +45,17 @@ from llmendpoints_common.errors import (
 from llmendpoints_common.errors import (
     NotFoundError as JobNotFoundError,
 )
-from llmendpoints_common.jobs.models import FINAL_STATUSES, JobRequest, JobStatus
+from llmendpoints_common.jobs.models import (
+    DEFAULT_TTL_MS,
+    FINAL_STATUSES,
+    JobRequest,
+    JobStatus,
+)
 from llmendpoints_common.jobs.record import (
     Conflict,
     JobRecord,
     cancel,
+    record_ttl,
     requeue_for_retry,
 )
 from llmendpoints_common.queue import names
@@ -74,9 +80,11 @@ _QUEUE_FULL_CODES = {10077, 10078}
 @dataclass(frozen=True)
 class QueueJobSettings:
     # Results are kept this long after a job ends (RunPod: 30 min after /run, 1 min after
-    # /runsync) unless the job's policy.ttl says otherwise.
+    # /runsync), never past the job's policy.ttl.
     run_retention_seconds: float = 30 * 60.0
     runsync_retention_seconds: float = 60.0
+    # policy.ttl of jobs that set none (RunPod: 24 h; lowered to MAX_JOB_TTL_MS).
+    default_ttl_seconds: float = DEFAULT_TTL_MS / 1000
     # A /run repeated with the same Idempotency-Key within this window gets the first job's id.
     idempotency_window_seconds: float = 600.0
     # How long a call to the queue may take before the caller gets 503.
@@ -164,13 +172,6 @@ def owner_digest(owner: str, idempotency_key: str) -> str:
     return hashlib.sha256(f"{owner}\0{idempotency_key}".encode()).hexdigest()[:32]
 
 
-def record_ttl(record: JobRecord, now: float) -> float | None:
-    """How long a record is still kept: unbounded while the job can still run."""
-    if record.finished_at is None:
-        return None
-    return max(1.0, record.finished_at + record.retention_seconds - now)
-
-
 class QueueJobService:
     """The job API's verbs for one endpoint's jobs on the shared queue."""
 
@@ -250,15 +251,6 @@ class QueueJobService:
         self, request: JobRequest, job_id: str, *, sync: bool, owner: str
     ) -> JobRecord:
         ttl_ms = request.policy.ttl
-        retention = (
-            ttl_ms / 1000
-            if ttl_ms is not None
-            else (
-                self.settings.runsync_retention_seconds
-                if sync
-                else self.settings.run_retention_seconds
-            )
-        )
         record = JobRecord(
             id=job_id,
             endpoint=self.endpoint,
@@ -266,9 +258,15 @@ class QueueJobService:
             request=request.model_dump(mode="json", exclude_none=True),
             sync=sync,
             submitted_at=self._clock(),
-            retention_seconds=retention,
+            retention_seconds=(
+                self.settings.runsync_retention_seconds
+                if sync
+                else self.settings.run_retention_seconds
+            ),
+            ttl_seconds=ttl_ms / 1000 if ttl_ms is not None else self.settings.default_ttl_seconds,
         )
-        await self.states.write(record, revision=0)
+        self._check_size(record)
+        await self.states.write(record, revision=0, ttl_seconds=record_ttl(record, self._clock()))
         try:
             await self._enqueue(record)
         except BaseException:
@@ -554,6 +552,17 @@ class QueueJobService:
             self._on_final(record)
 
     # ---- helpers -----------------------------------------------------------------------
+
+    def _check_size(self, record: JobRecord) -> None:
+        """A job whose record exceeds the server's message limit is a 413 that says so (the
+        limit is NATS's ``max_payload``, 1 MiB unless the server raises it)."""
+        limit = self.connection.nc.max_payload
+        size = len(record.encode())
+        if limit and size > limit:
+            raise ContentTooLargeError(
+                f"the job is {size} bytes as stored; the shared queue takes at most {limit} "
+                "bytes per job (the NATS server's max_payload); send a smaller input"
+            )
 
     def _require_connection(self, what: str) -> None:
         if not self.connection.connected:

@@ -2,19 +2,21 @@
 
 Writes go straight to the bucket's stream (``$KV.LLMEP_JOB_STATE.<key>``) so that a write can
 carry both the expected revision (``Nats-Expected-Last-Subject-Sequence``: nobody wrote in
-between) and a time to live (``Nats-TTL``: a finished job's record disappears when its
-retention ends, so ``/status`` then answers 404 with no sweeper). Reads are direct gets of the
+between) and a time to live (``Nats-TTL``: a record disappears when its retention ends, or at
+its ``policy.ttl`` whatever its state, so ``/status`` then answers 404 with no sweeper). Every
+write carries it: the latest write's TTL is the one that counts. Reads are direct gets of the
 key's last value (answered by any replica of the stream).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 
-from llmendpoints_common.jobs.record import JobRecord
+from llmendpoints_common.jobs.record import JobRecord, record_ttl
 from llmendpoints_common.queue import names
 
 # JetStream's error code for "wrong last sequence" (someone else wrote the key first).
@@ -55,7 +57,10 @@ class JobStates:
         self, record: JobRecord, *, revision: int, ttl_seconds: float | None = None
     ) -> int:
         """Store ``record`` if the key is still at ``revision`` (0: the key must not exist).
-        Returns the new revision; raises StaleRevision otherwise."""
+        Returns the new revision; raises StaleRevision otherwise. ``ttl_seconds`` defaults to
+        what is left of the record's life (``record_ttl``)."""
+        if ttl_seconds is None:
+            ttl_seconds = record_ttl(record, time.time())
         try:
             ack = await self._js.publish(
                 self.subject(record.id),

@@ -262,16 +262,25 @@ class QueueWorker:
             if timeout_ms is not None
             else self.settings.default_execution_timeout_seconds
         )
+        now = self._clock()
+        # executionTimeout bounds the job's whole execution, not one attempt: an attempt that
+        # takes over from a dead worker gets what is left. policy.ttl bounds the job's whole
+        # life: it never runs past it.
+        started = record.started_at if record.started_at is not None else now
+        remaining = max(0.0, started + budget - now)
+        life = None if record.ttl_seconds is None else record.submitted_at + record.ttl_seconds
+        cut_by_ttl = life is not None and life - now < remaining
+        if cut_by_ttl:
+            remaining = max(0.0, life - now)
         # Chunks live as long as their job can: its execution, then its retention.
-        publisher = _ChunkPublisher(self.service, record, ttl=budget + record.retention_seconds)
+        chunk_ttl = remaining + record.retention_seconds
+        if life is not None:
+            chunk_ttl = min(chunk_ttl, max(1.0, life - now))
+        publisher = _ChunkPublisher(self.service, record, ttl=chunk_ttl)
         task = asyncio.create_task(self._execute(record, publisher.publish))
         attempt = _Attempt(record, task)
         self._running[record.id] = attempt
         heartbeat = asyncio.create_task(self._heartbeat(message, attempt))
-        # executionTimeout bounds the job's whole execution, not one attempt: an attempt that
-        # takes over from a dead worker gets what is left.
-        started = record.started_at if record.started_at is not None else self._clock()
-        remaining = max(0.0, started + budget - self._clock())
         try:
             done, _ = await asyncio.wait({task}, timeout=remaining)
             if not done:
@@ -279,13 +288,7 @@ class QueueWorker:
                 status, output, error = (
                     JobStatus.TIMED_OUT,
                     None,
-                    {
-                        "message": f"the job ran longer than policy.executionTimeout "
-                        f"({round(budget * 1000)} ms) and was aborted",
-                        "type": "TimeoutError",
-                        "param": "policy.executionTimeout",
-                        "code": 408,
-                    },
+                    _timeout_error(record, budget, cut_by_ttl),
                 )
             elif attempt.cancelled or task.cancelled():
                 await message.ack()  # whoever cancelled wrote CANCELLED
@@ -389,6 +392,23 @@ class QueueWorker:
         attempt.task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await attempt.task
+
+
+def _timeout_error(record: JobRecord, budget: float, cut_by_ttl: bool) -> dict[str, Any]:
+    if cut_by_ttl:
+        ttl_ms = round((record.ttl_seconds or 0) * 1000)
+        message = (
+            f"the job reached the end of its policy.ttl ({ttl_ms} ms from submission) while it "
+            "ran and was aborted"
+        )
+        param = "policy.ttl"
+    else:
+        message = (
+            f"the job ran longer than policy.executionTimeout ({round(budget * 1000)} ms) and "
+            "was aborted"
+        )
+        param = "policy.executionTimeout"
+    return {"message": message, "type": "TimeoutError", "param": param, "code": 408}
 
 
 class _ChunkPublisher:

@@ -3,8 +3,14 @@
 ``IN_QUEUE -> IN_PROGRESS -> COMPLETED | FAILED | CANCELLED | TIMED_OUT``. Jobs wait in the
 queue while the engine is still starting (that is the request holding a scale-from-zero needs);
 their ``delayTime`` includes that wait, ``executionTime`` does not. Every way a job can end
-goes through ``_finish``, which records the final state, keeps the result for ``ttl`` and fires
-the webhook.
+goes through ``_finish``, which records the final state, keeps the result for its retention
+(30 min after /run, 1 min after /runsync, never past ``policy.ttl``), drops the input of a job
+that cannot be retried, and fires the webhook.
+
+Jobs are admitted by sequences, as OpenAI requests are (``admission.py``): at most
+MAX_CONCURRENCY sequences of jobs run at once, a job with ``n: 4`` counting 4. ``policy.ttl``
+bounds a job's whole life: a job still queued at its end is not started (``TIMED_OUT``), a
+running one is aborted then.
 
 This is the in-pod store (no ``JOBS_QUEUE_URL``). It implements the same verbs as the shared
 queue (``llmendpoints_common.jobs.service.JobService``), owner checks and Idempotency-Key
@@ -32,9 +38,11 @@ from llmendpoints_common.errors import (
     ServiceUnavailableError,
     error_from_exception,
 )
+from llmendpoints_common.jobs.models import job_sequences
 from llmendpoints_common.jobs.service import status_body
 from llmendpoints_common.webhooks import WebhookSender
 
+from llmendpoints_runtime.admission import AdmissionQueue
 from llmendpoints_runtime.jobs import work
 from llmendpoints_runtime.jobs.batching import resolve_schedule
 from llmendpoints_runtime.jobs.errors import JobNotFound
@@ -50,6 +58,7 @@ log = logging.getLogger(__name__)
 class _Running:
     task: asyncio.Task[Any]
     request_id: str
+    sequences: int = 1
 
 
 class JobExecutor:
@@ -69,7 +78,9 @@ class JobExecutor:
         self._concurrency_limit = concurrency_limit or (lambda: settings.max_concurrency)
         self._on_finish = on_finish  # e.g. a metrics counter by final status
         self._clock = clock
-        self.store: JobStore = store or InMemoryJobStore(settings.max_stored_jobs, clock)
+        self.store: JobStore = store or InMemoryJobStore(
+            settings.max_stored_jobs, clock, max_bytes=settings.max_stored_job_bytes
+        )
         self._webhooks = webhooks or WebhookSender(
             retries=settings.webhook_retries,
             delay_seconds=settings.webhook_retry_delay_seconds,
@@ -82,6 +93,11 @@ class JobExecutor:
         self._done: dict[str, asyncio.Event] = {}
         self._queued = 0
         self._queued_low_priority = 0
+        # Sequences of the queued jobs (all, and low-priority ones), for the scaling signals.
+        self._queued_sequences = 0
+        self._queued_low_priority_sequences = 0
+        # Running jobs' sequences are admitted here (the limit follows concurrency_limit).
+        self._gate = AdmissionQueue(max(1, self._concurrency_limit()), max_waiting=1 << 62)
         self._retried = 0
         self._draining = False
         # (owner, Idempotency-Key) -> (job id, until when it answers for that key)
@@ -96,13 +112,19 @@ class JobExecutor:
 
     @property
     def queued_for_scaling(self) -> int:
-        """Queued jobs that should make the autoscaler add replicas: all but those sent with
-        ``policy.lowPriority`` (RunPod's meaning: "does not trigger worker scaling")."""
-        return self._queued - self._queued_low_priority
+        """Sequences of queued jobs that should make the autoscaler add replicas: all but those
+        sent with ``policy.lowPriority`` (RunPod's meaning: "does not trigger worker
+        scaling"). Part of llmendpoints_queue_depth."""
+        return self._queued_sequences - self._queued_low_priority_sequences
 
     @property
     def running(self) -> int:
         return len(self._running)
+
+    @property
+    def running_sequences(self) -> int:
+        """Sequences of the running jobs (part of llmendpoints_requests_in_flight)."""
+        return sum(r.sequences for r in self._running.values())
 
     @property
     def retried(self) -> int:
@@ -184,14 +206,17 @@ class JobExecutor:
                 f"the job queue is full ({self._settings.max_queue_length} jobs waiting); "
                 "retry later"
             )
-        ttl_ms = request.policy.ttl or (
-            self._settings.default_runsync_ttl_ms if sync else self._settings.default_run_ttl_ms
-        )
+        ttl_ms = request.policy.ttl or self._settings.default_ttl_ms
         job = Job(
             id=_new_job_id(),
             request=request,
             sync=sync,
             ttl_seconds=ttl_ms / 1000,
+            retention_seconds=(
+                self._settings.runsync_retention_seconds
+                if sync
+                else self._settings.run_retention_seconds
+            ),
             submitted_at=self._clock(),
             owner=owner,
         )
@@ -214,12 +239,17 @@ class JobExecutor:
 
     async def wait(self, job_id: str, timeout_seconds: float, *, owner: str | None = None) -> Job:
         """Wait until the job ends or the timeout passes; return its latest state."""
-        await self.get(job_id, owner=owner)
+        job = await self.get(job_id, owner=owner)
         event = self._done.get(job_id)
         if event is not None and timeout_seconds > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), timeout_seconds)
-        return await self.get(job_id, owner=owner)
+        try:
+            return await self.get(job_id, owner=owner)
+        except JobNotFound:
+            # It ended at the end of its policy.ttl and is gone already: the waiter still
+            # learns how it ended.
+            return job
 
     async def get(self, job_id: str, *, owner: str | None = None) -> Job:
         """The job; another owner's job is answered like an unknown one (None: an admin)."""
@@ -283,13 +313,19 @@ class JobExecutor:
 
     def _enqueue(self, job: Job) -> None:
         self._done[job.id] = asyncio.Event()
-        self._queued += 1
-        self._queued_low_priority += job.request.policy.lowPriority
+        self._count_queued(job, 1)
         self._queue.put_nowait(job.id)
 
     def _leave_queue(self, job: Job) -> None:
-        self._queued -= 1
-        self._queued_low_priority -= job.request.policy.lowPriority
+        self._count_queued(job, -1)
+
+    def _count_queued(self, job: Job, sign: int) -> None:
+        low = job.request.policy.lowPriority
+        sequences = job_sequences(job.request)
+        self._queued += sign
+        self._queued_low_priority += sign * low
+        self._queued_sequences += sign * sequences
+        self._queued_low_priority_sequences += sign * sequences * low
 
     async def _worker(self) -> None:
         while True:
@@ -308,22 +344,40 @@ class JobExecutor:
                 continue
             if job.status is not JobStatus.IN_QUEUE:
                 continue  # cancelled while waiting for the engine
-            self._leave_queue(job)
-            await self._execute(job)
+            if self._clock() >= job.life_ends_at:
+                self._leave_queue(job)
+                await self._finish(job, JobStatus.TIMED_OUT, error=_ttl_error(job, started=False))
+                continue
+            sequences = job_sequences(job.request)
+            self._gate.set_limit(self._concurrency_limit())
+            # A job heavier than the whole limit runs alone (as OpenAI requests do).
+            slots = await self._gate.acquire(sequences)
+            try:
+                if job.status is not JobStatus.IN_QUEUE:
+                    continue  # cancelled while waiting for its sequences' slots
+                self._leave_queue(job)
+                await self._execute(job, sequences)
+            finally:
+                self._gate.release(slots)
 
-    async def _execute(self, job: Job) -> None:
+    async def _execute(self, job: Job, sequences: int = 1) -> None:
         job.status = JobStatus.IN_PROGRESS
         job.started_at = self._clock()
         job.attempts += 1
         await self.store.save(job)
         request_id = job.engine_request_id
         task = asyncio.create_task(self._produce(job, request_id))
-        self._running[job.id] = _Running(task, request_id)
+        self._running[job.id] = _Running(task, request_id, sequences)
         timeout_ms = (
             job.request.policy.executionTimeout or self._settings.default_execution_timeout_ms
         )
+        # The job's life (policy.ttl) ends before its execution timeout would: it stops then.
+        life_left = job.life_ends_at - job.started_at
+        cut_by_ttl = life_left < timeout_ms / 1000
         try:
-            done, _ = await asyncio.wait({task}, timeout=timeout_ms / 1000)
+            done, _ = await asyncio.wait(
+                {task}, timeout=max(0.0, life_left) if cut_by_ttl else timeout_ms / 1000
+            )
         except asyncio.CancelledError:  # the runtime is shutting down mid-job
             await self._stop(job.id)
             await self._finish(job, JobStatus.FAILED, error=_shutdown_error())
@@ -333,15 +387,16 @@ class JobExecutor:
             return
         if not done:
             await self._stop(job.id)
-            await self._finish(
-                job,
-                JobStatus.TIMED_OUT,
-                error=RequestTimeoutError(
-                    f"the job ran longer than policy.executionTimeout ({timeout_ms} ms) and was "
-                    "aborted",
+            error = (
+                _ttl_error(job, started=True)
+                if cut_by_ttl
+                else RequestTimeoutError(
+                    f"the job ran longer than policy.executionTimeout ({timeout_ms} ms) and "
+                    "was aborted",
                     param="policy.executionTimeout",
-                ).to_error(),
+                ).to_error()
             )
+            await self._finish(job, JobStatus.TIMED_OUT, error=error)
             return
         self._running.pop(job.id, None)
         if task.cancelled():
@@ -385,6 +440,9 @@ class JobExecutor:
             job.started_at = job.finished_at
         job.output = output
         job.error = error
+        if status not in RETRYABLE_STATUSES:
+            # The result is kept, not the request: only /retry (FAILED, TIMED_OUT) needs it.
+            job.request = job.request.model_copy(update={"input": None})
         await self.store.save(job)
         if (event := self._done.pop(job.id, None)) is not None:
             event.set()
@@ -428,6 +486,15 @@ async def produce(
         default_max_tokens=settings.default_max_tokens,
         publish=publish,
     )
+
+
+def _ttl_error(job: Job, *, started: bool) -> dict[str, Any]:
+    ttl_ms = round(job.ttl_seconds * 1000)
+    what = "while it ran and was aborted" if started else "before it could start"
+    return RequestTimeoutError(
+        f"the job reached the end of its policy.ttl ({ttl_ms} ms from submission) {what}",
+        param="policy.ttl",
+    ).to_error()
 
 
 def _shutdown_error() -> dict[str, Any]:

@@ -30,7 +30,7 @@ from typing import Any
 
 from llmendpoints_common.destinations import DestinationPolicy
 from llmendpoints_common.errors import ServiceUnavailableError
-from llmendpoints_common.jobs.models import JobRequest
+from llmendpoints_common.jobs.models import JobLimits, JobRequest, check_limits, job_sequences
 from llmendpoints_common.jobs.record import JobRecord
 from llmendpoints_common.jobs.service import status_body
 from llmendpoints_common.queue.client import (
@@ -75,16 +75,24 @@ def shared_queue_settings(settings: Any) -> SharedQueueSettings:
             run_retention_seconds=settings.jobs_run_retention_seconds,
             runsync_retention_seconds=settings.jobs_runsync_retention_seconds,
             idempotency_window_seconds=settings.jobs_idempotency_window_seconds,
+            default_ttl_seconds=JobLimits(max_ttl_ms=settings.max_job_ttl_ms).default_ttl_ms / 1000,
         ),
         worker=WorkerSettings(
             max_attempts=settings.jobs_max_attempts,
             heartbeat_interval_seconds=timeout / 3,
+            default_execution_timeout_seconds=JobLimits(
+                max_execution_timeout_ms=settings.max_execution_timeout_ms
+            ).default_execution_timeout_ms
+            / 1000,
         ),
     )
 
 
-def check_with_engine(engine: JobEngine, request: JobRequest) -> None:
-    """The checks only a process with the model can make (400 at /run, FAILED in a worker)."""
+def check_with_engine(engine: JobEngine, request: JobRequest, limits: JobLimits) -> None:
+    """The checks only a process with the model can make (400 at /run, FAILED in a worker),
+    and this server's limits again (MAX_N, the policy's maxima): whoever accepted the job --
+    the gateway, another pod -- may have had other settings."""
+    check_limits(request, limits)
     job_input = request.input
     if job_input.is_openai:
         assert job_input.openai_route is not None
@@ -123,6 +131,9 @@ class SharedQueueJobs:
         self._worker: QueueWorker | None = None
         self._connecting: asyncio.Task[None] | None = None
         self.name = f"{socket.gethostname()}-{os.getpid()}"
+        # Sequences of the running jobs beyond one per job: the worker counts jobs, the engine
+        # runs sequences (a job with n: 4 is 4), so the free slots it is told are sequences.
+        self._extra_sequences = 0
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -182,6 +193,11 @@ class SharedQueueJobs:
     def running(self) -> int:
         return self._worker.running if self._worker is not None else 0
 
+    @property
+    def running_sequences(self) -> int:
+        """Sequences of the jobs this pod runs (part of llmendpoints_requests_in_flight)."""
+        return self.running + self._extra_sequences
+
     def busy(self) -> int:
         """Work a draining pod waits for: jobs it runs, webhooks being delivered."""
         return self.running + self._webhooks.pending
@@ -195,14 +211,21 @@ class SharedQueueJobs:
     def _free_slots(self) -> int:
         if self._engine.draining() or not self._engine.is_ready():
             return 0
-        return self._capacity()
+        # A job is taken while one slot is free; its other sequences count once it runs (a
+        # pod may so run up to MAX_N - 1 sequences over its limit, never more).
+        return self._capacity() - self._extra_sequences
 
     async def _execute(self, record: JobRecord, publish: Callable[[Any], None]) -> Any:
         request = JobRequest.model_validate(record.request)
-        check_with_engine(self._engine, request)
-        return await produce(
-            self._engine, self._job_settings, request, record.engine_request_id, publish
-        )
+        check_with_engine(self._engine, request, self._job_settings.limits)
+        extra = job_sequences(request) - 1
+        self._extra_sequences += extra
+        try:
+            return await produce(
+                self._engine, self._job_settings, request, record.engine_request_id, publish
+            )
+        finally:
+            self._extra_sequences -= extra
 
     async def _abort(self, record: JobRecord) -> None:
         await self._engine.abort(record.engine_request_id)

@@ -103,7 +103,7 @@ def _add_submission_routes(router: APIRouter, api: JobAPI) -> None:
                 "(the load balancer routes it to another replica)"
             )
         limit = settings.max_runsync_body_bytes if sync else settings.max_body_bytes
-        job_request = parse_job_request(await read_body(request, limit))
+        job_request = parse_job_request(await read_body(request, limit), settings.limits)
         _check_webhook(job_request, api.webhook_policy)
         _check_input(api.engine, job_request)
         return await executor.submit(

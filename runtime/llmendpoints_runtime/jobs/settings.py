@@ -7,6 +7,13 @@ never reads the environment, so tests construct it directly.
 
 from __future__ import annotations
 
+from llmendpoints_common.fair_use import DEFAULT_MAX_N
+from llmendpoints_common.jobs.models import (
+    DEFAULT_EXECUTION_TIMEOUT_MS,
+    DEFAULT_TTL_MS,
+    MAX_POLICY_MS,
+    JobLimits,
+)
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
@@ -26,12 +33,22 @@ class JobSettings(BaseModel):
     default_batch_size_growth_factor: float = Field(default=3.0, ge=1.0)
     # Streamed openai_route jobs yield raw SSE text (RAW_OPENAI_OUTPUT=1) or parsed events.
     raw_openai_output: bool = True
-    # Results kept in this pod at most (oldest finished results are dropped first).
+    # Results kept in this pod at most (oldest finished results are dropped first), by count
+    # and by bytes (the JSON size of the requests and results kept).
     max_stored_jobs: int = Field(default=10_000, ge=1)
+    max_stored_job_bytes: int = Field(default=512 * 1024 * 1024, ge=1)
+    # n and best_of of one job at most (MAX_N); the policy's maxima (MAX_EXECUTION_TIMEOUT_MS,
+    # MAX_JOB_TTL_MS). The minima are RunPod's (llmendpoints_common.jobs.models).
+    max_n: int = Field(default=DEFAULT_MAX_N, ge=1)
+    max_execution_timeout_ms: int = Field(default=MAX_POLICY_MS, ge=1)
+    max_ttl_ms: int = Field(default=MAX_POLICY_MS, ge=1)
     # policy defaults (milliseconds)
-    default_execution_timeout_ms: int = Field(default=600_000, ge=1)
-    default_run_ttl_ms: int = Field(default=30 * 60_000, ge=1)
-    default_runsync_ttl_ms: int = Field(default=60_000, ge=1)
+    default_execution_timeout_ms: int = Field(default=DEFAULT_EXECUTION_TIMEOUT_MS, ge=1)
+    default_ttl_ms: int = Field(default=DEFAULT_TTL_MS, ge=1)
+    # A finished job's result is kept this long (RunPod's: 30 min after /run, 1 min after
+    # /runsync), never past its ttl.
+    run_retention_seconds: float = Field(default=30 * 60.0, gt=0)
+    runsync_retention_seconds: float = Field(default=60.0, gt=0)
     default_runsync_wait_ms: int = Field(default=90_000, ge=0)
     max_runsync_wait_ms: int = Field(default=300_000, ge=0)
     # A /run repeated with the same Idempotency-Key within this window gets the first job.
@@ -47,6 +64,14 @@ class JobSettings(BaseModel):
     webhook_timeout_seconds: float = Field(default=10.0, gt=0)
     # Attempts under way at once; the rest wait for a slot (WEBHOOK_MAX_CONCURRENCY).
     webhook_max_concurrency: int = Field(default=64, ge=1)
+
+    @property
+    def limits(self) -> JobLimits:
+        return JobLimits(
+            max_n=self.max_n,
+            max_execution_timeout_ms=self.max_execution_timeout_ms,
+            max_ttl_ms=self.max_ttl_ms,
+        )
 
     @model_validator(mode="after")
     def _batch_sizes_consistent(self) -> JobSettings:

@@ -1,7 +1,10 @@
 """Where jobs live: a small async interface and the in-pod implementation.
 
-The in-memory store keeps at most ``max_jobs`` jobs and forgets finished ones ``ttl`` after
-they finish. It lives in one pod: with several replicas behind one Service, a ``/status`` may
+The in-memory store keeps at most ``max_jobs`` jobs and ``max_bytes`` bytes of them (the JSON
+size of each job's request while it is kept, and of its result), and forgets a finished job
+when its retention ends (30 min after a /run, 1 min after a /runsync), never past its
+``policy.ttl`` from submission. When full it drops the oldest finished jobs first; with only
+unfinished jobs left, a new job is refused (429). It lives in one pod: with several replicas behind one Service, a ``/status`` may
 land on a replica that never saw the job. Until a shared store (Redis, a database) implements
 ``JobStore``, use the job API with one replica or with sticky routing.
 """
@@ -9,6 +12,7 @@ land on a replica that never saw the job. Until a shared store (Redis, a databas
 from __future__ import annotations
 
 import heapq
+import json
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -25,9 +29,14 @@ class Job:
     """One job and everything a client can ask about it. Times are epoch seconds."""
 
     id: str
+    # Once the job ends for good (COMPLETED, CANCELLED) the executor drops the request's
+    # input (``input`` is None then): the result is kept, not the request.
     request: JobRequest
     sync: bool
+    # policy.ttl: the job's whole life from submission.
     ttl_seconds: float
+    # How long the result is kept after the job ends (never past ``ttl_seconds``).
+    retention_seconds: float = 30 * 60.0
     status: JobStatus = JobStatus.IN_QUEUE
     # The name of the API key that submitted it ("" without keys); never the key itself.
     owner: str = ""
@@ -47,7 +56,15 @@ class Job:
         return f"job-{self.id}-{self.attempts}"
 
     def expires_at(self) -> float | None:
-        return None if self.finished_at is None else self.finished_at + self.ttl_seconds
+        """Unfinished jobs stay (the executor ends them by their ttl); finished ones go when
+        their retention ends, or their ttl, whichever is first."""
+        if self.finished_at is None:
+            return None
+        return min(self.finished_at + self.retention_seconds, self.submitted_at + self.ttl_seconds)
+
+    @property
+    def life_ends_at(self) -> float:
+        return self.submitted_at + self.ttl_seconds
 
     def reset_for_retry(self) -> None:
         self.status = JobStatus.IN_QUEUE
@@ -75,24 +92,51 @@ class JobStore(Protocol):
     async def counts(self) -> Counter[JobStatus]: ...
 
 
+def job_size(job: Job) -> int:
+    """Bytes a job holds, as JSON: its request (what is left of it) and its result. Stream
+    chunks are the result's own pieces (the same objects), so they are not counted twice."""
+    size = len(job.request.model_dump_json())
+    if job.output is not None:
+        size += len(json.dumps(job.output, default=str))
+    if job.error is not None:
+        size += len(json.dumps(job.error, default=str))
+    return size
+
+
 class InMemoryJobStore:
-    def __init__(self, max_jobs: int, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        max_jobs: int,
+        clock: Callable[[], float] = time.time,
+        *,
+        max_bytes: int | None = None,
+    ) -> None:
         self._max_jobs = max_jobs
+        self._max_bytes = max_bytes
         self._clock = clock
         self._jobs: OrderedDict[str, Job] = OrderedDict()  # insertion order = age
         # (expires_at, job id) of finished jobs; stale entries are skipped when popped.
         self._expiry: list[tuple[float, str]] = []
+        self._sizes: dict[str, int] = {}
+        self.bytes = 0
 
     async def add(self, job: Job) -> None:
         self._expire()
-        if len(self._jobs) >= self._max_jobs:
-            self._evict_oldest_finished()
+        size = job_size(job) if self._max_bytes is not None else 0
+        while self._over(extra_jobs=1, extra_bytes=size) and self._evict_oldest_finished():
+            pass
         if len(self._jobs) >= self._max_jobs:
             raise RateLimitError(
                 f"this replica holds {self._max_jobs} unfinished jobs, its limit; "
                 "retry later (MAX_STORED_JOBS raises the limit)"
             )
+        if self._max_bytes is not None and self.bytes + size > self._max_bytes:
+            raise RateLimitError(
+                f"this replica's unfinished jobs hold {self.bytes} bytes and this one {size}; "
+                f"the limit is {self._max_bytes} bytes (MAX_STORED_JOB_BYTES); retry later"
+            )
         self._jobs[job.id] = job
+        self._account(job.id, size)
 
     async def get(self, job_id: str) -> Job | None:
         self._expire()
@@ -103,6 +147,12 @@ class InMemoryJobStore:
             self._jobs[job.id] = job
             if (expires := job.expires_at()) is not None:
                 heapq.heappush(self._expiry, (expires, job.id))
+            if self._max_bytes is not None and job.status.is_final:
+                # The input may be gone and the result has come: count what is kept now,
+                # and make room for it among the older finished jobs.
+                self._account(job.id, job_size(job))
+                while self._over() and self._evict_oldest_finished(keep=job.id):
+                    pass
 
     async def in_state(self, status: JobStatus) -> list[Job]:
         self._expire()
@@ -121,10 +171,24 @@ class InMemoryJobStore:
             _, job_id = heapq.heappop(self._expiry)
             job = self._jobs.get(job_id)
             if job is not None and (expires := job.expires_at()) is not None and expires <= now:
-                del self._jobs[job_id]
+                self._remove(job_id)
 
-    def _evict_oldest_finished(self) -> None:
+    def _over(self, *, extra_jobs: int = 0, extra_bytes: int = 0) -> bool:
+        if len(self._jobs) + extra_jobs > self._max_jobs:
+            return True
+        return self._max_bytes is not None and self.bytes + extra_bytes > self._max_bytes
+
+    def _evict_oldest_finished(self, keep: str | None = None) -> bool:
         for job_id, job in self._jobs.items():
-            if job.status.is_final:
-                del self._jobs[job_id]
-                return
+            if job.status.is_final and job_id != keep:
+                self._remove(job_id)
+                return True
+        return False
+
+    def _account(self, job_id: str, size: int) -> None:
+        self.bytes += size - self._sizes.get(job_id, 0)
+        self._sizes[job_id] = size
+
+    def _remove(self, job_id: str) -> None:
+        del self._jobs[job_id]
+        self.bytes -= self._sizes.pop(job_id, 0)

@@ -4,7 +4,8 @@ explicit parts (the composition root, ``compose.py``, supplies them and plugs th
 Routes: ``/run`` ... at the root and under ``/v2/{endpoint_id}`` (RunPod's layout). The root
 ``/health`` stays the process's liveness probe; RunPod's job-count ``/health`` answers under
 ``/v2/{endpoint_id}/health``, where ``runpod.Endpoint.health()`` asks for it.
-``llmendpoints_jobs_finished_total{status}`` counts the jobs that ended.
+``llmendpoints_jobs_finished_total{status}`` counts the jobs that ended;
+``llmendpoints_job_store_bytes`` is what the in-pod store holds.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from llmendpoints_common.destinations import DestinationPolicy
 from llmendpoints_common.webhooks import WebhookSender
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from llmendpoints_runtime.jobs.executor import JobExecutor
 from llmendpoints_runtime.jobs.port import ASGIApp, JobEngine
@@ -73,5 +74,12 @@ def build_job_feature(
         concurrency_limit=concurrency_limit,
         on_finish=lambda job: finished.labels(status=job.status.value).inc(),
     )
+    stored = Gauge(
+        "llmendpoints_job_store_bytes",
+        "Bytes of requests and results the pod's job store holds (JSON size; bounded by "
+        "MAX_STORED_JOB_BYTES).",
+        registry=registry,
+    )
+    stored.set_function(lambda: getattr(executor.store, "bytes", 0))
     api = JobAPI(executor=executor, engine=engine, settings=settings, webhook_policy=webhook_policy)
     return JobFeature(executor=executor, webhooks=webhooks, api=api)

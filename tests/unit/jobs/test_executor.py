@@ -5,7 +5,7 @@ from llmendpoints_common.errors import ConflictError, RateLimitError
 from llmendpoints_common.webhooks import WebhookSender
 from llmendpoints_runtime.jobs.errors import JobNotFound
 from llmendpoints_runtime.jobs.executor import JobExecutor, status_body
-from llmendpoints_runtime.jobs.models import JobStatus, parse_job_request
+from llmendpoints_runtime.jobs.models import JobRequest, JobStatus, parse_job_request
 from llmendpoints_runtime.jobs.settings import JobSettings
 
 from .fakes import FakeEngine
@@ -140,11 +140,10 @@ async def test_workers_follow_a_growing_concurrency_limit() -> None:
 
 async def test_execution_timeout_ends_timed_out_and_aborts_the_engine_request() -> None:
     engine = FakeEngine(step_delay=0.02)
-    executor = make(engine)
+    # The endpoint's default timeout (a job's policy.executionTimeout is 5 s at least).
+    executor = make(engine, default_execution_timeout_ms=100)
     job = await executor.submit(
-        request(
-            '{"input": {"prompt": "x", "sampling_params": {"max_tokens": 1000}}, "policy": {"executionTimeout": 100}}'
-        ),
+        request('{"input": {"prompt": "x", "sampling_params": {"max_tokens": 1000}}}'),
         sync=False,
     )
     job = await executor.wait(job.id, 5)
@@ -298,8 +297,9 @@ async def test_every_final_state_is_reported_once() -> None:
     )
     await until(lambda: slow.status is JobStatus.IN_PROGRESS)
     await executor.cancel(slow.id)
+    # Built without the route's checks: a client's executionTimeout is 5 s at least.
     timed = await executor.submit(
-        request(
+        JobRequest.model_validate_json(
             '{"input": {"prompt": "x", "sampling_params": {"max_tokens": 500}}, "policy": {"executionTimeout": 30}}'
         ),
         sync=False,

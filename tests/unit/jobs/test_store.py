@@ -14,8 +14,15 @@ class Clock:
         return self.now
 
 
-def job(job_id: str, ttl: float = 60.0) -> Job:
-    return Job(id=job_id, request=REQUEST, sync=False, ttl_seconds=ttl)
+def job(job_id: str, ttl: float = 3600.0, retention: float = 60.0, at: float = 1000.0) -> Job:
+    return Job(
+        id=job_id,
+        request=REQUEST,
+        sync=False,
+        ttl_seconds=ttl,
+        retention_seconds=retention,
+        submitted_at=at,
+    )
 
 
 async def finish(store: InMemoryJobStore, item: Job, at: float) -> None:
@@ -23,10 +30,10 @@ async def finish(store: InMemoryJobStore, item: Job, at: float) -> None:
     await store.save(item)
 
 
-async def test_finished_jobs_expire_ttl_after_they_finish() -> None:
+async def test_finished_jobs_expire_when_their_retention_ends() -> None:
     clock = Clock()
     store = InMemoryJobStore(10, clock)
-    a, b = job("a", ttl=60), job("b", ttl=5)
+    a, b = job("a", retention=60), job("b", retention=5)
     await store.add(a)
     await store.add(b)
     await finish(store, a, clock.now)
@@ -41,10 +48,24 @@ async def test_finished_jobs_expire_ttl_after_they_finish() -> None:
     assert len(store) == 0
 
 
+async def test_a_result_is_never_kept_past_the_jobs_ttl() -> None:
+    clock = Clock()
+    store = InMemoryJobStore(10, clock)
+    # Submitted at 1000 with a 100 s life, finished at 1090: kept 10 s, not its 30 min.
+    item = job("t", ttl=100, retention=1800)
+    await store.add(item)
+    clock.now = 1090.0
+    await finish(store, item, clock.now)
+    clock.now = 1099.9
+    assert await store.get("t") is item
+    clock.now = 1100.1
+    assert await store.get("t") is None
+
+
 async def test_unfinished_jobs_never_expire() -> None:
     clock = Clock()
     store = InMemoryJobStore(10, clock)
-    await store.add(job("q", ttl=1))
+    await store.add(job("q", ttl=10))
     clock.now += 10_000
     assert (await store.get("q")).status is JobStatus.IN_QUEUE
 
@@ -66,7 +87,7 @@ async def test_full_store_drops_oldest_finished_then_refuses() -> None:
 async def test_retried_job_does_not_expire_on_its_old_deadline() -> None:
     clock = Clock()
     store = InMemoryJobStore(10, clock)
-    item = job("r", ttl=5)
+    item = job("r", retention=5)
     await store.add(item)
     await finish(store, item, clock.now)
     item.reset_for_retry()

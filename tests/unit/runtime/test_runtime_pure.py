@@ -42,7 +42,7 @@ async def test_admission_runs_up_to_the_limit_then_queues_in_order():
     with pytest.raises(RateLimitError) as refused:
         await queue.acquire()
     assert refused.value.status_code == 429 and refused.value.headers == {"retry-after": "1"}
-    assert "2 requests running and 2 queued" in refused.value.message
+    assert "2 sequences running and 2 queued" in refused.value.message
     queue.release()
     await first
     queue.release()
