@@ -6,6 +6,7 @@ matters only at the end: the SIGKILL test kills one runtime, the NATS restart te
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -32,18 +33,19 @@ LONG = {
 }
 
 
-def _runtime_kit():
-    # tests/runtime/runtime_process.py launches a real runtime; load it by path (neither test
-    # folder is a package).
-    path = Path(__file__).resolve().parents[1] / "runtime" / "runtime_process.py"
-    spec = importlib.util.spec_from_file_location("runtime_process", path)
+def _load_kit(name: str):
+    # Launcher and /proc helpers live in tests/runtime; load them by path (neither test folder
+    # is a package).
+    path = Path(__file__).resolve().parents[1] / "runtime" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["runtime_process"] = module  # dataclasses look their module up there
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
-kit = _runtime_kit()
+kit = _load_kit("runtime_process")
+proc_kit = _load_kit("proc_kit")
 
 
 @pytest.fixture(scope="module")
@@ -209,42 +211,60 @@ def test_bad_inputs(pods) -> None:
 
 def test_worker_killed_mid_job_the_job_completes_on_the_other(pods) -> None:
     a, b = pods
-    with client(a) as on_a, client(b) as on_b:
-        job = {
-            "prompt": "hi",
-            "stream": True,
-            "sampling_params": {"max_tokens": LONG_TOKENS, "ignore_eos": True, "n": 8},
-        }
-        job_id = on_a.post("/run", json={"input": job}).json()["id"]
-        running = wait_status(on_a, job_id, {"IN_PROGRESS"})
-        victim, survivor, on_survivor = (
-            (a, b, on_b) if running["workerId"] == worker_id(a) else (b, a, on_a)
-        )
-        # Read part of the first attempt's stream, then kill its worker without warning.
-        first: list = []
-        while not first:
-            first += [c["output"] for c in on_survivor.get(f"/stream/{job_id}").json()["stream"]]
-            time.sleep(0.02)
-        victim.process.send_signal(signal.SIGKILL)
-        victim.process.wait(10)
-        rest: list = []
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            body = on_survivor.get(f"/stream/{job_id}").json()
-            rest += [c["output"] for c in body["stream"]]
-            if body["status"] in FINAL:
-                break
-            time.sleep(0.05)
-        assert body["status"] == "COMPLETED"
-        final = on_survivor.get(f"/status/{job_id}").json()
-        assert final["workerId"] == worker_id(survivor)
-        # What a reader sees: the first attempt's chunks (those its worker stored before it
-        # died), then the second attempt from its first chunk -- each chunk once, in order.
-        seen = [c["usage"]["output"] for c in first + rest]
-        restart = next(i for i in range(1, len(seen)) if seen[i] <= seen[i - 1])
-        assert seen[:restart] == sorted(set(seen[:restart]))  # attempt 1: growing, no repeats
-        assert (first + rest)[restart:] == final["output"]  # attempt 2: all of it
-        assert final["output"][-1]["usage"]["output"] == LONG_TOKENS * 8  # all 8 choices
+    # The demo model finishes this job in about two seconds: both engines are frozen while it
+    # is taken, so that it is surely running (not done) when its worker is known; only the
+    # victim's engine is let go, long enough to stream its first chunks.
+    cores = {pod.process.pid: proc_kit.engine_core_pids(pod.process.pid) for pod in pods}
+    frozen = [pid for pids in cores.values() for pid in pids]
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        with client(a) as on_a, client(b) as on_b:
+            job = {
+                "prompt": "hi",
+                "stream": True,
+                "sampling_params": {"max_tokens": LONG_TOKENS, "ignore_eos": True, "n": 8},
+            }
+            job_id = on_a.post("/run", json={"input": job}).json()["id"]
+            running = wait_status(on_a, job_id, {"IN_PROGRESS"})
+            victim, survivor, on_survivor = (
+                (a, b, on_b) if running["workerId"] == worker_id(a) else (b, a, on_a)
+            )
+            for pid in cores[victim.process.pid]:
+                os.kill(pid, signal.SIGCONT)
+            # Read part of the first attempt's stream, then kill its worker without warning.
+            first: list = []
+            while not first:
+                first += [
+                    c["output"] for c in on_survivor.get(f"/stream/{job_id}").json()["stream"]
+                ]
+                time.sleep(0.02)
+            victim.process.send_signal(signal.SIGKILL)
+            victim.process.wait(10)
+            for pid in cores[survivor.process.pid]:
+                os.kill(pid, signal.SIGCONT)
+            rest: list = []
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:
+                body = on_survivor.get(f"/stream/{job_id}").json()
+                rest += [c["output"] for c in body["stream"]]
+                if body["status"] in FINAL:
+                    break
+                time.sleep(0.05)
+            assert body["status"] == "COMPLETED"
+            final = on_survivor.get(f"/status/{job_id}").json()
+            assert final["workerId"] == worker_id(survivor)
+            # What a reader sees: the first attempt's chunks (those its worker stored before it
+            # died), then the second attempt from its first chunk -- each chunk once, in order.
+            seen = [c["usage"]["output"] for c in first + rest]
+            restart = next(i for i in range(1, len(seen)) if seen[i] <= seen[i - 1])
+            assert seen[:restart] == sorted(set(seen[:restart]))  # attempt 1: growing, no repeats
+            assert (first + rest)[restart:] == final["output"]  # attempt 2: all of it
+            assert final["output"][-1]["usage"]["output"] == LONG_TOKENS * 8  # all 8 choices
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def test_nats_restart_keeps_queued_and_finished_jobs(pods, nats) -> None:
