@@ -111,7 +111,7 @@ class RuntimeSettings(BaseSettings):
         30.0,
         gt=0,
         validation_alias="REQUEST_READ_TIMEOUT_SECONDS",
-        description="A request body that has not fully arrived this long after its headers gets 408 and its connection is closed.",
+        description="Request headers not complete this long after the request began, or a body not complete this long after its headers, get 408 and the connection is closed.",
     )
     drain_timeout_seconds: float = Field(
         30.0,
