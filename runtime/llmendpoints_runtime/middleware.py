@@ -163,6 +163,11 @@ class BodyGuard:
         if scope["type"] != "http" or scope["method"] not in self._BODY_METHODS:
             await self.app(scope, receive, send)
             return
+        if scope["path"] in PROBE_PATHS:
+            # Open to everyone (POST /ping) and never reading a body: none is read here either,
+            # and the connection closes after the answer instead of receiving one.
+            await self.app(scope, receive, _closing_if_body(scope, send))
+            return
         if is_runsync_path(scope["path"]):
             limit, setting = self.runsync_limit, "MAX_RUNSYNC_BODY_BYTES"
         else:
@@ -205,6 +210,22 @@ class BodyGuard:
                 f"request body is larger than the limit of {limit} bytes ({setting})"
             ),
         )
+
+
+def _closing_if_body(scope: Scope, send: Send) -> Send:
+    """``send`` that adds ``Connection: close`` to the answer when the request announced a body."""
+    length = _header(scope, b"content-length")
+    chunked = _header(scope, b"transfer-encoding") is not None
+    if not chunked and (length is None or length.strip() in (b"", b"0")):
+        return send
+
+    async def send_closing_answer(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [h for h in message.get("headers", []) if h[0].lower() != b"connection"]
+            message = {**message, "headers": [*headers, (b"connection", b"close")]}
+        await send(message)
+
+    return send_closing_answer
 
 
 _TOO_LARGE = b"<too large>"  # a sentinel (compared by identity)

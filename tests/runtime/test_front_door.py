@@ -112,6 +112,16 @@ def test_a_declared_10_mib_body_without_a_key_gets_401_from_the_headers_and_a_cl
     still_serving(server)
 
 
+def test_the_open_probe_takes_no_body_from_a_keyless_caller(server):
+    # POST /ping needs no key (SageMaker's probe): it answers, reads nothing, and closes.
+    raw, closed = raw_exchange(server, headers_declaring("/ping", 10 * MiB))
+    status, headers, _ = parse_response(raw)
+    assert status == 200
+    assert headers["connection"] == "close"
+    assert closed
+    still_serving(server)
+
+
 def test_a_body_that_stops_arriving_gets_408_and_its_connection_closed(server):
     body = json.dumps({"model": "demo", "prompt": "Hello", "max_tokens": 4}).encode()
     request = headers_declaring("/v1/completions", len(body), f"Authorization: Bearer {KEY}")

@@ -358,3 +358,25 @@ async def test_the_wrapper_rewrites_error_answers_and_passes_streams():
     assert dict(sent[0]["headers"])[b"content-length"] == str(len(body)).encode()
     assert json.loads(body)["error"]["type"] == "NotFoundError"
     assert len(await run("/v1/ok")) == 3  # a 200 passes through message by message
+
+
+async def test_an_open_probe_never_reads_a_body_and_closes_after_answering():
+    async def probe(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    stack = APIKeyMiddleware(
+        BodyGuard(probe, 10 * MiB, RuntimeMetrics()),
+        KeyStore(("right",), None),
+        frozenset({"/ping"}),
+    )
+    headers = [(b"content-length", b"10485760")]
+    scope = {"type": "http", "method": "POST", "path": "/ping", "headers": headers}
+    await stack(scope, _never_receive(), send)
+    assert sent[0]["status"] == 200
+    assert dict(sent[0]["headers"])[b"connection"] == b"close"
