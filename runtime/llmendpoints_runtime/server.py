@@ -12,7 +12,7 @@ Slow or huge request headers are bounded here, below the ASGI app (uvicorn bound
 measured with uvicorn 0.54, a connection that sends nothing, or one header byte a second, is
 held for as long as the client likes, and httptools accepts a 1 MiB header): the headers must
 be complete ``REQUEST_READ_TIMEOUT_SECONDS`` after the connection opens or the request's first
-byte arrives (408, closed), and at most ``MAX_HEADER_BYTES`` long (431, closed). The body has
+byte arrives (408, closed), and end within the first ``MAX_HEADER_BYTES`` received (431, closed). The body has
 the same deadline again, counted from the headers (middleware.BodyGuard).
 """
 
@@ -94,19 +94,19 @@ class BoundedHeadersProtocol(_AutoHTTPProtocol):  # type: ignore[misc, valid-typ
 
     def data_received(self, data: bytes) -> None:
         before = self.cycle
-        if before is None or before.response_complete:  # reading a request's headers
+        reading_headers = before is None or before.response_complete
+        if reading_headers:
             self._header_bytes += len(data)
-            if self._header_bytes > MAX_HEADER_BYTES:
-                self._refuse(
-                    APIError(431, f"request headers are larger than {MAX_HEADER_BYTES} bytes")
-                )
-                return
             if self._header_timer is None:
                 self._arm_header_timer()
         super().data_received(data)
-        if self.cycle is not before:  # the headers are complete
+        if self.cycle is not before:  # the headers are complete (the rest of data is body)
             self._header_bytes = 0
             self._cancel_header_timer()
+        elif reading_headers and self._header_bytes > MAX_HEADER_BYTES:
+            # Still no end of headers: refused. What the parser holds is bounded by this
+            # limit plus one read (asyncio reads at most 256 KiB at a time).
+            self._refuse(APIError(431, f"request headers are larger than {MAX_HEADER_BYTES} bytes"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()

@@ -152,7 +152,7 @@ def test_headers_that_do_not_arrive_get_408_and_a_close(server, sent):
 
 
 def test_huge_headers_get_431_and_a_close(server):
-    request = b"GET /ping HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 80 * 1024 + b"\r\n\r\n"
+    request = b"GET /ping HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * MiB + b"\r\n\r\n"
     raw, closed = raw_exchange(server, request)
     status, _, error = parse_response(raw)
     assert status == 431
