@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import multiprocessing
 import os
@@ -101,6 +102,18 @@ def declared_body_request(path: str, size: int) -> bytes:
     ).encode()
 
 
+@functools.cache
+def json_body_chunks(size: int, chunk: int = 64 * 1024) -> tuple[bytes, ...]:
+    """A valid JSON object of exactly ``size`` bytes, in chunks: ``{"m": [1,1,...,1]}``, the
+    kind that costs a parser most (millions of small values), so a server that parses before it
+    checks the key pays for it."""
+    head, tail = b'{"m": [', b"1]}"
+    middle = size - len(head) - len(tail)
+    body = head + b"1," * (middle // 2) + b" " * (middle % 2) + tail
+    assert len(body) == size
+    return tuple(body[i : i + chunk] for i in range(0, size, chunk))
+
+
 async def keyless_upload(port: int, size: int, path: str = "/v1/completions") -> tuple[str, float]:
     """One keyless client: headers declaring ``size`` bytes, then the body as fast as the server
     takes it. Returns (the status the server answered, or what ended the exchange; seconds the
@@ -119,14 +132,13 @@ async def keyless_upload(port: int, size: int, path: str = "/v1/completions") ->
                 pass
 
     status_task = asyncio.create_task(read_status())
-    chunk = b"x" * (64 * 1024)
     try:
         writer.write(declared_body_request(path, size))
-        sent = 0
-        while sent < size and not status_task.done():
+        for chunk in json_body_chunks(size):
+            if status_task.done():
+                break
             writer.write(chunk)
             await writer.drain()
-            sent += len(chunk)
     except OSError as exc:
         if outcome == "no answer":
             outcome = type(exc).__name__
