@@ -5,7 +5,8 @@ job API, SageMaker) is decided by the composition root, ``compose.py``, which pa
 routers in and registers their work (``busy_sources``) and their shutdown (``drainers``).
 
 Request path, outermost first: RequestContext (request id, HTTP metrics, in-flight count) ->
-BodyGuard (413, non-UTF-8 / non-object JSON -> 400) -> API keys -> then `/v1/...` goes straight
+API keys (from the headers, before any of the body is read) -> BodyGuard (408 past the read
+deadline, 413, non-UTF-8 / non-object / too deep JSON -> 400) -> then `/v1/...` goes straight
 to `EngineDelegate`, and everything else to our FastAPI router: probes and /metrics, the job and
 SageMaker routers, and a catch-all that falls through to the same delegate. The delegate refuses
 vLLM's engine-control routes to all but admin keys (403), waits for an admission slot and hands the
@@ -47,7 +48,11 @@ from llmendpoints_runtime.auth import APIKeyMiddleware, KeyStore, caller_is_admi
 from llmendpoints_runtime.config import RuntimeConfig
 from llmendpoints_runtime.control_routes import control_denied, is_control_path
 from llmendpoints_runtime.engine import Engine
-from llmendpoints_runtime.errors import install_exception_handlers, send_error
+from llmendpoints_runtime.errors import (
+    OpenAIShapedErrors,
+    install_exception_handlers,
+    send_error,
+)
 from llmendpoints_runtime.health import EngineState, Health
 from llmendpoints_runtime.metrics import CONTENT_TYPE, RuntimeMetrics
 from llmendpoints_runtime.middleware import BodyGuard, RequestContext, replay
@@ -199,7 +204,7 @@ class OpenAIFastPath:
     (create_app refuses a router of ours there), so the detour buys nothing.
     """
 
-    def __init__(self, app: ASGIApp, delegate: EngineDelegate):
+    def __init__(self, app: ASGIApp, delegate: ASGIApp):
         self.app = app
         self.delegate = delegate
 
@@ -293,7 +298,8 @@ def create_app(
         app.include_router(router)
     # Last: everything no router above claims goes to vLLM's own app.
     delegate = EngineDelegate(runtime)
-    app.router.routes.append(Mount("/", app=delegate))
+    vllm = OpenAIShapedErrors(delegate)  # vLLM's own 404s etc. in our error shape
+    app.router.routes.append(Mount("/", app=vllm))
     claimed = [
         r.path for r in app.router.routes if getattr(r, "path", "").startswith(OPENAI_PREFIX)
     ]
@@ -304,14 +310,16 @@ def create_app(
         logger.warning(
             "no API keys configured (API_KEYS / API_KEYS_FILE): the server is open to anyone who can reach it"
         )
-    routed = OpenAIFastPath(app, delegate)
-    guarded = APIKeyMiddleware(routed, runtime.keys, settings.unauthenticated_path_set)
+    routed = OpenAIFastPath(app, vllm)
+    # The key first, from the headers; only then is the body read (within its deadline).
     guarded = BodyGuard(
-        guarded,
+        routed,
         settings.max_request_body_bytes,
         runtime.metrics,
         runsync_limit=settings.max_runsync_body_bytes,
+        read_timeout=settings.request_read_timeout_seconds,
     )
+    guarded = APIKeyMiddleware(guarded, runtime.keys, settings.unauthenticated_path_set)
     context = RequestContext(guarded, runtime.metrics)
     runtime.context = context
     return context

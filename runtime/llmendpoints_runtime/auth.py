@@ -68,6 +68,16 @@ def key_from_headers(headers: list[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
+def declares_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a request says a body follows (a non-zero Content-Length, or chunked)."""
+    for name, value in headers:
+        if name == b"transfer-encoding":
+            return True
+        if name == b"content-length" and value.strip() not in (b"", b"0"):
+            return True
+    return False
+
+
 def key_matches(presented: str, keys: tuple[str, ...]) -> bool:
     """Compare against every key without stopping early, so timing says nothing about which."""
     presented_bytes = presented.encode()
@@ -176,12 +186,18 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         if presented is None or not key_matches(presented, self.store.keys()):
+            # Answered from the headers alone: not one byte of the body is read, and when one
+            # is on its way the connection is closed rather than left to receive (and discard)
+            # it -- whatever Content-Length says, a keyless caller costs only its headers.
             reason = "missing API key" if presented is None else "invalid API key"
+            headers = {"www-authenticate": "Bearer"}
+            if declares_body(scope["headers"]):
+                headers["connection"] = "close"
             await send_error(
                 send,
                 AuthenticationError(
                     f"{reason}: send `Authorization: Bearer <key>` or `x-api-key: <key>`",
-                    headers={"www-authenticate": "Bearer"},
+                    headers=headers,
                 ),
             )
             return

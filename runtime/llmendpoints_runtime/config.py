@@ -127,6 +127,12 @@ class RuntimeSettings(BaseSettings):
         validation_alias="MAX_RUNSYNC_BODY_BYTES",
         description="Larger /runsync bodies get 413 (RunPod: 10 MB for /run, 20 MB for /runsync).",
     )
+    request_read_timeout_seconds: float = Field(
+        30.0,
+        gt=0,
+        validation_alias="REQUEST_READ_TIMEOUT_SECONDS",
+        description="Request headers not complete this long after the request began, or a body not complete this long after its headers, get 408 and the connection is closed.",
+    )
     drain_timeout_seconds: float = Field(
         30.0,
         ge=0,

@@ -4,7 +4,9 @@ The error types and their bodies are ``llmendpoints_common.errors`` (shared with
 this module only puts them on the wire. Routes raise, the handler answers: OpenAI's
 ``{"error": {"message", "type", "param", "code"}}`` everywhere, and on job routes (tagged
 ``JOBS_TAG``) the job envelope, the same error object with the ``id`` of the job the request
-named. ASGI middleware that runs before any framework answers with ``send_error``.
+named. ASGI middleware that runs before any framework answers with ``send_error``, and
+``OpenAIShapedErrors`` brings the error answers of vLLM's own app (an unknown /v1 path: 404
+``{"type": "Not Found"}``) to the same shape.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from llmendpoints_common.errors import (
     BadRequestError,
     InternalServerError,
     describe_validation_errors,
+    error_object,
     job_error_body,
 )
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("llmendpoints.errors")
 
@@ -124,3 +127,90 @@ def install_exception_handlers(app: FastAPI) -> None:
         return error_response(
             InternalServerError("internal server error; see the server log"), request
         )
+
+
+# -- vLLM's own error answers, in our shape -----------------------------------------------------
+
+
+def reshape_error_body(status: int, body: bytes, method: str, path: str) -> bytes:
+    """An error body of vLLM's app in OpenAI's shape with the OpenAI SDK's type names (pure).
+
+    vLLM answers what its routes raise in OpenAI's shape already, but an HTTPException (an
+    unknown path, a wrong method) comes out with the status phrase as its type ("Not Found")
+    and the bare phrase as its message; Starlette's own answers are ``{"detail": ...}``.
+    """
+    try:
+        value = json.loads(body)
+    except ValueError:
+        value = None
+    if isinstance(value, dict) and isinstance(value.get("error"), dict):
+        error = value["error"]
+        message, param, code = error.get("message"), error.get("param"), error.get("code")
+    elif isinstance(value, dict) and "detail" in value:
+        detail = value["detail"]
+        message, param, code = (
+            (detail if isinstance(detail, str) else json.dumps(detail)),
+            None,
+            None,
+        )
+    else:
+        return body
+    if not isinstance(message, str) or not message:
+        message = "error"
+    if status == 404 and message == "Not Found":
+        message = f"no such route: {method} {path}"
+    elif status == 405 and message == "Method Not Allowed":
+        message = f"{path} does not take {method}"
+    # A specific machine-readable code survives; a number is the status anyway.
+    reshaped = error_object(
+        status,
+        message,
+        param=param if isinstance(param, str) else None,
+        code=code if isinstance(code, str) and code else None,
+    )
+    return json.dumps({"error": reshaped}).encode()
+
+
+class OpenAIShapedErrors:
+    """Wraps vLLM's app: its JSON error answers (status >= 400) are buffered -- they are small
+    -- and rewritten by ``reshape_error_body``; everything else, streams included, passes
+    through untouched."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        held: Message | None = None
+        chunks: list[bytes] = []
+
+        async def send_shaped(message: Message) -> None:
+            nonlocal held
+            if message["type"] == "http.response.start":
+                if message["status"] >= 400 and _is_json(message):
+                    held = message
+                    return
+            elif held is not None and message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+                if message.get("more_body", False):
+                    return
+                body = reshape_error_body(
+                    held["status"], b"".join(chunks), scope["method"], scope["path"]
+                )
+                headers = [(k, v) for k, v in held["headers"] if k.lower() != b"content-length"]
+                headers.append((b"content-length", str(len(body)).encode()))
+                await send({**held, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+            await send(message)
+
+        await self.app(scope, receive, send_shaped)
+
+
+def _is_json(start: Message) -> bool:
+    for name, value in start.get("headers", ()):
+        if name.lower() == b"content-type":
+            return value.split(b";")[0].strip().lower() == b"application/json"
+    return False

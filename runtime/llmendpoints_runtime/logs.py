@@ -1,10 +1,17 @@
-"""Logging: text or JSON lines (LOG_FORMAT), with the request id on every line of a request."""
+"""Logging: text or JSON lines (LOG_FORMAT), with the request id on every line of a request.
+
+Client text (paths, job ids, query strings in uvicorn's access log) reaches log lines only as
+arguments of a message, never as its format; in text lines every argument is escaped (control
+characters, quotes, backslashes), so no client can break a line or forge one. JSON lines are
+escaped by JSON itself. Request ids are safe by construction (middleware.valid_request_id).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -37,13 +44,45 @@ class JsonFormatter(logging.Formatter):
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
 
+_UNSAFE = re.compile(r'[\x00-\x1f\x7f-\x9f"\\\u2028\u2029]')
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t", '"': '\\"', "\\": "\\\\"}
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    char = match.group()
+    return _ESCAPES.get(char) or f"\\u{ord(char):04x}"
+
+
+def escape_log_text(text: str) -> str:
+    """``text`` safe inside one line and inside double quotes (pure)."""
+    return _UNSAFE.sub(_escape_char, text)
+
+
+def _escaped(value: object) -> object:
+    if isinstance(value, str):
+        return escape_log_text(value)
+    return value
+
+
+class TextFormatter(logging.Formatter):
+    """The text format, with every string argument of a message escaped."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        args = record.args
+        if isinstance(args, tuple) and args:
+            record.args = tuple(_escaped(arg) for arg in args)
+        elif isinstance(args, dict) and args:
+            record.args = {key: _escaped(value) for key, value in args.items()}
+        try:
+            return super().format(record)
+        finally:
+            record.args = args
+
 
 def configure(log_format: str, level: str) -> None:
     handler = logging.StreamHandler(sys.stdout)
     handler.addFilter(RequestIdFilter())
-    handler.setFormatter(
-        JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
-    )
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter(TEXT_FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)

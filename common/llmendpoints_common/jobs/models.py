@@ -290,6 +290,8 @@ def parse_json_object(body: bytes, *, what: str = "request body") -> dict[str, A
         raise BadRequestError(
             f"{what} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
         ) from None
+    except RecursionError:  # a 200,000-deep array: the parser's recursion gives out
+        raise BadRequestError(f"{what} is nested too deeply") from None
     if not isinstance(value, dict):
         raise BadRequestError(f"{what} must be a JSON object, got {_json_type(value)}")
     return value
