@@ -55,7 +55,13 @@ from llmendpoints_runtime.errors import (
 )
 from llmendpoints_runtime.health import EngineState, Health
 from llmendpoints_runtime.metrics import CONTENT_TYPE, RuntimeMetrics
-from llmendpoints_runtime.middleware import BodyGuard, RequestContext, replay
+from llmendpoints_runtime.middleware import (
+    TOO_LARGE,
+    BodyGuard,
+    RequestContext,
+    read_body,
+    replay,
+)
 from llmendpoints_runtime.openapi import openapi_builder
 
 logger = logging.getLogger("llmendpoints.app")
@@ -159,21 +165,12 @@ _PARSE_IN_THREAD_BYTES = 256 * 1024
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:
     """The whole request body (None if the client disconnected), 413 beyond ``limit``."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise ContentTooLargeError(
-                f"request body is larger than the limit of {limit} bytes (MAX_REQUEST_BODY_BYTES)"
-            )
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
+    body = await read_body(receive, limit)
+    if body is TOO_LARGE:
+        raise ContentTooLargeError(
+            f"request body is larger than the limit of {limit} bytes (MAX_REQUEST_BODY_BYTES)"
+        )
+    return body
 
 
 async def _sequences(route: str, body: bytes, max_n: int) -> int:

@@ -178,7 +178,7 @@ class BodyGuard:
             return
         try:
             async with asyncio.timeout(self.read_timeout):
-                body = await _read_body(receive, limit)
+                body = await read_body(receive, limit)
         except TimeoutError:
             self.metrics.rejected.labels(reason="read_timeout").inc()
             await send_closing(
@@ -189,7 +189,7 @@ class BodyGuard:
                 ),
             )
             return
-        if body is _TOO_LARGE:
+        if body is TOO_LARGE:
             await self._too_large(send, limit, setting)
             return
         if body is None:  # the client went away
@@ -228,11 +228,11 @@ def _closing_if_body(scope: Scope, send: Send) -> Send:
     return send_closing_answer
 
 
-_TOO_LARGE = b"<too large>"  # a sentinel (compared by identity)
+TOO_LARGE = b"<too large>"  # a sentinel (compared by identity)
 
 
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole body; ``_TOO_LARGE`` once it passes ``limit``; None if the client left."""
+async def read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole body; ``TOO_LARGE`` once it passes ``limit``; None if the client left."""
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -242,7 +242,7 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            return _TOO_LARGE
+            return TOO_LARGE
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
