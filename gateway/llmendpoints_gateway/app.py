@@ -32,6 +32,7 @@ from llmendpoints_common.errors import (
     NotFoundError,
     PermissionDeniedError,
 )
+from llmendpoints_common.request_ids import valid_request_id
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmendpoints_gateway.asgi import (
@@ -148,7 +149,8 @@ class Gateway:
     # ---------------------------------------------------------------- HTTP
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request_id = header(scope, b"x-request-id") or uuid.uuid4().hex
+        incoming = header(scope, b"x-request-id")
+        request_id = incoming if valid_request_id(incoming) else uuid.uuid4().hex
         started = time.perf_counter()
         state = RequestLog(request_id)
         self.active += 1

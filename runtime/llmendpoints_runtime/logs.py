@@ -3,7 +3,7 @@
 Client text (paths, job ids, query strings in uvicorn's access log) reaches log lines only as
 arguments of a message, never as its format; in text lines every argument is escaped (control
 characters, quotes, backslashes), so no client can break a line or forge one. JSON lines are
-escaped by JSON itself. Request ids are safe by construction (middleware.valid_request_id).
+escaped by JSON itself. Request ids are safe by construction (llmendpoints_common.request_ids).
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
-import re
 import time
 import uuid
 
@@ -24,6 +23,7 @@ from llmendpoints_common.errors import (
     ContentTooLargeError,
     RequestTimeoutError,
 )
+from llmendpoints_common.request_ids import valid_request_id
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmendpoints_runtime.errors import send_error
@@ -36,14 +36,6 @@ request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 # Paths that are not "work": they never count as in flight (drain does not wait for them).
 PROBE_PATHS = frozenset({"/health", "/ready", "/ping", "/metrics"})
 _REQUEST_ID = b"x-request-id"
-# What a client's X-Request-Id may be to be kept: it goes into log lines, vLLM's request ids and
-# the response, so nothing that could forge or break a line (spaces, quotes, brackets, CR/LF).
-_VALID_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
-
-
-def valid_request_id(value: bytes | None) -> bool:
-    """Whether a client's X-Request-Id is kept (pure)."""
-    return value is not None and _VALID_REQUEST_ID.fullmatch(value) is not None
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

@@ -8,6 +8,7 @@ cue; tests/gateway/test_gateway_runtime.py runs the same gateway in front of rea
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -214,6 +215,16 @@ def test_request_id_is_passed_through(gateway, standins):
         assert response.headers["x-request-id"] == "req-abc-123"
         assert httpx.get(standins["o1"].url + "/stats").json()["last_request_id"] == "req-abc-123"
         assert "req-abc-123" in gateway.log()
+
+
+def test_an_unsafe_request_id_is_replaced_not_echoed_or_logged(gateway, standins):
+    forged = 'ab] 127.0.0.1:1 - "GET /admin HTTP/1.1" 200 #'
+    with _client(gateway, BOB) as c:
+        response = c.post(CHAT, json=chat("other-model"), headers={"x-request-id": forged})
+        assert response.status_code == 200
+        fresh = response.headers["x-request-id"]
+        assert fresh != forged and re.fullmatch(r"[0-9a-f]{32}", fresh)
+        assert httpx.get(standins["o1"].url + "/stats").json()["last_request_id"] == fresh
 
 
 def test_a_shared_prefix_sticks_to_one_replica(gateway, standins):
