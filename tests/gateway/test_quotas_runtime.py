@@ -9,7 +9,6 @@ too (the usage chunk asked for upstream and taken out of the client's stream), a
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import subprocess
@@ -24,6 +23,10 @@ import yaml
 from integration.nats_kit import nats_server
 
 from .harness import Process, launch_gateway, launch_runtime
+
+# tests/runtime is not a package: its stream-holding client is imported from its folder.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+from held_stream import HeldStream
 
 pytestmark = pytest.mark.engine
 
@@ -56,7 +59,12 @@ def queue_url():
 @pytest.fixture(scope="module")
 def runtime(demo_model, logs, queue_url):
     proc = launch_runtime(
-        demo_model, logs, SERVED_MODEL_NAME="demo", JOBS_QUEUE_URL=queue_url, ENDPOINT_ID="demo"
+        demo_model,
+        logs,
+        SERVED_MODEL_NAME="demo",
+        JOBS_QUEUE_URL=queue_url,
+        ENDPOINT_ID="demo",
+        MAX_MODEL_LEN="2048",  # room for HeldStream
     )
     try:
         # Engine start-up: 25-90 s on a quiet 2-core machine, minutes on a busy one.
@@ -233,23 +241,22 @@ def test_limits_hold_across_both_gateways_in_front_of_the_engine(gateways):
     assert refused.headers["x-ratelimit-remaining-requests"] == "0"
     assert [a.headers["x-ratelimit-remaining-requests"] for a in answers[:3]] == ["2", "1", "0"]
 
-    # maxConcurrent 1: of three long streams sent at once to both gateways, one runs.
-    long = {"model": "demo", "prompt": "Go", "max_tokens": 400, "ignore_eos": True, "stream": True}
-
-    def stream(i: int) -> int:
-        with httpx.stream(
-            "POST",
-            gateways[i % 2].url + "/v1/completions",
-            json=long,
-            headers=_auth("conc"),
-            timeout=600,
-        ) as response:
-            response.read()
-            return response.status_code
-
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        codes = sorted(pool.map(stream, range(3)))
-    assert codes == [200, 429, 429]
+    # maxConcurrent 1: while one stream holds the key's only slot (its client has not read it
+    # yet), a stream to either gateway is refused; once it is read, the next one runs.
+    held = HeldStream(gateways[0].url, _auth("conc"))
+    assert held.status == 200
+    short = {"model": "demo", "prompt": "Go", "max_tokens": 2, "ignore_eos": True}
+    for gateway in gateways:
+        refused = httpx.post(
+            gateway.url + "/v1/completions", json=short, headers=_auth("conc"), timeout=300
+        )
+        assert refused.status_code == 429, refused.text
+        assert "maxConcurrent" in refused.json()["error"]["message"]
+    assert held.finish() == HeldStream.TOKENS
+    after = httpx.post(
+        gateways[1].url + "/v1/completions", json=short, headers=_auth("conc"), timeout=300
+    )
+    assert after.status_code == 200
 
 
 def test_the_export_lists_what_was_served(gateways, queue_url):
