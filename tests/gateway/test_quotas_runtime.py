@@ -212,7 +212,15 @@ def test_the_tokens_counted_are_the_engines_own_for_answers_streams_and_jobs(gat
 
     engine_after = _engine_tokens(runtime)
     engine = (engine_after[0] - engine_before[0], engine_after[1] - engine_before[1])
-    _until(lambda: _gateway_tokens(gateways, "meter") == engine, "the gateways' counters")
+    try:
+        _until(
+            lambda: _gateway_tokens(gateways, "meter") == engine,
+            "the gateways' counters",
+            timeout=180,  # the job's tokens are counted when its record is seen completed
+        )
+    except AssertionError:
+        assert _gateway_tokens(gateways, "meter") == engine  # shows what differs
+        raise
     assert engine[1] == seen[1] + 6 + 4 + job_usage["output"]
     assert engine[0] > seen[0] + job_usage["input"]  # plus the two streams' prompts
     assert (

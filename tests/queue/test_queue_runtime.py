@@ -123,6 +123,15 @@ def finished_by_length(http: httpx.Client) -> float:
     return total
 
 
+def vllm_running(http: httpx.Client) -> float:
+    """What vLLM's scheduler runs, by its own gauge."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in http.get("/metrics").text.splitlines()
+        if line.startswith("vllm:num_requests_running")
+    )
+
+
 def wait_until(predicate, what: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -165,16 +174,23 @@ def test_job_submitted_to_a_is_seen_and_streamed_through_b(pods) -> None:
 def test_cancel_through_b_aborts_the_engine_request(pods) -> None:
     a, b = pods
     with client(a) as on_a, client(b) as on_b:
-        job_id = on_a.post("/run", json={"input": LONG}).json()["id"]
-        running = wait_status(on_b, job_id, {"IN_PROGRESS"})
-        runner = on_a if running["workerId"] == worker_id(a) else on_b
-        wait_until(lambda: engine_running(runner) > 0, "the job reached the engine")
-        finished_before = finished_by_length(runner)
-        assert on_b.post(f"/cancel/{job_id}").json()["status"] == "CANCELLED"
-        wait_until(lambda: engine_running(runner) == 0, "the engine stopped the request")
+        # Both engines frozen: the job stays running in whichever pod takes it until cancelled.
+        with proc_kit.engines_frozen(a.process.pid, b.process.pid):
+            job_id = on_a.post("/run", json={"input": LONG}).json()["id"]
+            running = wait_status(on_b, job_id, {"IN_PROGRESS"})
+            runner = on_a if running["workerId"] == worker_id(a) else on_b
+            wait_until(lambda: engine_running(runner) > 0, "the job reached the engine")
+            finished_before = finished_by_length(runner)
+            assert on_b.post(f"/cancel/{job_id}").json()["status"] == "CANCELLED"
+            wait_until(lambda: engine_running(runner) == 0, "the engine stopped the request")
         assert on_a.get(f"/status/{job_id}").json()["status"] == "CANCELLED"
-        # Aborted, not run to its end: no sequence finished by reaching max_tokens.
-        assert finished_by_length(runner) == finished_before
+        # Aborted in the engine too: once a 2-token request sent after it has finished, the
+        # engine runs nothing (it would still be on the job's 2,000 tokens), and the only
+        # sequence that finished by reaching max_tokens is that request's.
+        tiny = {"model": "demo", "prompt": "x", "max_tokens": 2, "ignore_eos": True}
+        assert runner.post("/v1/completions", json=tiny).status_code == 200
+        assert vllm_running(runner) == 0
+        assert finished_by_length(runner) == finished_before + 1
 
 
 def test_runpod_sdk_pointed_at_a_works_for_jobs_b_runs(pods) -> None:
@@ -276,13 +292,14 @@ def test_nats_restart_keeps_queued_and_finished_jobs(pods, nats) -> None:
         assert finished["status"] == "COMPLETED"
         # Two slots, both taken by long jobs, and two more long jobs queued behind them: the
         # short job stays queued even if a running job ends before it is submitted.
-        busy = [http.post("/run", json={"input": LONG}).json()["id"] for _ in range(4)]
-        for job_id in busy[:2]:
-            wait_status(http, job_id, {"IN_PROGRESS"})
-        queued = http.post(
-            "/run", json={"input": {"prompt": "q", "sampling_params": {"max_tokens": 4}}}
-        ).json()["id"]
-        assert http.get(f"/status/{queued}").json()["status"] == "IN_QUEUE"
+        with proc_kit.engines_frozen(survivor.process.pid):  # the long jobs stay running
+            busy = [http.post("/run", json={"input": LONG}).json()["id"] for _ in range(4)]
+            for job_id in busy[:2]:
+                wait_status(http, job_id, {"IN_PROGRESS"})
+            queued = http.post(
+                "/run", json={"input": {"prompt": "q", "sampling_params": {"max_tokens": 4}}}
+            ).json()["id"]
+            assert http.get(f"/status/{queued}").json()["status"] == "IN_QUEUE"
 
         nats.stop()
         refused = http.post("/run", json={"input": {"prompt": "x"}})

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from llmendpoints_runtime.proctree import descendants
@@ -46,3 +49,23 @@ def wait_until(condition, timeout: float, what: str, interval: float = 0.2):
             return value
         time.sleep(interval)
     raise AssertionError(f"{what}: not within {timeout} s")
+
+
+@contextlib.contextmanager
+def engines_frozen(*runtime_pids: int) -> Iterator[list[int]]:
+    """Stop the runtimes' engine cores (SIGSTOP) for the block, then let them go on.
+
+    Work sent to a frozen engine stays running (the API process counts it, nothing finishes):
+    the demo model would otherwise end a job before a test sees it running -- and on these
+    machines a process can be held off its CPU for seconds.
+    """
+    pids = [pid for runtime_pid in runtime_pids for pid in engine_core_pids(runtime_pid)]
+    assert pids, "no engine core found"
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield pids
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)

@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 from conftest import RuntimeServer, running_runtime
+from proc_kit import engines_frozen
 
 pytestmark = pytest.mark.engine
 
@@ -205,48 +206,47 @@ def test_per_request_batch_sizes_override_the_environment(http) -> None:
     assert http.get(f"/stream/{job['id']}").json()["stream"] == []  # already drained
 
 
-def test_cancel_aborts_the_engine_request(endpoint, http) -> None:
-    job = endpoint.run({"input": LONG})
-    seen: list[dict] = []
-
-    def running_in_the_engine() -> bool:
-        seen.append({"job": job.status(), "health": health(http)})
-        return seen[-1]["job"] == "IN_PROGRESS" and seen[-1]["health"]["engine"]["running"] >= 1
-
-    wait_for(running_in_the_engine, describe=lambda: f"last seen: {seen[-3:]}")
-    assert job.cancel() == {"id": job.job_id, "status": "CANCELLED"}
-    # the abort happened before /cancel answered: nothing runs in the engine any more
-    assert health(http)["engine"]["running"] == 0
+def test_cancel_aborts_the_engine_request(server, endpoint, http) -> None:
+    with engines_frozen(server.process.pid):  # the job stays running until cancelled
+        job = endpoint.run({"input": LONG})
+        wait_for(
+            lambda: job.status() == "IN_PROGRESS" and health(http)["engine"]["running"] >= 1,
+            describe=lambda: f"job {job.status()}, {health(http)}",
+        )
+        assert job.cancel() == {"id": job.job_id, "status": "CANCELLED"}
+        # the abort happened before /cancel answered: nothing runs in the engine any more
+        assert health(http)["engine"]["running"] == 0
     assert job.status() == "CANCELLED"
     answer = http.post(f"/cancel/{job.job_id}")
     assert answer.status_code == 409 and "CANCELLED" in answer.json()["error"]["message"]
 
 
-def test_queue_limit_purge_and_queue_depth(endpoint, http) -> None:
-    running = [http.post("/run", json={"input": LONG}).json()["id"] for _ in range(2)]
-    wait_for(lambda: health(http)["jobs"]["inProgress"] == 2)
-    queued = [http.post("/run", json={"input": LONG}).json()["id"] for _ in range(4)]
-    refused = http.post("/run", json={"input": LONG})
-    assert refused.status_code == 429 and refused.json()["error"]["type"] == "RateLimitError"
-    assert health(http)["jobs"]["inQueue"] == 4
-    metrics = http.get("/metrics").text
-    depth = next(
-        line for line in metrics.splitlines() if line.startswith("llmendpoints_queue_depth ")
-    )
-    assert float(depth.split()[1]) >= 4
-    assert endpoint.purge_queue() == {"removed": 4, "status": "completed"}
-    assert [http.get(f"/status/{i}").json()["status"] for i in queued] == ["CANCELLED"] * 4
-    cancelled = next(
-        line
-        for line in http.get("/metrics").text.splitlines()
-        if line.startswith('llmendpoints_jobs_finished_total{status="CANCELLED"}')
-    )
-    assert float(cancelled.split()[1]) >= 4
-    for job_id in running:
-        http.post(f"/cancel/{job_id}")
-    stats = endpoint.health()
-    assert stats["jobs"]["inQueue"] == 0 and stats["jobs"]["inProgress"] == 0
-    assert stats["workers"]["ready"] == 1
+def test_queue_limit_purge_and_queue_depth(server, endpoint, http) -> None:
+    with engines_frozen(server.process.pid):  # the two running jobs stay running
+        running = [http.post("/run", json={"input": LONG}).json()["id"] for _ in range(2)]
+        wait_for(lambda: health(http)["jobs"]["inProgress"] == 2)
+        queued = [http.post("/run", json={"input": LONG}).json()["id"] for _ in range(4)]
+        refused = http.post("/run", json={"input": LONG})
+        assert refused.status_code == 429 and refused.json()["error"]["type"] == "RateLimitError"
+        assert health(http)["jobs"]["inQueue"] == 4
+        metrics = http.get("/metrics").text
+        depth = next(
+            line for line in metrics.splitlines() if line.startswith("llmendpoints_queue_depth ")
+        )
+        assert float(depth.split()[1]) >= 4
+        assert endpoint.purge_queue() == {"removed": 4, "status": "completed"}
+        assert [http.get(f"/status/{i}").json()["status"] for i in queued] == ["CANCELLED"] * 4
+        cancelled = next(
+            line
+            for line in http.get("/metrics").text.splitlines()
+            if line.startswith('llmendpoints_jobs_finished_total{status="CANCELLED"}')
+        )
+        assert float(cancelled.split()[1]) >= 4
+        for job_id in running:
+            http.post(f"/cancel/{job_id}")
+        stats = endpoint.health()
+        assert stats["jobs"]["inQueue"] == 0 and stats["jobs"]["inProgress"] == 0
+        assert stats["workers"]["ready"] == 1
 
 
 def test_execution_timeout_and_retry(http) -> None:
@@ -481,15 +481,19 @@ def test_sigterm_finishes_accepted_jobs_delivers_their_webhooks_and_refuses_new_
             result.update(answer.json())
 
     try:
-        thread = threading.Thread(target=runsync)
-        thread.start()
-        wait_for(
-            lambda: health(http)["jobs"]["inProgress"] == 1, describe=lambda: f"{health(http)}"
-        )
-        server.process.send_signal(signal.SIGTERM)
-        wait_for(lambda: http.get("/ready").status_code == 503)
-        refused = http.post("/run", json={"input": {"prompt": "x"}})
-        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+        with engines_frozen(server.process.pid):  # the job is surely running at SIGTERM
+            thread = threading.Thread(target=runsync)
+            thread.start()
+            wait_for(
+                lambda: health(http)["jobs"]["inProgress"] == 1,
+                describe=lambda: f"{health(http)}",
+            )
+            server.process.send_signal(signal.SIGTERM)
+            wait_for(lambda: http.get("/ready").status_code == 503)
+            refused = http.post("/run", json={"input": {"prompt": "x"}})
+            assert (
+                refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+            )
         thread.join(120)
         assert result["status"] == "COMPLETED"  # the accepted job ran to the end
         sampling = LONG["sampling_params"]

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import RuntimeServer, running_runtime
+from proc_kit import engines_frozen
 
 pytestmark = pytest.mark.engine
 
@@ -62,35 +63,49 @@ def gauges(url: str) -> dict[str, float]:
 
 
 async def test_in_flight_is_what_the_engine_runs_and_the_rest_is_queue(two_seqs):
-    # Two long requests take the engine's two places first; the 22 short ones sent after them
-    # wait in vLLM's scheduler, so all 24 stay outstanding for the seconds the long ones run.
+    # The engine is frozen while two long requests and then 22 short ones reach it, so the long
+    # ones are first in vLLM's scheduler: once it goes on, it runs those two and holds the 22
+    # for the seconds they take -- all 24 outstanding, whatever the machine's timing.
     long_body = {"model": "demo", "prompt": "count", "max_tokens": 2000, "ignore_eos": True}
     body = {"model": "demo", "prompt": "count", "max_tokens": 20, "ignore_eos": True}
-    async with httpx.AsyncClient(base_url=two_seqs.url, timeout=600) as client:
-        requests = [
-            asyncio.create_task(client.post("/v1/completions", json=long_body))
-            for _ in range(MAX_NUM_SEQS)
-        ]
+
+    def outstanding() -> float:
+        sample = gauges(two_seqs.url)
+        return sample["llmendpoints_queue_depth"] + sample["llmendpoints_requests_in_flight"]
+
+    async def until_outstanding(count: int) -> None:
         deadline = time.monotonic() + 120
-        while (await asyncio.to_thread(gauges, two_seqs.url))["vllm:num_requests_running"] < 2:
-            assert time.monotonic() < deadline, "the long requests never ran"
+        while await asyncio.to_thread(outstanding) < count:
+            assert time.monotonic() < deadline, f"never {count} requests outstanding"
             await asyncio.sleep(0.05)
-        requests += [
-            asyncio.create_task(client.post("/v1/completions", json=body))
-            for _ in range(CONCURRENT - MAX_NUM_SEQS)
-        ]
-        samples = []
+
+    async with httpx.AsyncClient(base_url=two_seqs.url, timeout=600) as client:
+        with engines_frozen(two_seqs.process.pid):
+            requests = [
+                asyncio.create_task(client.post("/v1/completions", json=long_body))
+                for _ in range(MAX_NUM_SEQS)
+            ]
+            await until_outstanding(MAX_NUM_SEQS)
+            requests += [
+                asyncio.create_task(client.post("/v1/completions", json=body))
+                for _ in range(CONCURRENT - MAX_NUM_SEQS)
+            ]
+            await until_outstanding(CONCURRENT)
+        samples, seen = [], []
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline and len(samples) < 5:
             await asyncio.sleep(0.3)
             sample = await asyncio.to_thread(gauges, two_seqs.url)
+            seen.append(sample)
             if (
                 sample["llmendpoints_queue_depth"] + sample["llmendpoints_requests_in_flight"]
                 == CONCURRENT
+                and sample["vllm:num_requests_running"] > 0  # the engine has stepped again
             ):
                 samples.append(sample)
         responses = await asyncio.gather(*requests)
     assert all(r.status_code == 200 for r in responses)
-    assert samples, "never saw all 24 requests outstanding at once"
+    assert samples, f"never saw all 24 requests outstanding at once; first seen: {seen[:4]}"
     for sample in samples:
         in_flight = sample["llmendpoints_requests_in_flight"]
         queued = sample["llmendpoints_queue_depth"]
