@@ -14,7 +14,7 @@ proxy), in its own process in front of two stand-in backends:
    is sampled; memory per open stream = (RSS with all open - RSS idle) / streams. Every stream
    must end with ``[DONE]`` and status 200: any other ending is an error.
 
-Target (DESIGN.md): 2,000 concurrent open streams on 2 cores with no error; CPU per proxied
+Target (bench/README.md, the table's target column): 2,000 concurrent open streams on 2 cores with no error; CPU per proxied
 request and memory per open stream reported. Results: JSON in bench/out/gateway_streams.json and
 a Markdown section on stdout (for bench/RESULTS.md).
 """

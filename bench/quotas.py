@@ -68,6 +68,7 @@ def pct(values: list[float], q: float) -> float:
 async def limiter_cost(url: str, requests: int) -> dict:
     from llmendpoints_gateway.keys import Key
     from llmendpoints_gateway.limiter import Limiter
+    from llmendpoints_gateway.queue import SharedQueue
     from llmendpoints_gateway.quotas import Limits
 
     rates = Limits(requests_per_minute=10**9, tokens_per_minute=10**12)
@@ -79,7 +80,10 @@ async def limiter_cost(url: str, requests: int) -> dict:
         ("rpm+tpm, shared through NATS", Key("rates", limits=rates), True),
         ("rpm+tpm+maxConcurrent, shared through NATS", Key("every", limits=every), True),
     ]:
-        limiter = Limiter("bench", url if shared else None)
+        queue = SharedQueue(url, "bench") if shared else None
+        if queue is not None:
+            await queue.start()
+        limiter = Limiter("bench", queue)
         await limiter.start()
         if shared:
             deadline = time.monotonic() + 20
@@ -99,6 +103,8 @@ async def limiter_cost(url: str, requests: int) -> dict:
             if limiter._background:
                 await asyncio.wait(limiter._background)  # release lands before the next one
         await limiter.stop()
+        if queue is not None:
+            await queue.stop()
         results[label] = {
             "admitted_without_round_trip": limiter.local_admissions,
             "p50_us": round(statistics.median(times), 1),

@@ -14,12 +14,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 from llmendpoints_common.errors import ServiceUnavailableError
+from llmendpoints_edge.body import ClientGone
 
 RETRY_AFTER_SECONDS = 5
-
-
-class ClientGone(Exception):
-    """The client disconnected while its request was held."""
 
 
 def unavailable(message: str, retry_after: int = RETRY_AFTER_SECONDS) -> ServiceUnavailableError:

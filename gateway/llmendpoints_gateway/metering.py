@@ -17,28 +17,22 @@ record's id as the message id (unique per answer; a job's own id for its records
 published twice (a publish retried after a lost acknowledgement, a job's result read through two
 replicas) is stored once.
 
-Pure parts first (scanner, extraction, aggregation); the NATS publisher and reader at the end.
+This module is pure (scanners, extraction, records, aggregation); usage.py publishes the
+records, meters jobs and reads the records back.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import logging
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
-
-logger = logging.getLogger("llmendpoints.gateway.metering")
 
 # Routes whose streams take stream_options.include_usage (vLLM's OpenAI server).
 USAGE_OPTION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 # A JSON answer larger than this is relayed without being read for usage (embeddings of a big
 # batch): its usage is taken from the first bytes only if the whole body fits.
 MAX_METERED_BODY_BYTES = 8 * 1024 * 1024
-ANONYMOUS = ""  # the key name of requests without a key (an endpoint open to all)
 
 
 @dataclass(frozen=True)
@@ -266,177 +260,3 @@ def summarize(records: Iterable[UsageRecord]) -> list[dict[str, Any]]:
         row["prompt_tokens"] += record.prompt_tokens
         row["completion_tokens"] += record.completion_tokens
     return [rows[k] for k in sorted(rows)]
-
-
-# ------------------------------------------------------------------ NATS
-
-
-class UsagePublisher:
-    """Publishes usage records to ``LLMEP_USAGE`` in the background: the request path only
-    appends to a bounded buffer. While NATS is unreachable records wait (up to
-    ``buffer_limit``, then the oldest are dropped with a warning) and go out once it is back."""
-
-    def __init__(self, url: str, gateway_id: str, buffer_limit: int = 100_000):
-        self.url = url
-        self.gateway_id = gateway_id
-        self._buffer: deque[UsageRecord] = deque()
-        self._limit = buffer_limit
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self._connection = None
-        self.dropped = 0
-        self.published = 0
-
-    def record(self, record: UsageRecord) -> None:
-        if len(self._buffer) >= self._limit:
-            self._buffer.popleft()
-            self.dropped += 1
-            if self.dropped in (1, 1000) or self.dropped % 100_000 == 0:
-                logger.warning("usage buffer full: %d record(s) dropped", self.dropped)
-        self._buffer.append(record)
-        self._wake.set()
-
-    @property
-    def pending(self) -> int:
-        return len(self._buffer)
-
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
-    async def stop(self, timeout: float = 3.0) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while self._buffer and self._connection is not None and loop.time() < deadline:
-            self._wake.set()
-            await asyncio.sleep(0.05)
-        if self._buffer:
-            logger.warning("%d usage record(s) not published at shutdown", len(self._buffer))
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self._connection is not None:
-            await self._connection.close()
-
-    async def _run(self) -> None:
-        from llmendpoints_common.queue import names
-        from llmendpoints_common.queue.client import QueueConnection
-
-        while self._connection is None:
-            try:
-                self._connection = await QueueConnection.connect(
-                    self.url, name=f"gateway-usage-{self.gateway_id}"
-                )
-            except Exception as exc:
-                logger.warning("cannot reach the queue for usage records (%s); retrying", exc)
-                await asyncio.sleep(2.0)
-        js = self._connection.js
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._buffer:
-                batch = [self._buffer[i] for i in range(min(256, len(self._buffer)))]
-                acks = await asyncio.gather(
-                    *(
-                        js.publish(
-                            names.usage_subject(r.endpoint, r.key),
-                            r.encode(),
-                            headers={"Nats-Msg-Id": r.id},
-                        )
-                        for r in batch
-                    ),
-                    return_exceptions=True,
-                )
-                done = 0
-                for ack in acks:
-                    if isinstance(ack, BaseException):
-                        break
-                    done += 1
-                for _ in range(done):
-                    self._buffer.popleft()
-                self.published += done
-                if done < len(batch):
-                    failed = next(a for a in acks if isinstance(a, BaseException))
-                    logger.warning("publishing usage records failed (%s); retrying", failed)
-                    await asyncio.sleep(1.0)
-
-
-CONNECT_TIMEOUT_SECONDS = 10.0
-
-
-async def read_usage(url: str, since: float, until: float | None) -> list[UsageRecord]:
-    """Every record of ``LLMEP_USAGE`` that ended in [since, until): read from the first
-    message stored at ``since`` (the stream's own time index) up to its last message now."""
-    from datetime import UTC, datetime
-
-    import nats
-    from llmendpoints_common.queue import names
-    from llmendpoints_common.queue.topology import QueueLayout, ensure_streams
-    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
-    async def quiet(exc: Exception) -> None:
-        pass
-
-    # Bounded, unlike the servers' reconnect-forever (nats-py keeps retrying a first connect
-    # whatever its options say): a CLI says it cannot reach the queue.
-    try:
-        nc = await asyncio.wait_for(
-            nats.connect(
-                url,
-                name="llmendpoints-gateway-usage",
-                connect_timeout=5,
-                allow_reconnect=False,
-                max_reconnect_attempts=0,
-                error_cb=quiet,
-            ),
-            CONNECT_TIMEOUT_SECONDS,
-        )
-    except TimeoutError:
-        raise ConnectionError(
-            f"no NATS server answered within {CONNECT_TIMEOUT_SECONDS:.0f} s"
-        ) from None
-    try:
-        js = nc.jetstream(timeout=10)
-        await ensure_streams(js, QueueLayout())
-        info = await js.stream_info(names.USAGE_STREAM)
-        last = info.state.last_seq
-        records: list[UsageRecord] = []
-        if info.state.messages == 0:
-            return records
-        # Records may be stored a moment after they ended: start a minute early, filter exactly.
-        start = datetime.fromtimestamp(max(0.0, since - 60.0), tz=UTC)
-        sub = await js.pull_subscribe(
-            "llmep.usage.>",
-            stream=names.USAGE_STREAM,
-            config=ConsumerConfig(
-                deliver_policy=DeliverPolicy.BY_START_TIME,
-                ack_policy=AckPolicy.NONE,
-                opt_start_time=start.isoformat().replace("+00:00", "Z"),
-                inactive_threshold=60.0,
-                mem_storage=True,
-            ),
-        )
-        try:
-            while True:
-                try:
-                    messages = await sub.fetch(1000, timeout=1.0)
-                except TimeoutError:
-                    break
-                seq = 0
-                for msg in messages:
-                    seq = msg.metadata.sequence.stream
-                    record = UsageRecord.decode(msg.data)
-                    if (
-                        record is not None
-                        and record.time >= since
-                        and (until is None or record.time < until)
-                    ):
-                        records.append(record)
-                if seq >= last:
-                    break
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        return records
-    finally:
-        await nc.close()

@@ -6,8 +6,9 @@ request path reads it. Single event loop: no locks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from llmendpoints_gateway.holding import HoldQueue
@@ -35,6 +36,18 @@ class Endpoint:
         self, key: bytes | None, exclude: frozenset[str] = frozenset()
     ) -> tuple[str, Outcome] | None:
         return self.router.choose(key, self.loads, exclude)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A replica chosen for one request, counted in its load while the lease is held."""
+
+    replica: str
+    outcome: Outcome
+
+
+class NoReplicaLeft(Exception):
+    """Every ready replica was tried for this request and failed before answering."""
 
 
 class Registry:
@@ -142,6 +155,40 @@ class Registry:
         self.closed = True
         for ep in self.endpoints.values():
             ep.hold.close()
+
+    # -- the request path: wait for a replica, choose it, count it --
+
+    @contextlib.asynccontextmanager
+    async def lease(
+        self,
+        ep: Endpoint,
+        prefix: bytes | None,
+        *,
+        hold_timeout: float,
+        gone: Callable[[], Awaitable[object]],
+        exclude: frozenset[str] = frozenset(),
+    ) -> AsyncIterator[Lease]:
+        """A replica of ``ep`` for one request (KubeAI's ``getBestAddr`` and its ``done``):
+        while the endpoint has none ready the request is held (``HoldQueue``: 503 when full,
+        past ``hold_timeout`` or shutting down; ClientGone when ``gone()`` completes first);
+        the chosen replica carries the request in its load until the block ends. A retry
+        passes the replicas already tried as ``exclude``: NoReplicaLeft when none is left."""
+        while True:
+            choice = ep.choose(prefix, exclude=exclude)
+            if choice is not None:
+                break
+            if exclude:
+                raise NoReplicaLeft()
+            await ep.hold.wait(hold_timeout, gone())
+        replica, outcome = choice
+        if exclude:
+            outcome = Outcome.RETRY
+        self.metrics.routing.labels(ep.name, outcome).inc()
+        self.acquire(ep, replica)
+        try:
+            yield Lease(replica, outcome)
+        finally:
+            self.release(ep, replica)
 
     # -- load accounting --
 

@@ -60,28 +60,30 @@ def test_the_chart_lets_the_gateway_limit_and_meter(server):
     from llmendpoints_common.jobs.record import claim, finish
     from llmendpoints_common.queue.client import QueueConnection, QueueJobService
     from llmendpoints_common.queue.state import JobStates
-    from llmendpoints_gateway.jobs import JobUsageMeter
     from llmendpoints_gateway.keys import Key
     from llmendpoints_gateway.limiter import Limiter
-    from llmendpoints_gateway.metering import UsagePublisher, UsageRecord, read_usage
+    from llmendpoints_gateway.metering import UsageRecord
+    from llmendpoints_gateway.queue import SharedQueue
     from llmendpoints_gateway.quotas import Limits
+    from llmendpoints_gateway.usage import JobUsageMeter, UsagePublisher, read_usage
 
     url, log = server
 
     async def scenario() -> None:
-        limiter = Limiter("g", url)
+        queue = SharedQueue(url, "g")  # the gateway's one connection, as it runs
+        await queue.start()
+        limiter = Limiter("g", queue)
         await limiter.start()
         counted: list[str] = []
         meter = JobUsageMeter(
-            url,
-            "g",
+            queue,
             lambda r, u: (
                 UsageRecord(f"job-{r.id}-usage", time.time(), r.owner, r.endpoint, "m", 200,
                             u.prompt_tokens, u.completion_tokens, requests=0),
                 lambda: counted.append(r.id),
             ),
         )  # fmt: skip
-        usage = UsagePublisher(url, "g")
+        usage = UsagePublisher(queue)
         await meter.start()
         await usage.start()
         connection = await QueueConnection.connect(url, name="test")
@@ -123,6 +125,7 @@ def test_the_chart_lets_the_gateway_limit_and_meter(server):
             await meter.stop()
             await usage.stop()
             await limiter.stop()
+            await queue.stop()
 
     asyncio.run(scenario())
     assert "Violation" not in log.read_text(), log.read_text()[-3000:]

@@ -91,6 +91,7 @@ def gateway(logs, standins, solo_port):
         GATEWAY_ENDPOINTS_FILE=str(write_endpoints(logs / "endpoints.yaml", endpoints)),
         API_KEYS_FILE=str(keys),
         MAX_REQUEST_BODY_BYTES="65536",
+        MAX_HEADER_BYTES="32768",
     ) as gw:
         _wait_ready_replicas(gw, {"pair": 2, "other": 1, "fragile": 2})
         yield gw

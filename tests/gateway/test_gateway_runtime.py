@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import proc_kit
 import pytest
 from integration.nats_kit import nats_server
 
@@ -196,9 +197,25 @@ def test_a_client_disconnect_aborts_the_request_in_the_engine(gateway, replicas)
         "ignore_eos": True,
         "stream": True,
     }
+    pids = [r.process.pid for r in replicas.values()]
     with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         assert next(response.iter_lines()).startswith("data: ")
+        # The demo model ends 2,000 tokens in a second or two: the engines wait while the
+        # client leaves, so the request is surely mid-way when the abort reaches them.
+        frozen = proc_kit.engines_frozen(*pids)
+        frozen.__enter__()
+    try:
+        # The runtimes' API processes (not frozen) see the disconnect and let the request go.
+        proc_kit.wait_until(
+            lambda: not any(
+                _metric_sum(r.url, "llmendpoints_requests_in_flight") for r in replicas.values()
+            ),
+            20,
+            "the runtimes still count the request in flight after the client left",
+        )
+    finally:
+        frozen.__exit__(None, None, None)
     deadline = time.monotonic() + 20
     while any(_metric_sum(r.url, "vllm:num_requests_running") for r in replicas.values()):
         assert time.monotonic() < deadline, "the engine kept running the request"

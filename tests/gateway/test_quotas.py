@@ -547,7 +547,7 @@ def _consumer_drained(queue_url: str) -> bool:
 
     import nats
     from llmendpoints_common.queue import names
-    from llmendpoints_gateway.jobs import JOB_USAGE_CONSUMER
+    from llmendpoints_gateway.usage import JOB_USAGE_CONSUMER
 
     async def read() -> bool:
         nc = await nats.connect(queue_url)

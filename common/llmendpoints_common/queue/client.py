@@ -87,8 +87,6 @@ class QueueJobSettings:
     default_ttl_seconds: float = DEFAULT_TTL_MS / 1000
     # A /run repeated with the same Idempotency-Key within this window gets the first job's id.
     idempotency_window_seconds: float = 600.0
-    # How long a call to the queue may take before the caller gets 503.
-    request_timeout_seconds: float = 5.0
 
 
 class QueueConnection:

@@ -76,10 +76,6 @@ class _Attempt:
     cancelled: bool = False
 
 
-class _Superseded(Exception):
-    """This attempt is no longer the job's current one."""
-
-
 class QueueWorker:
     def __init__(
         self,

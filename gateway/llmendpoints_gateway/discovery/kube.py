@@ -35,13 +35,13 @@ from typing import Any
 
 import aiohttp
 import yaml
+from llmendpoints_edge.keys import parse_key_list
 
 from llmendpoints_gateway.keys import (
     KEY_SECRET_LABEL,
     Key,
     KeyFileError,
     KeyRing,
-    parse_plain_keys,
     secret_api_key,
 )
 from llmendpoints_gateway.registry import Registry
@@ -355,7 +355,7 @@ class KubeDiscovery:
             encoded = (secret.get("data") or {}).get(data_key)
             if encoded is None:
                 raise RuntimeError(f"the Secret has no key {data_key!r}")
-            secrets = parse_plain_keys(base64.b64decode(encoded).decode("utf-8"))
+            secrets = parse_key_list(base64.b64decode(encoded).decode("utf-8"))
         except Exception as exc:
             # Fail closed: an endpoint whose keys cannot be read accepts no key but the
             # gateway's own -- and needs one (a placeholder nobody can present).

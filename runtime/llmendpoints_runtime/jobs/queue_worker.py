@@ -45,7 +45,9 @@ from llmendpoints_common.webhooks import WebhookSender
 
 from llmendpoints_runtime.jobs.executor import produce
 from llmendpoints_runtime.jobs.port import JobEngine
-from llmendpoints_runtime.jobs.settings import JobSettings
+from llmendpoints_runtime.jobs.routes import job_verbs
+from llmendpoints_runtime.jobs.settings import JobSettings, finished_jobs_counter
+from llmendpoints_runtime.jobs.wiring import job_routers
 from llmendpoints_runtime.jobs.work import check_images
 
 log = logging.getLogger("llmendpoints.jobs.queue")
@@ -303,14 +305,7 @@ def build_queue_feature(
     webhook_policy: DestinationPolicy,
 ) -> QueueJobFeature:
     """The job API on the shared queue, as a feature of the runtime (``compose.py``)."""
-    from prometheus_client import Counter
-
-    finished = Counter(
-        "llmendpoints_jobs_finished",
-        "Jobs that reached a final state, by that state (COMPLETED, FAILED, CANCELLED, TIMED_OUT).",
-        ["status"],
-        registry=registry,
-    )
+    finished = finished_jobs_counter(registry)
     jobs = SharedQueueJobs(
         engine,
         job_settings,
@@ -333,12 +328,8 @@ class QueueJobFeature:
         job_settings: JobSettings,
         webhook_policy: DestinationPolicy,
     ) -> None:
-        from llmendpoints_runtime.jobs.routes import JobAPI
-
         self.jobs = jobs
-        self.api = JobAPI(
-            executor=jobs, engine=engine, settings=job_settings, webhook_policy=webhook_policy
-        )
+        self.verbs = job_verbs(jobs, engine, job_settings, webhook_policy)
 
     def busy(self) -> int:
         return self.jobs.busy()
@@ -347,10 +338,6 @@ class QueueJobFeature:
         await self.jobs.drain(timeout)
 
     def routers(self, openai_target: Callable[[Any], Any]) -> list[Any]:
-        from fastapi import APIRouter
-
-        from llmendpoints_runtime.jobs.routes import build_job_router
-
         jobs = self.jobs
 
         @contextlib.asynccontextmanager
@@ -361,8 +348,6 @@ class QueueJobFeature:
             finally:
                 await jobs.stop(timeout=0)  # after the drain: what still runs goes back
 
-        root = build_job_router(self.api, include_health=False)
-        root.lifespan_context = lifespan
-        v2 = APIRouter(prefix="/v2/{endpoint_id}")
-        v2.include_router(build_job_router(self.api, openai_target=openai_target))
-        return [root, v2]
+        routers = job_routers(self.verbs, openai_target)
+        routers[0].lifespan_context = lifespan  # the root router's
+        return routers
