@@ -183,8 +183,10 @@ def start_target(name: str, port: int, backends: list[str], tmp: Path) -> subpro
             "GATEWAY_ENDPOINTS_FILE": str(endpoints),
             "PORT": str(port),
             "HOST": "127.0.0.1",
-            "LOG_LEVEL": "warning",
-            "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in ("gateway", "common")),
+            "LLMEP_LOG_LEVEL": "warning",
+            "GATEWAY_REQUIRE_KEYS": "false",  # the replicas are open: a bench of routing
+            "GATEWAY_METRICS_PORT": "0",
+            "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in ("gateway", "common", "edge")),
         }
         return spawn([PY, "-m", "llmendpoints_gateway", "serve"], tmp / "gateway.log", env)
     argv = [

@@ -142,7 +142,7 @@ def fleet(log_dir: Path, url: str, api_keys: list[dict], gateways: int = 2) -> I
                     GATEWAY_ENDPOINTS_FILE=str(path),
                     JOBS_QUEUE_URL=url,
                     GATEWAY_ID=f"bench{i}",
-                    LOG_LEVEL="warning",
+                    LLMEP_LOG_LEVEL="warning",
                 )
             )
         for proc in procs:
@@ -309,7 +309,7 @@ def metering(log_dir: Path, url: str, requests: int) -> dict:
         def counted(kind: str) -> int:
             total = 0.0
             for proc in procs:
-                for line in httpx.get(proc.url + "/metrics").text.splitlines():
+                for line in httpx.get(proc.metrics_url).text.splitlines():
                     if line.startswith("llmendpoints_gateway_tokens_total{") and (
                         f'kind="{kind}"' in line and 'key="meter"' in line
                     ):

@@ -1,14 +1,20 @@
 """Who is asking, and may they use this endpoint: the caller's key from the request's headers
-(before any of its body is read), and the 401 / 403 answers.
+(before any of its body is read), and the 401 answers.
 
 A key (``keys.Key``) has a name -- the tenant, what logs, metrics, usage records and jobs carry,
-never the secret -- the endpoints it may use, ``admin`` and its limits. An endpoint needs a key
-when the gateway has keys of its own or the endpoint has some (``KeyRing.requires_key``).
+never the secret -- the endpoints it may use, ``admin`` and its limits. With
+GATEWAY_REQUIRE_KEYS (the default) every request needs a valid key, whatever keys exist: a
+request without one is refused from its headers alone, and a gateway with no key at all
+refuses everything (it fails closed). Otherwise an endpoint needs a key when the gateway has
+keys of its own or the endpoint has some (``KeyRing.requires_key``).
+
+A key that may not use an endpoint is told nothing about it: its models are models that do not
+exist (404), its ``/v2/{endpoint}`` is an endpoint that does not exist (404).
 """
 
 from __future__ import annotations
 
-from llmendpoints_common.errors import APIError, AuthenticationError, PermissionDeniedError
+from llmendpoints_common.errors import APIError, AuthenticationError, ServiceUnavailableError
 from llmendpoints_edge.asgi import Scope
 from llmendpoints_edge.keys import key_from_headers
 
@@ -38,15 +44,27 @@ class Access:
         state.key_name = key.name
         return key
 
-    def check(self, key: Key | None, ep: Endpoint, state: RequestLog) -> None:
-        """401 without a (valid) key where one is needed; 403 for a key off this endpoint."""
+    def require(self, key: Key | None, state: RequestLog) -> None:
+        """401 at once, from the headers, when every request needs a key and this has none
+        valid (nothing of the body is read: the connection closes if one was announced); 503
+        while the keys are not known yet (Kubernetes: before the first listing of the key
+        Secrets), so no request passes before they are."""
+        if self.keys.awaiting_secrets:
+            raise ServiceUnavailableError(
+                "the gateway has not read its API keys yet; retry shortly",
+                headers={"retry-after": "2"},
+            )
+        if key is None and self.keys.requires_key_everywhere:
+            raise self.missing_key(state)
+
+    def check(self, key: Key | None, ep: Endpoint, state: RequestLog, hidden: APIError) -> None:
+        """401 without a (valid) key where one is needed; ``hidden`` (the 404 of a thing that
+        does not exist) for a key that may not use this endpoint."""
         if self.keys.allows(key, ep.name):
             return
         if key is None:
             raise self.missing_key(state)
-        raise PermissionDeniedError(
-            f"API key {key.name!r} may not use endpoint {ep.name!r}", code="endpoint_not_allowed"
-        )
+        raise hidden
 
     def missing_key(self, state: RequestLog) -> APIError:
         reason = "invalid API key" if state.invalid_key else "missing API key"

@@ -26,14 +26,14 @@ from llmendpoints_edge.asgi import (
     Receive,
     Scope,
     Send,
+    closing_if_body,
     request_id,
     send_error,
     send_json,
     with_request_id,
 )
-from llmendpoints_edge.body import ClientGone, read_body
+from llmendpoints_edge.body import BODY, ClientGone, read_body
 from llmendpoints_edge.logs import request_id_var
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmendpoints_gateway.access import Access
 from llmendpoints_gateway.config import GatewaySettings
@@ -69,6 +69,8 @@ class Gateway:
     draining: bool = False
     active: int = 0  # requests being answered (held, proxied or local)
 
+    token_secret: bytes | None = None  # GATEWAY_TOKEN_SECRET_FILE's: the pods' credentials
+
     def __post_init__(self) -> None:
         self.openai = OpenAIRoutes(
             self.registry,
@@ -77,6 +79,8 @@ class Gateway:
             self.metrics,
             lambda: self.session,
             self.settings.hold_timeout_seconds,
+            token_secret=self.token_secret,
+            default_max_tokens=self.settings.default_token_reservation,
         )
 
     # ---------------------------------------------------------------- ASGI
@@ -151,7 +155,10 @@ class Gateway:
         except APIError as exc:
             state.status = exc.status_code
             if not state.responded:
-                await send_error(state.send or send, exc)
+                reply = state.send or send
+                if BODY not in scope:  # answered before the body was read: never read it
+                    reply = closing_if_body(scope, reply)
+                await send_error(reply, exc)
         except ClientGone:
             state.status = CLIENT_GONE
         except Exception:
@@ -191,12 +198,13 @@ class Gateway:
             if self.draining:
                 return await send_json(send, 503, {"status": "draining"})
             return await send_json(send, 200, {"status": "ready"})
-        if path == "/metrics":
-            return await self._metrics(send)
+        if not path.startswith(("/v1/", "/v2/")):
+            raise NotFoundError(f"{method} {path} is not a route of this gateway")
 
         key = self.access.identify(scope, state)
         if key is not None and key.limits.any:
             send = self.limiter.reporting(key, send, state)
+        self.access.require(key, state)  # from the headers, before any of the body
         if path.startswith("/v1/"):
             if path == "/v1/models" and method == "GET":
                 return await self.openai.list_models(send, key, None, state)
@@ -206,10 +214,11 @@ class Gateway:
             return await self.openai.proxy(scope, body, receive, send, state, key, None, path)
         if path.startswith("/v2/"):
             name, _, rest = path[len("/v2/") :].partition("/")
+            missing = NotFoundError(f"endpoint {name!r} does not exist", param="endpoint")
             ep = self.registry.get(name)
             if ep is None:
-                raise NotFoundError(f"endpoint {name!r} does not exist", param="endpoint")
-            self.access.check(key, ep, state)
+                raise missing
+            self.access.check(key, ep, state, hidden=missing)
             if rest.startswith("openai/v1/"):
                 upstream = rest[len("openai") :]
                 if upstream == "/v1/models" and method == "GET":
@@ -229,7 +238,6 @@ class Gateway:
             if method == "POST":
                 body = await self._body(scope, receive, runsync=rest == "runsync")
             return await self.jobs.answer(scope, body, send, state, key, ep, rest)
-        raise NotFoundError(f"{method} {path} is not a route of this gateway")
 
     async def _body(self, scope: Scope, receive: Receive, *, runsync: bool) -> bytes:
         settings = self.settings
@@ -244,14 +252,3 @@ class Gateway:
             setting=setting,
             timeout=settings.request_read_timeout_seconds,
         )
-
-    async def _metrics(self, send: Send) -> None:
-        body = generate_latest(self.metrics.registry)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode())],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})

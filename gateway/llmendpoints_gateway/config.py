@@ -50,6 +50,49 @@ class GatewaySettings(EdgeSettings):
         validation_alias="GATEWAY_HOLD_QUEUE_LENGTH",
         description="Most requests held per endpoint; more are answered 503 at once.",
     )
+    hold_max_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        validation_alias="GATEWAY_HOLD_MAX_BYTES",
+        description="Bytes of request bodies this replica holds at most, over all endpoints "
+        "(each held request keeps its body); beyond, 503 at once.",
+    )
+    hold_key_share: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        validation_alias="GATEWAY_HOLD_KEY_SHARE",
+        description="The share of an endpoint's hold queue one key may take (at least one "
+        "request): no tenant fills the queue for the others.",
+    )
+    require_keys: bool = Field(
+        True,
+        validation_alias="GATEWAY_REQUIRE_KEYS",
+        description="Every request to an endpoint needs a valid key, whatever keys exist or "
+        "not (no key configured: every request is refused); false: endpoints with no key "
+        "anywhere are open.",
+    )
+    token_secret_file: str | None = Field(
+        None,
+        validation_alias="GATEWAY_TOKEN_SECRET_FILE",
+        description="File with the secret each endpoint's gateway token is derived from (the "
+        "operator derives the same tokens for the pods): the gateway presents it to a pod "
+        "instead of the client's key. Without it the gateway sends pods no credential.",
+    )
+    metrics_port: int = Field(
+        9090,
+        ge=0,
+        le=65535,
+        validation_alias="GATEWAY_METRICS_PORT",
+        description="Port of /metrics, apart from the client port (0: no metrics endpoint).",
+    )
+    default_token_reservation: int = Field(
+        1024,
+        ge=1,
+        validation_alias="GATEWAY_DEFAULT_MAX_TOKENS",
+        description="A key with tokensPerMinute: the max_tokens reserved for a request that "
+        "sets none (settled against what the engine reports when it ends).",
+    )
     load_factor: float = Field(
         DEFAULT_LOAD_FACTOR,
         gt=1.0,

@@ -120,15 +120,16 @@ class JobGateway:
             body=body,
             idempotency_key=header_text(scope, b"idempotency-key") or None,
         )
-        if call.submits and key is not None and key.limits.any:
-            # A submission is one of the key's requests; a /runsync holds a concurrency slot
-            # while it waits for its job.
+        # A submission is one of the key's requests, and so is a /retry (the job runs again);
+        # a /runsync holds a concurrency slot while it waits for its job.
+        counted = call.submits or verb == "retry"
+        if counted and key is not None and key.limits.any:
             state.ticket = await self.limiter.admit(key, hold=verb == "runsync")
         reply = await self.verbs(ep.name).handle(call)
-        if call.submits and (job := reply.accepted_id) is not None:
+        if counted and (job := reply.accepted_id) is not None:
             if not ep.ready and self.nudge is not None:
                 self.nudge(ep.name)
             state.model = ep.models[0] if ep.models else ""
             state.record_kind = "job"
-            state.record_id = f"job-{job}"
+            state.record_id = f"job-{job}" if verb != "retry" else None  # each retry once
         await send_json(send, reply.status, reply.body, dict(reply.headers))

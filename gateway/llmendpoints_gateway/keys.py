@@ -212,6 +212,11 @@ class KeyRing:
     keys_file: str | None = None
     endpoints_file: str | None = None
     check_interval: float = 1.0
+    # GATEWAY_REQUIRE_KEYS: every endpoint needs a key, whatever keys exist (fail closed).
+    require_keys: bool = False
+    # Kubernetes: labelled Secrets are a source, and until their first listing nothing is
+    # known about keys -- not "there are none".
+    awaiting_secrets: bool = False
     _files: list[WatchedFile[dict[bytes, Key] | None]] = field(default_factory=list)
     _endpoint_keys: dict[str, dict[bytes, Key]] = field(default_factory=dict)
     _secret_keys: dict[bytes, Key] | None = None  # Kubernetes: labelled Secrets
@@ -235,10 +240,22 @@ class KeyRing:
 
     @classmethod
     def from_settings(
-        cls, api_keys: str | None, keys_file: str | None, endpoints_file: str | None = None
+        cls,
+        api_keys: str | None,
+        keys_file: str | None,
+        endpoints_file: str | None = None,
+        *,
+        require_keys: bool = False,
+        secrets: bool = False,
     ) -> KeyRing:
-        secrets = parse_key_list(api_keys or "")
-        ring = cls({digest(s): Key(hashed_name(s)) for s in secrets}, keys_file, endpoints_file)
+        """``secrets``: keys also come from labelled Secrets (Kubernetes discovery)."""
+        ring = cls(
+            {digest(s): Key(hashed_name(s)) for s in parse_key_list(api_keys or "")},
+            keys_file,
+            endpoints_file,
+            require_keys=require_keys,
+            awaiting_secrets=secrets,
+        )
         for watched in ring._files:
             # A file that cannot be used at start-up stops the gateway: it never starts open.
             if not watched.load():
@@ -255,8 +272,12 @@ class KeyRing:
             or any(f.value is not None for f in self._files if f.path == self.endpoints_file)
         )
 
+    @property
+    def requires_key_everywhere(self) -> bool:
+        return self.require_keys or self.gateway_keys
+
     def requires_key(self, endpoint: str) -> bool:
-        return self.gateway_keys or bool(self._endpoint_keys.get(endpoint))
+        return self.requires_key_everywhere or bool(self._endpoint_keys.get(endpoint))
 
     def by_name(self, name: str) -> Key | None:
         """A key of this name (its limits), e.g. a job's owner."""
@@ -284,6 +305,7 @@ class KeyRing:
         """Kubernetes: every key of the labelled Secrets (None: the watch has not listed yet,
         or no such Secret exists; an empty dict still means "keys are required")."""
         self._secret_keys = keys
+        self.awaiting_secrets = False
         self._merge()
 
     def _merge(self) -> None:

@@ -64,6 +64,7 @@ from llmendpoints_gateway.quotas import (
     rate_headers,
     renew,
     reservation,
+    reserved_tokens,
 )
 from llmendpoints_gateway.request import RequestLog
 
@@ -87,6 +88,8 @@ class Ticket:
     lease: str | None
     headers: list[tuple[bytes, bytes]]
     finished: bool = False
+    reserved: int = 0  # tokens reserved at admission (settled when it ends)
+    window: int | None = None  # the minute it was admitted in
 
 
 class _Pending:
@@ -183,10 +186,11 @@ class Limiter:
 
     # ------------------------------------------------------------------ the request path
 
-    async def admit(self, key: Key, *, hold: bool = True) -> Ticket | None:
+    async def admit(self, key: Key, *, hold: bool = True, tokens: int = 0) -> Ticket | None:
         """Count one request of ``key`` (and hold a concurrency lease while it runs when
-        ``hold``); None for a key without limits. Over a limit: RateLimitError (429) naming the
-        limit and the key's name, with Retry-After and the x-ratelimit-* headers."""
+        ``hold``; reserve ``tokens`` of tokensPerMinute, settled by ``finish``); None for a key
+        without limits. Over a limit: RateLimitError (429) naming the limit and the key's name,
+        with Retry-After and the x-ratelimit-* headers."""
         limits = key.limits
         if not limits.any:
             return None
@@ -197,12 +201,15 @@ class Limiter:
             if hold and limits.max_concurrent is not None
             else None
         )
-        reserve = lease is None and self.shared
+        reserved = reserved_tokens(limits, tokens)
+        # Admissions from a local allowance of requests (no round trip) count no tokens: a
+        # request that reserves some is written, so the window never takes more than it holds.
+        reserve = lease is None and reserved == 0 and self.shared
         if reserve and (headers := self._admit_locally(token, limits)) is not None:
             return Ticket(key.name, limits, None, headers)
 
         def op(state: QuotaState, now: float) -> tuple[QuotaState, Any, bool]:
-            after, denied = admit(state, limits, now, lease)
+            after, denied = admit(state, limits, now, lease, reserved)
             extra = reservation(after, limits) if reserve and denied is None else 0
             after.requests += extra
             view = QuotaState(after.window, after.requests - extra, after.tokens)
@@ -220,7 +227,7 @@ class Limiter:
             self._allowance[token] = (window, extra + (left if have_window == window else 0))
         if lease is not None:
             self._held.setdefault(token, set()).add(lease)
-        return Ticket(key.name, limits, lease, headers)
+        return Ticket(key.name, limits, lease, headers, reserved=reserved, window=window)
 
     def _admit_locally(self, token: str, limits: Limits) -> list[tuple[bytes, bytes]] | None:
         """Admit with no round trip when the cached state allows it: from this replica's
@@ -281,14 +288,15 @@ class Limiter:
             held = self._held.get(token)
             if held is not None:
                 held.discard(ticket.lease)
-        if ticket.lease is None and tokens <= 0:
+        if ticket.lease is None and tokens <= 0 and not ticket.reserved:
             return
         if ticket.limits.tokens_per_minute is None and ticket.lease is None:
             return
 
         def op(state: QuotaState, now: float) -> tuple[QuotaState, Any, bool]:
             charged = tokens if ticket.limits.tokens_per_minute is not None else 0
-            return finish(state, now, ticket.lease, charged), None, True
+            after = finish(state, now, ticket.lease, charged, ticket.reserved, ticket.window)
+            return after, None, True
 
         task = asyncio.get_running_loop().create_task(self._submit(token, op))
         self._background.add(task)

@@ -1,10 +1,14 @@
-"""The OpenAI routes across endpoints: ``/v1/models`` from what the gateway knows, everything
-else proxied to a replica of the endpoint that serves the request's ``model``.
+"""The OpenAI routes across endpoints: ``/v1/models`` from what the gateway knows, the
+inference routes (``FORWARDED``) proxied to a replica of the endpoint that serves the request's
+``model``, nothing else: vLLM's engine-control and server routes are not reachable through
+the gateway.
 
-A request passes the layers once, in order: the model names the endpoint (registry) -> the key
-may use it (access: 401 / 403) -> the key's limits (limiter: 429, x-ratelimit-* headers) -> a
-replica, held while none is ready (registry.lease) -> forwarded, streaming, its usage read as
-it passes (proxy, metering) -> one retry elsewhere if the replica failed before answering.
+A request passes the layers once, in order: the model names the endpoint (registry; a model of
+an endpoint the key may not use is answered as a model that does not exist) -> the key's limits
+(limiter: 429, x-ratelimit-* headers; the tokens it may use reserved) -> a replica, held while
+none is ready (registry.lease) -> forwarded with the gateway's own credential for that endpoint,
+streaming, its usage read as it passes (proxy, metering) -> one retry elsewhere if the replica
+failed before answering.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+from llmendpoints_common import gateway_token
 from llmendpoints_common.errors import APIError, BadRequestError, NotFoundError
 from llmendpoints_edge.asgi import Receive, Scope, Send, send_json
 from llmendpoints_edge.body import ClientGone, parse_object
+from llmendpoints_edge.paths import encode
 
 from llmendpoints_gateway.access import Access
 from llmendpoints_gateway.keys import Key
@@ -25,7 +31,7 @@ from llmendpoints_gateway.limiter import Limiter
 from llmendpoints_gateway.metering import (
     BodyUsage,
     StreamUsage,
-    prepare_stream_request,
+    metered_request,
     with_usage_option,
 )
 from llmendpoints_gateway.metrics import GatewayMetrics
@@ -35,6 +41,21 @@ from llmendpoints_gateway.request import Disconnect, RequestLog
 from llmendpoints_gateway.routing import prefix_key
 
 logger = logging.getLogger("llmendpoints.gateway")
+
+
+# The OpenAI routes the gateway forwards (POST, JSON bodies it meters). vLLM's other routes --
+# engine control, tokenisation, server information -- belong to the pod, not to tenants.
+FORWARDED = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/score",
+        "/v1/rerank",
+    }
+)
 
 
 def model_not_found(model: str) -> APIError:
@@ -52,6 +73,9 @@ class OpenAIRoutes:
         metrics: GatewayMetrics,
         session: Callable[[], aiohttp.ClientSession],
         hold_timeout_seconds: float,
+        *,
+        token_secret: bytes | None = None,
+        default_max_tokens: int = 1024,
     ):
         self.registry = registry
         self.access = access
@@ -59,6 +83,18 @@ class OpenAIRoutes:
         self.metrics = metrics
         self.session = session
         self.hold_timeout_seconds = hold_timeout_seconds
+        self.token_secret = token_secret
+        self.default_max_tokens = default_max_tokens
+        self._tokens: dict[str, str] = {}
+
+    def token(self, endpoint: str) -> str | None:
+        """The gateway's credential at ``endpoint``'s pods (None: no secret configured)."""
+        if self.token_secret is None:
+            return None
+        token = self._tokens.get(endpoint)
+        if token is None:
+            token = self._tokens[endpoint] = gateway_token.derive(self.token_secret, endpoint)
+        return token
 
     # ---------------------------------------------------------------- /v1/models
 
@@ -108,6 +144,8 @@ class OpenAIRoutes:
     ) -> None:
         """A POST to ``upstream_path`` of a replica of ``ep`` (None: the endpoint serving the
         body's ``model``)."""
+        if upstream_path not in FORWARDED:
+            raise NotFoundError(f"{scope['method']} {scope['path']} is not a route of this gateway")
         if scope["method"] != "POST":
             raise APIError(405, f"{scope['method']} {scope['path']}: use POST with a JSON body")
         payload = parse_object(body)
@@ -121,28 +159,32 @@ class OpenAIRoutes:
             ep = self.registry.by_model(model)
             if ep is None:
                 raise model_not_found(model)
+            # A key never learns what models other tenants' endpoints serve.
+            self.access.check(key, ep, state, hidden=model_not_found(model))
         elif isinstance(model, str):
             state.model = model
-        self.access.check(key, ep, state)
         state.endpoint = ep.name
+        metered = metered_request(upstream_path, payload, len(body), self.default_max_tokens)
         if key is not None and key.limits.any:
-            state.ticket = await self.limiter.admit(key, hold=True)
+            state.ticket = await self.limiter.admit(key, hold=True, tokens=metered.reserve_tokens)
         state.record_kind = "openai"  # admitted: it is a request of the key's, billed or not
-        ask_usage, strip = prepare_stream_request(upstream_path, payload)
-        if ask_usage:
-            body = with_usage_option(payload)
+        if metered.ask_usage:
+            body = with_usage_option(body, payload)
+        prefix = prefix_key(upstream_path, payload)
+        del payload  # a held request keeps its body, not a parsed copy of it
 
         def meter(status: int, is_sse: bool) -> Meter | None:
             if status != 200:
                 return None
-            return StreamUsage(strip) if is_sse else BodyUsage()
+            return StreamUsage(metered.strip, metered.prompt_estimate) if is_sse else BodyUsage()
 
         query = scope.get("query_string") or b""
-        path_qs = upstream_path + ("?" + query.decode("latin-1") if query else "")
-        headers = upstream_headers(scope["headers"], state.request_id)
-        await self._forward(
-            ep, prefix_key(upstream_path, payload), path_qs, headers, body, receive, send, state, meter
+        path_qs = encode(upstream_path) + ("?" + query.decode("latin-1") if query else "")
+        caller, _ = self.access.caller(key)
+        headers = upstream_headers(
+            scope["headers"], state.request_id, token=self.token(ep.name), caller=caller
         )
+        await self._forward(ep, prefix, path_qs, headers, body, receive, send, state, meter, caller)
 
     async def _forward(
         self,
@@ -155,6 +197,7 @@ class OpenAIRoutes:
         send: Send,
         state: RequestLog,
         meter: Callable[[int, bool], Meter | None],
+        caller: str,
     ) -> None:
         disconnected = Disconnect(receive)
         failures: list[UpstreamFailed] = []
@@ -168,6 +211,8 @@ class OpenAIRoutes:
                         hold_timeout=self.hold_timeout_seconds,
                         gone=disconnected.wait,
                         exclude=tried,
+                        key=caller,
+                        size=len(body),
                     ) as lease:
                         state.replica, state.outcome = lease.replica, str(lease.outcome)
                         result = await disconnected.run(

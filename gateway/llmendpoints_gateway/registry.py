@@ -11,7 +11,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
-from llmendpoints_gateway.holding import HoldQueue
+from llmendpoints_gateway.holding import HoldBudget, HoldQueue
 from llmendpoints_gateway.metrics import GatewayMetrics
 from llmendpoints_gateway.routing import Outcome, Router, Strategy
 
@@ -57,9 +57,14 @@ class Registry:
         hold_queue_length: int,
         load_factor: float,
         on_held: Callable[[str, int], None] = lambda endpoint, n: None,
+        *,
+        hold_key_share: float = 1.0,
+        hold_max_bytes: int = 1 << 62,
     ):
         self.metrics = metrics
         self.hold_queue_length = hold_queue_length
+        self.hold_key_share = hold_key_share
+        self.hold_budget = HoldBudget(hold_max_bytes)
         self.load_factor = load_factor
         self.on_held = on_held
         self.endpoints: dict[str, Endpoint] = {}
@@ -92,6 +97,8 @@ class Registry:
                 self.hold_queue_length,
                 on_change=lambda n: self._held_changed(name, n),
                 on_reject=lambda reason: metrics.hold_rejected.labels(name, reason).inc(),
+                key_share=self.hold_key_share,
+                budget=self.hold_budget,
             )
             ep = Endpoint(name, models, Router(strategy, self.load_factor), hold)
             if self.closed:
@@ -167,10 +174,13 @@ class Registry:
         hold_timeout: float,
         gone: Callable[[], Awaitable[object]],
         exclude: frozenset[str] = frozenset(),
+        key: str = "",
+        size: int = 0,
     ) -> AsyncIterator[Lease]:
         """A replica of ``ep`` for one request (KubeAI's ``getBestAddr`` and its ``done``):
         while the endpoint has none ready the request is held (``HoldQueue``: 503 when full,
-        past ``hold_timeout`` or shutting down; ClientGone when ``gone()`` completes first);
+        past ``hold_timeout``, over ``key``'s share or the byte budget with its ``size``, or
+        shutting down; ClientGone when ``gone()`` completes first);
         the chosen replica carries the request in its load until the block ends. A retry
         passes the replicas already tried as ``exclude``: NoReplicaLeft when none is left."""
         while True:
@@ -179,7 +189,7 @@ class Registry:
                 break
             if exclude:
                 raise NoReplicaLeft()
-            await ep.hold.wait(hold_timeout, gone())
+            await ep.hold.wait(hold_timeout, gone(), key=key, size=size)
         replica, outcome = choice
         if exclude:
             outcome = Outcome.RETRY

@@ -13,6 +13,7 @@ DRAIN_TIMEOUT_SECONDS. A second signal exits at once.
 
 from __future__ import annotations
 
+from llmendpoints_common.gateway_token import read_secret
 from llmendpoints_edge.server import serve as serve_edge
 
 from llmendpoints_gateway.access import Access
@@ -24,6 +25,7 @@ from llmendpoints_gateway.jobs import JobGateway
 from llmendpoints_gateway.keys import KeyRing
 from llmendpoints_gateway.limiter import Limiter
 from llmendpoints_gateway.metrics import GatewayMetrics
+from llmendpoints_gateway.metrics_server import MetricsServer
 from llmendpoints_gateway.queue import SharedQueue
 from llmendpoints_gateway.registry import Registry
 from llmendpoints_gateway.signals import SignalPublisher
@@ -32,11 +34,22 @@ from llmendpoints_gateway.usage import JobUsageMeter, Metering, UsagePublisher
 
 def build(settings: GatewaySettings) -> Gateway:
     metrics = GatewayMetrics()
-    registry = Registry(metrics, settings.hold_queue_length, settings.load_factor)
+    registry = Registry(
+        metrics,
+        settings.hold_queue_length,
+        settings.load_factor,
+        hold_key_share=settings.hold_key_share,
+        hold_max_bytes=settings.hold_max_bytes,
+    )
     keys = KeyRing.from_settings(
         settings.api_keys.get_secret_value() if settings.api_keys else None,
         settings.api_keys_file,
         settings.endpoints_file,
+        require_keys=settings.require_keys,
+        secrets=not settings.endpoints_file,
+    )
+    token_secret = (
+        read_secret(settings.token_secret_file) if settings.token_secret_file else None
     )
     queue = (
         SharedQueue(settings.queue_url, settings.gateway_id)
@@ -54,7 +67,9 @@ def build(settings: GatewaySettings) -> Gateway:
         discovery = KubeDiscovery(
             registry, keys, namespace=settings.namespace, keys_namespace=settings.keys_namespace
         )
-    gateway = Gateway(settings, Access(keys), registry, metrics, limiter, metering)
+    gateway = Gateway(
+        settings, Access(keys), registry, metrics, limiter, metering, token_secret=token_secret
+    )
     parts: list = []
     if queue is not None:
         signals = SignalPublisher(queue, settings.gateway_id)
@@ -69,6 +84,8 @@ def build(settings: GatewaySettings) -> Gateway:
         )
         parts += [queue, signals, gateway.jobs, publisher, JobUsageMeter(queue, metering.job_usage)]
     parts += [limiter, discovery]
+    if settings.metrics_port:
+        parts.append(MetricsServer(metrics, settings.host, settings.metrics_port))
     gateway.started.extend(part.start for part in parts)
     gateway.stopped.extend(part.stop for part in reversed(parts))
     return gateway

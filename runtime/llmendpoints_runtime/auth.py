@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import hmac
 import logging
+from urllib.parse import unquote
 
+from llmendpoints_common import gateway_token
 from llmendpoints_common.errors import AuthenticationError
 from llmendpoints_common.jobs.service import key_owner
 from llmendpoints_edge.asgi import ASGIApp, Receive, Scope, Send, closing_if_body, send_error
@@ -30,7 +32,7 @@ logger = logging.getLogger("llmendpoints.auth")
 
 _CALLER = "llmep_caller"
 _ADMIN = "llmep_admin"
-CALLER_HEADER = b"x-llmep-caller"
+CALLER_HEADER = gateway_token.CALLER_HEADER.encode()
 ADMIN_OWNER = "admin"
 
 
@@ -113,9 +115,10 @@ class KeyStore:
 
 
 def _caller_name(scope: Scope) -> str:
+    """The key name the gateway sent (percent-encoded, so any name is header-safe text)."""
     for name, value in scope["headers"]:
         if name == CALLER_HEADER:
-            text = value.decode("latin-1")
+            text = unquote(value.decode("latin-1"))
             if text.isprintable() and len(text) <= 256:
                 return text
     return ""

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import httpx
 import openai
-import proc_kit
 import pytest
 from integration.nats_kit import nats_server
 
-from .harness import Process, launch_runtime, running_gateway, write_endpoints
+from .harness import Process, launch_runtime, load_kit, running_gateway, write_endpoints
 
 pytestmark = pytest.mark.engine
+proc_kit = load_kit("proc_kit")
 
 SYSTEM = "You are a helpful assistant who answers briefly and in plain words. " * 3
 
@@ -74,6 +74,7 @@ def gateway(logs, replicas, queue_url):
         GATEWAY_ENDPOINTS_FILE=str(endpoints),
         GATEWAY_HOLD_TIMEOUT_SECONDS="900",
         JOBS_QUEUE_URL=queue_url,
+        GATEWAY_REQUIRE_KEYS="false",  # the replicas and the endpoints are open here
     ) as gw:
         yield gw
 

@@ -150,7 +150,10 @@ def test_a_draining_gateway_waits_for_its_webhook_deliveries(tmp_path, queue_url
     with (
         webhook_receiver(answer_after=2.0) as (url, received),
         running_gateway(
-            tmp_path, GATEWAY_ENDPOINTS_FILE=str(endpoints), JOBS_QUEUE_URL=queue_url
+            tmp_path,
+            GATEWAY_ENDPOINTS_FILE=str(endpoints),
+            JOBS_QUEUE_URL=queue_url,
+            GATEWAY_REQUIRE_KEYS="false",
         ) as gw,
         httpx.Client(base_url=gw.url + "/v2/drain", timeout=30) as client,
     ):

@@ -33,7 +33,11 @@ async def test_held_requests_and_nudges_reach_the_autoscaler(tmp_path: Path):
     with (
         nats_server() as url,
         running_gateway(
-            tmp_path, GATEWAY_ENDPOINTS_FILE=str(endpoints), JOBS_QUEUE_URL=url, GATEWAY_ID="gw-a.1"
+            tmp_path,
+            GATEWAY_ENDPOINTS_FILE=str(endpoints),
+            JOBS_QUEUE_URL=url,
+            GATEWAY_ID="gw-a.1",
+            GATEWAY_REQUIRE_KEYS="false",
         ) as gw,
     ):
         nc = await nats.connect(url)

@@ -252,6 +252,8 @@ class KubeDiscovery:
                     await handler("DELETED", {"metadata": {"namespace": key[0], "name": key[1]}})
                 for item in items:
                     await handler("ADDED", item)
+                if handler == self._on_key_secret:
+                    self._publish_keys()  # listed: even none is now known to be none
                 version = (listing.get("metadata") or {}).get("resourceVersion")
                 watch_params = {**params, "watch": "true", "allowWatchBookmarks": "true"}
                 if version:
@@ -291,6 +293,9 @@ class KubeDiscovery:
                 # A malformed Secret is no key (its old value neither): fail closed, say why.
                 logger.error("ignoring API key %s", exc)
                 self._key_secrets[key] = None
+        self._publish_keys()
+
+    def _publish_keys(self) -> None:
         keys = dict(v for v in self._key_secrets.values() if v is not None)
         self.keys.set_secret_keys(keys if self._key_secrets else None)
 
