@@ -176,7 +176,9 @@ class OpenAIRoutes:
         def meter(status: int, is_sse: bool) -> Meter | None:
             if status != 200:
                 return None
-            return StreamUsage(metered.strip, metered.prompt_estimate) if is_sse else BodyUsage()
+            reader = StreamUsage(metered.strip, metered.prompt_estimate) if is_sse else BodyUsage()
+            state.meter = reader  # read at the end however the answer ends, cut ones too
+            return reader
 
         query = scope.get("query_string") or b""
         path_qs = encode(upstream_path) + ("?" + query.decode("latin-1") if query else "")
@@ -240,8 +242,6 @@ class OpenAIRoutes:
                         raise bad_gateway(failures) from None
                     continue
                 state.status = result.status  # 502 for a stream cut mid-way
-                if result.meter is not None:
-                    state.usage = result.meter.usage
                 if result.first_byte_s is not None:
                     self.metrics.ttft.labels(ep.name).observe(result.first_byte_s)
                 self.metrics.duration.labels(ep.name).observe(result.duration_s)

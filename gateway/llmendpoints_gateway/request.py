@@ -30,6 +30,7 @@ class RequestLog:
     # Metering: the engine's usage, the limiter's ticket, the usage record to write (kind None:
     # none, e.g. /status, /metrics, requests refused before reaching an endpoint).
     usage: Any = None
+    meter: Any = None  # what reads the answer's usage as it passes (a cut answer has one too)
     ticket: Any = None
     record_kind: str | None = None
     record_id: str | None = None

@@ -65,7 +65,7 @@ class Metering:
         if state.endpoint is None:
             return
         key = state.key_name or ""
-        usage = state.usage or Usage()
+        usage = state.usage or (state.meter.usage if state.meter is not None else None) or Usage()
         self.metrics.requests.labels(key, state.endpoint, str(state.status)).inc()
         self._count_tokens(key, state.endpoint, usage)
         self.limiter.finish(state.ticket, usage.total)

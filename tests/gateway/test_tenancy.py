@@ -323,3 +323,94 @@ def test_metrics_are_not_on_the_client_port(gateway):
     answer = httpx.get(gateway.url + "/metrics")
     assert answer.status_code == 404
     assert "llmendpoints_gateway_requests_total" in httpx.get(gateway.metrics_url).text
+
+
+# ------------------------------------------------------------------ fail closed
+
+
+def test_no_key_configured_is_no_access_and_deleting_the_last_key_opens_nothing(logs, standins):
+    endpoints = write_endpoints(
+        logs / "closed.yaml",
+        [{"name": "one", "models": ["one-model"], "backends": [standins["s1"].url]}],
+    )
+    # Keys required (the default) and none anywhere: nobody gets in.
+    with running_gateway(logs, GATEWAY_ENDPOINTS_FILE=str(endpoints)) as gw:
+        answer = httpx.post(gw.url + CHAT, json=chat("one-model"))
+        assert answer.status_code == 401
+        assert httpx.get(gw.url + "/v1/models").status_code == 401
+    keys = logs / "rotating-keys"
+    keys.write_text(ALICE + "\n")
+    with running_gateway(
+        logs, GATEWAY_ENDPOINTS_FILE=str(endpoints), API_KEYS_FILE=str(keys)
+    ) as gw:
+        assert (
+            httpx.post(gw.url + CHAT, json=chat("one-model"), headers=_auth(ALICE)).status_code
+            == 200
+        )
+        keys.write_text("# every key revoked\n")
+        deadline = time.monotonic() + 10
+        while (
+            httpx.post(gw.url + CHAT, json=chat("one-model"), headers=_auth(ALICE)).status_code
+            != 401
+        ):
+            assert time.monotonic() < deadline, "the revoked key still works"
+            time.sleep(0.2)
+        assert httpx.post(gw.url + CHAT, json=chat("one-model")).status_code == 401
+        keys.unlink()  # the file gone: the last keys known stay, nothing opens
+        time.sleep(1.5)
+        assert httpx.post(gw.url + CHAT, json=chat("one-model")).status_code == 401
+
+
+# ------------------------------------------------------------------ what is billed
+
+
+def _tokens(gw: Process, key: str, kind: str) -> float:
+    want = f'llmendpoints_gateway_tokens_total{{endpoint="one",key="{key}",kind="{kind}"}}'
+    for line in httpx.get(gw.metrics_url).text.splitlines():
+        if line.startswith("llmendpoints_gateway_tokens_total{"):
+            labels = dict(
+                part.split("=", 1)
+                for part in line[line.index("{") + 1 : line.index("}")].split(",")
+            )
+            if labels == {"endpoint": '"one"', "key": f'"{key}"', "kind": f'"{kind}"'}:
+                return float(line.rsplit(" ", 1)[1])
+    assert want  # (the series appears once something was counted)
+    return 0.0
+
+
+def _wait(condition, what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_a_stream_the_client_cuts_is_billed_what_it_received(gateway):
+    before = _tokens(gateway, "alice", "completion")
+    body = chat("one-model", stream=True, standin_chunks=200, standin_interval=0.02)
+    with httpx.stream("POST", gateway.url + CHAT, json=body, headers=_auth(ALICE)) as answer:
+        events = 0
+        for line in answer.iter_lines():
+            if line.startswith("data: "):
+                events += 1
+            if events == 10:
+                break  # leave before the usage chunk ever comes
+    _wait(
+        lambda: _tokens(gateway, "alice", "completion") >= before + 10,
+        "a cut stream billed nothing",
+    )
+    # an estimate from what was relayed: at least what the client read, never all 200
+    assert _tokens(gateway, "alice", "completion") - before < 200
+
+
+def test_a_large_answer_is_billed(gateway, standins):
+    prompt_before = _tokens(gateway, "alice", "prompt")
+    completion_before = _tokens(gateway, "alice", "completion")
+    body = chat("one-model", text="a b c d e", standin_pad=9 * 1024 * 1024)
+    answer = httpx.post(gateway.url + CHAT, json=body, headers=_auth(ALICE), timeout=60)
+    assert answer.status_code == 200 and len(answer.content) > 9 * 1024 * 1024
+    _wait(
+        lambda: _tokens(gateway, "alice", "completion") == completion_before + 8,
+        "a 9 MiB answer was not billed",
+    )
+    assert _tokens(gateway, "alice", "prompt") == prompt_before + 5
