@@ -265,7 +265,7 @@ class Gateway:
                     id=state.record_id or f"{state.request_id}.{uuid.uuid4().hex[:16]}",
                     time=time.time(),
                     key=key,
-                    endpoint=state.endpoint,
+                    endpoint=state.endpoint_id or state.endpoint or "",
                     model=state.model or "",
                     status=state.status,
                     prompt_tokens=usage.prompt_tokens,
@@ -368,7 +368,7 @@ class Gateway:
                 "(JOBS_QUEUE_URL), which this gateway does not have",
                 code="jobs_unavailable",
             )
-        state.endpoint = ep.name
+        state.endpoint, state.endpoint_id = ep.name, ep.id
         limit = self.settings.max_runsync_body_bytes if verb == "runsync" else None
         body = await self._read_body(scope, receive, limit) if scope["method"] == "POST" else None
         query = dict(parse_qsl((scope.get("query_string") or b"").decode("latin-1")))
@@ -379,9 +379,9 @@ class Gateway:
             # Jobs count against the key's limits: a request each; a /runsync holds a
             # concurrency slot while it waits.
             await self._admit(key, state, hold=verb == "runsync")
-        reply = await self.jobs.handle(ep.name, scope["method"], verb, query, headers, body, owner)
+        reply = await self.jobs.handle(ep.id, scope["method"], verb, query, headers, body, owner)
         if submit and not ep.ready and self.nudge is not None:
-            self.nudge(ep.name)
+            self.nudge(ep.id)
         if submit and isinstance(reply.get("id"), str):
             state.model = ep.models[0] if ep.models else ""
             state.record_kind = "job"
@@ -391,7 +391,8 @@ class Gateway:
     def job_usage(self, record, usage: Usage):
         """JobUsageMeter's callback: a completed job's usage record, and what to count once
         the usage stream stored it for the first time."""
-        ep = self.registry.get(record.endpoint)
+        ep = self.registry.by_id(record.endpoint)  # a job record names "<namespace>/<name>"
+        label = ep.name if ep is not None else record.endpoint
         entry = UsageRecord(
             id=f"job-{record.id}-usage",
             time=record.finished_at or time.time(),
@@ -412,7 +413,7 @@ class Gateway:
                 ("completion", usage.completion_tokens),
             ):
                 if n:
-                    self.metrics.tokens.labels(record.owner, record.endpoint, kind).inc(n)
+                    self.metrics.tokens.labels(record.owner, label, kind).inc(n)
             key = self.keys.by_name(record.owner)
             if key is not None:
                 self.limiter.charge(key, usage.total)
@@ -453,7 +454,7 @@ class Gateway:
             raise self._refused(key, ep, state)
         elif isinstance(model, str):
             state.model = model
-        state.endpoint = ep.name
+        state.endpoint, state.endpoint_id = ep.name, ep.id
         await self._admit(key, state, hold=True)
         state.record_kind = "openai"  # admitted: it is a request of the key's, billed or not
         ask_usage, strip = prepare_stream_request(upstream_path, payload)

@@ -46,6 +46,13 @@ class GatewaySettings(BaseSettings):
         description="NATS URL of the shared job queue; held-request counts and scale-from-zero "
         "nudges are published there.",
     )
+    jobs_queue_creds_file: str | None = Field(
+        None,
+        validation_alias="JOBS_QUEUE_CREDS_FILE",
+        description="NATS creds file (user JWT and nkey seed) for JOBS_QUEUE_URL: the "
+        "gateway's own credential (the chart mints it); without it the URL carries the "
+        "password.",
+    )
     webhook_destinations: str = Field(
         "",
         validation_alias="LLMEP_WEBHOOK_DESTINATIONS",

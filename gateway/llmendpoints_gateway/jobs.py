@@ -51,8 +51,10 @@ class JobGateway:
         webhook_policy: DestinationPolicy | None = None,
         webhook_timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
         webhook_max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        creds_file: str | None = None,
     ):
         self.url = url
+        self.creds_file = creds_file
         self.gateway_id = gateway_id
         self.webhook_policy = webhook_policy or DestinationPolicy()
         self.webhooks = webhooks or WebhookSender(
@@ -87,7 +89,7 @@ class JobGateway:
         while True:
             try:
                 self._connection = await QueueConnection.connect(
-                    self.url, name=f"gateway-{self.gateway_id}"
+                    self.url, name=f"gateway-{self.gateway_id}", creds_file=self.creds_file
                 )
                 logger.info("job API on the shared queue")
                 return
@@ -96,6 +98,7 @@ class JobGateway:
                 await asyncio.sleep(2.0)
 
     def service(self, endpoint: str) -> QueueJobService:
+        """``endpoint``: ``<namespace>/<name>``."""
         if self._connection is None:
             raise ServiceUnavailableError(
                 "the job queue is not reachable yet; retry", headers={"retry-after": "2"}
@@ -134,8 +137,10 @@ class JobGateway:
         body: bytes | None,
         owner: str | None,
     ) -> dict[str, Any]:
-        """One job verb; ``verb`` is the path after ``/v2/{endpoint}/``."""
+        """One job verb; ``verb`` is the path after ``/v2/{endpoint}/``; ``endpoint`` is the
+        endpoint's ``<namespace>/<name>``."""
         name, _, job_id = verb.partition("/")
+        in_url = endpoint.rpartition("/")[2]
         jobs = self.service(endpoint)
         submit_owner = owner or ""
         match method, name, bool(job_id):
@@ -188,8 +193,8 @@ class JobGateway:
             "purge-queue",
             "health",
         ):
-            raise APIError(405, f"{method} /v2/{endpoint}/{verb}: wrong method or missing job id")
-        raise NotFoundError(f"/v2/{endpoint}/{verb} is not a job API route")
+            raise APIError(405, f"{method} /v2/{in_url}/{verb}: wrong method or missing job id")
+        raise NotFoundError(f"/v2/{in_url}/{verb} is not a job API route")
 
 
 def _wait_ms(raw: str | None) -> int:
@@ -223,8 +228,9 @@ class JobUsageMeter:
     a record the stream stored for the first time is counted in ``tokens_total`` and charged to
     the owner's tokensPerMinute."""
 
-    def __init__(self, url: str, gateway_id: str, on_usage) -> None:
+    def __init__(self, url: str, gateway_id: str, on_usage, creds_file: str | None = None) -> None:
         self.url = url
+        self.creds_file = creds_file
         self.gateway_id = gateway_id
         # on_usage(record: JobRecord, usage) -> UsageRecord | None: what to store and count
         self.on_usage = on_usage
@@ -253,7 +259,9 @@ class JobUsageMeter:
             try:
                 if self._connection is None:
                     self._connection = await QueueConnection.connect(
-                        self.url, name=f"gateway-job-usage-{self.gateway_id}"
+                        self.url,
+                        name=f"gateway-job-usage-{self.gateway_id}",
+                        creds_file=self.creds_file,
                     )
                 js = self._connection.js
                 sub = await js.pull_subscribe(

@@ -97,9 +97,11 @@ class Limiter:
         url: str | None = None,
         *,
         clock: Callable[[], float] = time.time,
+        creds_file: str | None = None,
     ):
         self.gateway_id = gateway_id
         self.url = url
+        self.creds_file = creds_file
         self.clock = clock
         # Lease ids are unique across replicas and restarts (two replicas may share a name).
         self._lease_prefix = f"{gateway_id}.{os.urandom(4).hex()}"
@@ -154,7 +156,10 @@ class Limiter:
         while True:
             try:
                 connection = await QueueConnection.connect(
-                    self.url, name=f"gateway-quotas-{self.gateway_id}", request_timeout=2.0
+                    self.url,
+                    name=f"gateway-quotas-{self.gateway_id}",
+                    creds_file=self.creds_file,
+                    request_timeout=2.0,
                 )
                 self._watch = await connection.js.subscribe(
                     names.kv_subject(names.QUOTAS_BUCKET, ">"),

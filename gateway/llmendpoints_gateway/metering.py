@@ -276,8 +276,15 @@ class UsagePublisher:
     appends to a bounded buffer. While NATS is unreachable records wait (up to
     ``buffer_limit``, then the oldest are dropped with a warning) and go out once it is back."""
 
-    def __init__(self, url: str, gateway_id: str, buffer_limit: int = 100_000):
+    def __init__(
+        self,
+        url: str,
+        gateway_id: str,
+        buffer_limit: int = 100_000,
+        creds_file: str | None = None,
+    ):
         self.url = url
+        self.creds_file = creds_file
         self.gateway_id = gateway_id
         self._buffer: deque[UsageRecord] = deque()
         self._limit = buffer_limit
@@ -325,7 +332,7 @@ class UsagePublisher:
         while self._connection is None:
             try:
                 self._connection = await QueueConnection.connect(
-                    self.url, name=f"gateway-usage-{self.gateway_id}"
+                    self.url, name=f"gateway-usage-{self.gateway_id}", creds_file=self.creds_file
                 )
             except Exception as exc:
                 logger.warning("cannot reach the queue for usage records (%s); retrying", exc)
@@ -364,13 +371,15 @@ class UsagePublisher:
 CONNECT_TIMEOUT_SECONDS = 10.0
 
 
-async def read_usage(url: str, since: float, until: float | None) -> list[UsageRecord]:
+async def read_usage(
+    url: str, since: float, until: float | None, creds_file: str | None = None
+) -> list[UsageRecord]:
     """Every record of ``LLMEP_USAGE`` that ended in [since, until): read from the first
     message stored at ``since`` (the stream's own time index) up to its last message now."""
     from datetime import UTC, datetime
 
-    import nats
     from llmendpoints_common.queue import names
+    from llmendpoints_common.queue.connect import connect
     from llmendpoints_common.queue.topology import QueueLayout, ensure_streams
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
@@ -380,13 +389,13 @@ async def read_usage(url: str, since: float, until: float | None) -> list[UsageR
     # Bounded, unlike the servers' reconnect-forever (nats-py keeps retrying a first connect
     # whatever its options say): a CLI says it cannot reach the queue.
     try:
-        nc = await asyncio.wait_for(
-            nats.connect(
+        nc, permissions = await asyncio.wait_for(
+            connect(
                 url,
                 name="llmendpoints-gateway-usage",
+                creds_file=creds_file,
                 connect_timeout=5,
-                allow_reconnect=False,
-                max_reconnect_attempts=0,
+                reconnect=False,
                 error_cb=quiet,
             ),
             CONNECT_TIMEOUT_SECONDS,
@@ -397,7 +406,10 @@ async def read_usage(url: str, since: float, until: float | None) -> list[UsageR
         ) from None
     try:
         js = nc.jetstream(timeout=10)
-        await ensure_streams(js, QueueLayout())
+        if permissions is None or permissions.may_publish(
+            f"$JS.API.STREAM.CREATE.{names.USAGE_STREAM}"
+        ):
+            await ensure_streams(js, QueueLayout())
         info = await js.stream_info(names.USAGE_STREAM)
         last = info.state.last_seq
         records: list[UsageRecord] = []

@@ -35,7 +35,8 @@ def build(settings: GatewaySettings) -> Gateway:
     url = settings.jobs_queue_url.get_secret_value() if settings.jobs_queue_url else None
     # Per-key limits: shared by every replica through NATS when there is one, else this
     # replica's own; usage records need NATS too.
-    limiter = Limiter(settings.gateway_id, url)
+    creds_file = settings.jobs_queue_creds_file
+    limiter = Limiter(settings.gateway_id, url, creds_file=creds_file)
     gateway = Gateway(settings, keys, registry, metrics, limiter=limiter)
     gateway.started.append(limiter.start)
     gateway.stopped.append(limiter.stop)
@@ -58,7 +59,7 @@ def build(settings: GatewaySettings) -> Gateway:
         from llmendpoints_gateway.metering import UsagePublisher
         from llmendpoints_gateway.signals import SignalPublisher
 
-        publisher = SignalPublisher(url, settings.gateway_id)
+        publisher = SignalPublisher(url, settings.gateway_id, creds_file=creds_file)
         registry.on_held = publisher.held_changed
         gateway.nudge = publisher.nudge_soon
         gateway.jobs = JobGateway(
@@ -67,9 +68,12 @@ def build(settings: GatewaySettings) -> Gateway:
             webhook_policy=settings.webhook_policy,
             webhook_timeout_seconds=settings.webhook_timeout_seconds,
             webhook_max_concurrency=settings.webhook_max_concurrency,
+            creds_file=creds_file,
         )
-        gateway.usage = UsagePublisher(url, publisher.gateway_id)
-        job_usage = JobUsageMeter(url, publisher.gateway_id, gateway.job_usage)
+        gateway.usage = UsagePublisher(url, publisher.gateway_id, creds_file=creds_file)
+        job_usage = JobUsageMeter(
+            url, publisher.gateway_id, gateway.job_usage, creds_file=creds_file
+        )
         for part in (publisher, gateway.jobs, gateway.usage, job_usage):
             gateway.started.append(part.start)
             gateway.stopped.append(part.stop)

@@ -5,7 +5,7 @@
   (coalesced: one write per endpoint per ``COALESCE_SECONDS``) and every
   ``HELD_REFRESH_SECONDS`` while it is known, so the entry outlives quiet periods but not the
   replica.
-- A nudge (``llmep.nudge.<endpoint>``) when a request starts waiting for an endpoint with no
+- A nudge (``llmep.nudge.<ns>.<name>``) when a request starts waiting for an endpoint with no
   ready replica, at most once a second per endpoint: the autoscaler acts before its next tick.
 
 NATS being down never stops the gateway serving: the connection is retried in the background
@@ -19,7 +19,7 @@ import contextlib
 import logging
 import re
 
-import nats
+from llmendpoints_common.queue.connect import connect
 from llmendpoints_common.queue.signals import HELD_REFRESH_SECONDS, nudge, publish_held
 from nats.aio.client import Client as NATS
 
@@ -35,8 +35,11 @@ def key_token(gateway_id: str) -> str:
 
 
 class SignalPublisher:
-    def __init__(self, url: str, gateway_id: str):
+    """Endpoints are named ``<namespace>/<name>`` here, as in the queue."""
+
+    def __init__(self, url: str, gateway_id: str, creds_file: str | None = None):
         self.url = url
+        self.creds_file = creds_file
         self.gateway_id = key_token(gateway_id)
         self._counts: dict[str, int] = {}
         self._dirty: set[str] = set()
@@ -91,12 +94,13 @@ class SignalPublisher:
     async def _connect(self) -> NATS:
         while True:
             try:
-                return await nats.connect(
+                nc, _ = await connect(
                     self.url,
                     name=f"gateway-{self.gateway_id}",
-                    max_reconnect_attempts=-1,
+                    creds_file=self.creds_file,
                     connect_timeout=2,
                 )
+                return nc
             except Exception as exc:
                 logger.warning(
                     "cannot reach the queue at JOBS_QUEUE_URL (%s); retrying", type(exc).__name__

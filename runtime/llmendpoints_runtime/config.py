@@ -24,7 +24,11 @@ from typing import Literal
 
 from llmendpoints_common.destinations import DestinationPolicy
 from llmendpoints_common.fair_use import DEFAULT_MAX_N
+from llmendpoints_common.identity import EndpointRef
 from llmendpoints_common.jobs.models import MAX_POLICY_MS, MIN_EXECUTION_TIMEOUT_MS, MIN_TTL_MS
+from llmendpoints_common.queue.connect import read_creds
+from llmendpoints_common.queue.natsjwt import CredentialsError
+from llmendpoints_common.queue.trust import check_runtime_creds
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -229,8 +233,15 @@ class RuntimeSettings(BaseSettings):
     jobs_queue_url: SecretStr | None = Field(
         None,
         validation_alias="JOBS_QUEUE_URL",
-        description="NATS URL of the shared job queue (`nats://user:pass@host:4222`); unset: "
-        "jobs live in this pod (the in-pod store). Needs ENDPOINT_ID.",
+        description="NATS URL of the shared job queue (`nats://host:4222` with "
+        "JOBS_QUEUE_CREDS_FILE; `nats://user:pass@host:4222` on a NATS you bring); unset: jobs "
+        "live in this pod (the in-pod store). Needs ENDPOINT_ID.",
+    )
+    jobs_queue_creds_file: str | None = Field(
+        None,
+        validation_alias="JOBS_QUEUE_CREDS_FILE",
+        description="NATS creds file (user JWT and nkey seed) for JOBS_QUEUE_URL: the operator "
+        "mounts one per endpoint, allowed only that endpoint's subjects, records and consumers.",
     )
     endpoint_id: str | None = Field(
         None,
@@ -238,6 +249,13 @@ class RuntimeSettings(BaseSettings):
         validation_alias="ENDPOINT_ID",
         description="The endpoint this pod serves (the LLMEndpoint's name): whose queued jobs "
         "it takes, the `{id}` of `/v2/{id}/...`.",
+    )
+    endpoint_namespace: str = Field(
+        "default",
+        pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$",
+        validation_alias="ENDPOINT_NAMESPACE",
+        description="The namespace of the endpoint this pod serves (the LLMEndpoint's): with "
+        "ENDPOINT_ID, the endpoint's identity in the shared queue.",
     )
     jobs_max_attempts: int = Field(
         3,
@@ -690,6 +708,18 @@ def _load_settings(env: Mapping[str, str]) -> RuntimeSettings:
             "ENDPOINT_ID",
             "required with JOBS_QUEUE_URL: it names the endpoint whose jobs this pod takes",
         )
+    if settings.jobs_queue_creds_file is not None:
+        if settings.jobs_queue_url is None:
+            raise ConfigError(
+                "JOBS_QUEUE_CREDS_FILE", "set without JOBS_QUEUE_URL: which queue is it for?"
+            )
+        try:
+            check_runtime_creds(
+                read_creds(settings.jobs_queue_creds_file),
+                EndpointRef(settings.endpoint_namespace, settings.endpoint_id),
+            )
+        except CredentialsError as exc:
+            raise ConfigError("JOBS_QUEUE_CREDS_FILE", str(exc)) from None
     return settings
 
 
