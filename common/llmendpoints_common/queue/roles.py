@@ -132,6 +132,8 @@ def gateway() -> Permissions:
                 )
             ),
             *(f"{_JS}.STREAM.INFO.{s}" for s in STREAMS),
+            # nats-py finds the stream of a subscription by subject (the limiter's follower).
+            f"{_JS}.STREAM.NAMES",
             *(f"{_JS}.DIRECT.GET.{s}.>" for s in (_STATE, _IDEMPOTENCY, names.CHUNKS_STREAM)),
             *(f"{_JS}.DIRECT.GET.{s}" for s in (_STATE, _IDEMPOTENCY, names.CHUNKS_STREAM)),
             f"{_JS}.DIRECT.GET.{_QUOTAS}.>",

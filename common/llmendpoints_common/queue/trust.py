@@ -155,6 +155,28 @@ class Installation:
         }
 
 
+ROUTE_USER = "route"
+
+
+def routes_config(password: str, routes: list[str]) -> str:
+    """The inside of nats.conf's ``cluster {}`` that makes routes authenticate: a server (or
+    anything else) that reaches the cluster port without the password cannot join. NATS takes
+    an explicit route's credentials only from its URL, hence a generated file."""
+    password = password.strip()
+    if len(password) < 16 or not password.isalnum():
+        raise CredentialsError("cluster-password: at least 16 letters and digits")
+    urls = []
+    for route in routes:
+        if not route.startswith("nats://") or "@" in route:
+            raise CredentialsError(f"route {route!r}: nats://host:port, no credentials")
+        urls.append(f'    "nats://{ROUTE_USER}:{password}@{route[len("nats://") :]}"')
+    return (
+        "# Generated (llmendpoints-operator queue-auth server-config).\n"
+        f'authorization {{ user: {ROUTE_USER}, password: "{password}" }}\n'
+        "routes: [\n" + "\n".join(urls) + "\n]\n"
+    )
+
+
 def server_config(installation: Installation) -> str:
     """The part of nats.conf that makes the server trust this installation's operator and
     know its two accounts (resolver MEMORY: the account JWTs are in the file; nothing to

@@ -154,8 +154,12 @@ class QueueWorker:
             f"{names.jobs_subject(ref)}"
         )
         ack_wait = await ensure_consumers(js, ref, self._layout, create=create)
-        # A third of the ack wait the consumers have: a live worker is never taken for dead.
-        self._heartbeat_seconds = min(self.settings.heartbeat_interval_seconds, ack_wait / 3)
+        # Whoever created the consumers chose their ack wait (the heartbeat timeout); when it is
+        # shorter than this worker was configured for, its heartbeat shrinks in proportion, so
+        # a live worker is never taken for dead.
+        self._heartbeat_seconds = self.settings.heartbeat_interval_seconds * min(
+            1.0, ack_wait / self._layout.heartbeat_timeout_seconds
+        )
         for priority in names.PRIORITIES:
             self._subscriptions[priority] = await js.pull_subscribe_bind(
                 durable=names.jobs_consumer(ref, priority), stream=names.JOBS_STREAM
