@@ -39,9 +39,7 @@ class ChartNats:
 
     def run_init_container(self, init: dict[str, Any]) -> None:
         """The NATS pod's init container's command, with its paths moved under root."""
-        command = [
-            part.replace("/etc/nats/", f"{self.root}/") for part in init["command"]
-        ]
+        command = [part.replace("/etc/nats/", f"{self.root}/") for part in init["command"]]
         assert command[0] == "llmendpoints-operator", command
         done = subprocess.run(
             [str(BIN / command[0]), *command[1:]], capture_output=True, text=True, timeout=60
@@ -58,9 +56,7 @@ def lay_out(docs: list[dict[str, Any]], root: Path) -> tuple[ChartNats, dict[str
     (statefulset,) = [d for d in docs if d["kind"] == "StatefulSet"]
     pod = statefulset["spec"]["template"]["spec"]
     keys_secret = next(v["secret"]["secretName"] for v in pod["volumes"] if v["name"] == "keys")
-    (secret,) = [
-        d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == keys_secret
-    ]
+    (secret,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == keys_secret]
     nats = ChartNats(root=root, config=root / "config" / "nats.conf", keys=root / "keys")
     for folder in ("config", "keys", "auth"):
         (root / folder).mkdir(parents=True, exist_ok=True)

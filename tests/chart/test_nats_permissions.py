@@ -289,9 +289,7 @@ def test_an_endpoints_credential_reaches_nothing_else(chart_nats):
             await _refused(
                 js.get_msg(names.kv_stream(names.JOB_STATE_BUCKET), subject=b_record, direct=True)
             )
-            await _refused(
-                js.get_msg(names.kv_stream(names.JOB_STATE_BUCKET), seq=1, direct=True)
-            )
+            await _refused(js.get_msg(names.kv_stream(names.JOB_STATE_BUCKET), seq=1, direct=True))
             # B's jobs: no pull from B's consumer, no consumer of its own on B's subjects.
             await _refused(_pull_one(js, names.jobs_consumer(B)))
             await _refused(
@@ -376,9 +374,7 @@ def test_the_gateways_credential_cannot_delete_or_purge(chart_nats):
             for stream in streams:
                 await _refused(gateway.js.purge_stream(stream))
                 await _refused(gateway.js.delete_stream(stream))
-            await _refused(
-                gateway.js.delete_consumer(names.JOBS_STREAM, names.jobs_consumer(A))
-            )
+            await _refused(gateway.js.delete_consumer(names.JOBS_STREAM, names.jobs_consumer(A)))
             assert sorted(s.config.name for s in await _streams(operator)) == sorted(streams)
         finally:
             await gateway.close()

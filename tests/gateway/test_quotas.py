@@ -442,7 +442,10 @@ def test_the_usage_export_lists_what_was_served(gateways, queue_url, standins):
     assert rpm["requests"] == 5  # the 429s were not served
     text = export("csv").splitlines()
     assert text[0] == "key,endpoint,model,requests,prompt_tokens,completion_tokens"
-    assert f"meter,default/metered,metered,5,{stats['prompt_tokens']},{stats['completion_tokens']}" in text
+    assert (
+        f"meter,default/metered,metered,5,{stats['prompt_tokens']},{stats['completion_tokens']}"
+        in text
+    )
     # A window that ended before anything was served is empty.
     env = {**os.environ, "JOBS_QUEUE_URL": queue_url}
     done = subprocess.run(
