@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,15 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from integration.nats_kit import _free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 NATS_SERVER = BIN / "nats-server"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
