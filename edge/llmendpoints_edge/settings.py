@@ -81,8 +81,16 @@ class EdgeSettings(BaseSettings):
     jobs_queue_url: SecretStr | None = Field(
         None,
         validation_alias="JOBS_QUEUE_URL",
-        description="NATS URL of the shared job queue (`nats://host:4222`); unset: no shared "
-        "queue.",
+        description="NATS URL of the shared job queue (`nats://host:4222` with "
+        "JOBS_QUEUE_CREDS_FILE; `nats://user:pass@host:4222` on a NATS you bring); unset: no "
+        "shared queue (a runtime keeps its jobs in the pod).",
+    )
+    jobs_queue_creds_file: str | None = Field(
+        None,
+        validation_alias="JOBS_QUEUE_CREDS_FILE",
+        description="NATS creds file (user JWT and nkey seed) for JOBS_QUEUE_URL: this "
+        "component's own credential (a runtime pod's reaches only its endpoint's subjects, "
+        "records and consumers; the operator and the chart mint them).",
     )
     webhook_destinations: str = Field(
         "",

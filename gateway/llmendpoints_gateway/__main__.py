@@ -80,7 +80,9 @@ def _usage(since: float, until: float | None, fmt: str) -> int:
         print("llmendpoints-gateway usage: --until must be after --since", file=sys.stderr)
         return 2
     try:
-        records = asyncio.run(read_usage(url, since, until))
+        records = asyncio.run(
+            read_usage(url, since, until, os.environ.get("JOBS_QUEUE_CREDS_FILE") or None)
+        )
     except Exception as exc:
         detail = str(exc) or type(exc).__name__
         print(

@@ -77,6 +77,7 @@ class JobGateway:
         await self.webhooks.aclose(timeout=1.0)
 
     def verbs(self, endpoint: str) -> JobVerbs:
+        """The job verbs of ``endpoint`` (its ``<namespace>/<name>``)."""
         connection = self.queue.connection
         if connection is None:
             raise ServiceUnavailableError(
@@ -108,7 +109,7 @@ class JobGateway:
         verb, job_id = split_verb(path)
         if verb == "openai":
             raise NotFoundError(f"/v2/{ep.name}/{path} is not a route of this gateway")
-        state.endpoint = ep.name
+        state.endpoint, state.endpoint_id = ep.name, ep.id
         caller, admin = Access.caller(key)
         call = JobCall(
             method=scope["method"],
@@ -125,10 +126,10 @@ class JobGateway:
         counted = call.submits or verb == "retry"
         if counted and key is not None and key.limits.any:
             state.ticket = await self.limiter.admit(key, hold=verb == "runsync")
-        reply = await self.verbs(ep.name).handle(call)
+        reply = await self.verbs(ep.id).handle(call)
         if counted and (job := reply.accepted_id) is not None:
             if not ep.ready and self.nudge is not None:
-                self.nudge(ep.name)
+                self.nudge(ep.id)
             state.model = ep.models[0] if ep.models else ""
             state.record_kind = "job"
             state.record_id = f"job-{job}" if verb != "retry" else None  # each retry once

@@ -163,7 +163,7 @@ class OpenAIRoutes:
             self.access.check(key, ep, state, hidden=model_not_found(model))
         elif isinstance(model, str):
             state.model = model
-        state.endpoint = ep.name
+        state.endpoint, state.endpoint_id = ep.name, ep.id
         metered = metered_request(upstream_path, payload, len(body), self.default_max_tokens)
         if key is not None and key.limits.any:
             state.ticket = await self.limiter.admit(key, hold=True, tokens=metered.reserve_tokens)

@@ -25,9 +25,10 @@ RETRY_MAX_SECONDS = 10.0
 
 
 class SharedQueue:
-    def __init__(self, url: str, gateway_id: str) -> None:
+    def __init__(self, url: str, gateway_id: str, creds_file: str | None = None) -> None:
         self.url = url
         self.gateway_id = gateway_id
+        self.creds_file = creds_file
         self.connection: QueueConnection | None = None
         self._connected = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -58,7 +59,7 @@ class SharedQueue:
         while True:
             try:
                 self.connection = await QueueConnection.connect(
-                    self.url, name=f"gateway-{self.gateway_id}"
+                    self.url, name=f"gateway-{self.gateway_id}", creds_file=self.creds_file
                 )
             except Exception as exc:
                 logger.warning(

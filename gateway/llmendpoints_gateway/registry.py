@@ -11,6 +11,8 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
+from llmendpoints_common.identity import DEFAULT_NAMESPACE
+
 from llmendpoints_gateway.holding import HoldBudget, HoldQueue
 from llmendpoints_gateway.metrics import GatewayMetrics
 from llmendpoints_gateway.routing import Outcome, Router, Strategy
@@ -27,10 +29,16 @@ class Endpoint:
     models: tuple[str, ...]
     router: Router
     hold: HoldQueue
+    namespace: str = DEFAULT_NAMESPACE
     ready: tuple[str, ...] = ()  # what requests are routed to: discovered, not suspended
     discovered: frozenset[str] = frozenset()
     suspended: set[str] = field(default_factory=set)
     loads: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        """The endpoint's identity in the shared queue: ``<namespace>/<name>``."""
+        return f"{self.namespace}/{self.name}"
 
     def choose(
         self, key: bytes | None, exclude: frozenset[str] = frozenset()
@@ -79,6 +87,10 @@ class Registry:
     def get(self, name: str) -> Endpoint | None:
         return self.endpoints.get(name)
 
+    def by_id(self, endpoint_id: str) -> Endpoint | None:
+        """The endpoint whose ``<namespace>/<name>`` is ``endpoint_id``."""
+        return next((ep for ep in self.endpoints.values() if ep.id == endpoint_id), None)
+
     def in_flight(self) -> int:
         return sum(sum(ep.loads.values()) for ep in self.endpoints.values())
 
@@ -87,7 +99,13 @@ class Registry:
 
     # -- writes (discovery) --
 
-    def upsert(self, name: str, models: Iterable[str], strategy: Strategy) -> Endpoint:
+    def upsert(
+        self,
+        name: str,
+        models: Iterable[str],
+        strategy: Strategy,
+        namespace: str = DEFAULT_NAMESPACE,
+    ) -> Endpoint:
         models = tuple(dict.fromkeys(models))
         ep = self.endpoints.get(name)
         if ep is None:
@@ -100,7 +118,7 @@ class Registry:
                 key_share=self.hold_key_share,
                 budget=self.hold_budget,
             )
-            ep = Endpoint(name, models, Router(strategy, self.load_factor), hold)
+            ep = Endpoint(name, models, Router(strategy, self.load_factor), hold, namespace)
             if self.closed:
                 hold.close()
             self.endpoints[name] = ep
@@ -110,6 +128,7 @@ class Registry:
                 logger.info("endpoint %s: models %s, routing %s", name, list(models), strategy)
             ep.models = models
             ep.router.strategy = strategy
+            ep.namespace = namespace
         self._index()
         return ep
 
@@ -234,4 +253,6 @@ class Registry:
 
     def _held_changed(self, name: str, n: int) -> None:
         self.metrics.held.labels(name).set(n)
-        self.on_held(name, n)
+        ep = self.endpoints.get(name)
+        # The queue's signals name the endpoint by namespace and name.
+        self.on_held(ep.id if ep is not None else f"{DEFAULT_NAMESPACE}/{name}", n)

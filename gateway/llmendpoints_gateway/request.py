@@ -22,6 +22,7 @@ class RequestLog:
     status: int = 0
     responded: bool = False
     endpoint: str | None = None
+    endpoint_id: str | None = None  # "<namespace>/<name>": the queue's and usage's identity
     model: str | None = None
     replica: str | None = None
     outcome: str | None = None

@@ -52,7 +52,7 @@ def build(settings: GatewaySettings) -> Gateway:
         read_secret(settings.token_secret_file) if settings.token_secret_file else None
     )
     queue = (
-        SharedQueue(settings.queue_url, settings.gateway_id)
+        SharedQueue(settings.queue_url, settings.gateway_id, settings.jobs_queue_creds_file)
         if settings.queue_url is not None
         else None
     )

@@ -22,10 +22,10 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-import nats
 from llmendpoints_common.jobs.models import JobStatus
 from llmendpoints_common.jobs.record import JobRecord
 from llmendpoints_common.queue import names
+from llmendpoints_common.queue.connect import connect
 from llmendpoints_common.queue.topology import QueueLayout, ensure_streams
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
@@ -77,7 +77,7 @@ class Metering:
                     id=state.record_id or f"{state.request_id}.{uuid.uuid4().hex[:16]}",
                     time=time.time(),
                     key=key,
-                    endpoint=state.endpoint,
+                    endpoint=state.endpoint_id or state.endpoint,
                     model=state.model or "",
                     status=state.status,
                     prompt_tokens=usage.prompt_tokens,
@@ -96,7 +96,8 @@ class Metering:
     def job_usage(self, record: JobRecord, usage: Usage) -> tuple[UsageRecord, Callable[[], None]]:
         """JobUsageMeter's callback: a completed job's usage record, and what to count once
         the usage stream stored it for the first time."""
-        ep = self.registry.get(record.endpoint)
+        ep = self.registry.by_id(record.endpoint)  # a job record names "<namespace>/<name>"
+        label = ep.name if ep is not None else record.endpoint
         entry = UsageRecord(
             id=f"job-{record.id}-usage",
             time=record.finished_at or time.time(),
@@ -112,7 +113,7 @@ class Metering:
         )
 
         def count() -> None:
-            self._count_tokens(record.owner, record.endpoint, usage)
+            self._count_tokens(record.owner, label, usage)
             key = self.keys.by_name(record.owner)
             if key is not None:
                 self.limiter.charge(key, usage.total)
@@ -285,22 +286,25 @@ class JobUsageMeter:
 CONNECT_TIMEOUT_SECONDS = 10.0
 
 
-async def read_usage(url: str, since: float, until: float | None) -> list[UsageRecord]:
+async def read_usage(
+    url: str, since: float, until: float | None, creds_file: str | None = None
+) -> list[UsageRecord]:
     """Every record of ``LLMEP_USAGE`` that ended in [since, until): read from the first
     message stored at ``since`` (the stream's own time index) up to its last message now."""
+
     async def quiet(exc: Exception) -> None:
         pass
 
     # Bounded, unlike the servers' reconnect-forever (nats-py keeps retrying a first connect
     # whatever its options say): a CLI says it cannot reach the queue.
     try:
-        nc = await asyncio.wait_for(
-            nats.connect(
+        nc, permissions = await asyncio.wait_for(
+            connect(
                 url,
                 name="llmendpoints-gateway-usage",
+                creds_file=creds_file,
                 connect_timeout=5,
-                allow_reconnect=False,
-                max_reconnect_attempts=0,
+                reconnect=False,
                 error_cb=quiet,
             ),
             CONNECT_TIMEOUT_SECONDS,
@@ -311,7 +315,10 @@ async def read_usage(url: str, since: float, until: float | None) -> list[UsageR
         ) from None
     try:
         js = nc.jetstream(timeout=10)
-        await ensure_streams(js, QueueLayout())
+        if permissions is None or permissions.may_publish(
+            f"$JS.API.STREAM.CREATE.{names.USAGE_STREAM}"
+        ):
+            await ensure_streams(js, QueueLayout())
         info = await js.stream_info(names.USAGE_STREAM)
         last = info.state.last_seq
         records: list[UsageRecord] = []

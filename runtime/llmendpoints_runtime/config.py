@@ -23,7 +23,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from llmendpoints_common.fair_use import DEFAULT_MAX_N
+from llmendpoints_common.identity import EndpointRef
 from llmendpoints_common.jobs.models import MAX_POLICY_MS, MIN_EXECUTION_TIMEOUT_MS, MIN_TTL_MS
+from llmendpoints_common.queue.connect import read_creds
+from llmendpoints_common.queue.natsjwt import CredentialsError
+from llmendpoints_common.queue.trust import check_runtime_creds
 from llmendpoints_edge.settings import EdgeSettings
 from llmendpoints_edge.settings import settings_variables as edge_settings_variables
 from pydantic import Field, SecretStr, ValidationError, field_validator
@@ -195,6 +199,13 @@ class RuntimeSettings(EdgeSettings):
         validation_alias="ENDPOINT_ID",
         description="The endpoint this pod serves (the LLMEndpoint's name): whose queued jobs "
         "it takes, the `{id}` of `/v2/{id}/...`.",
+    )
+    endpoint_namespace: str = Field(
+        "default",
+        pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$",
+        validation_alias="ENDPOINT_NAMESPACE",
+        description="The namespace of the endpoint this pod serves (the LLMEndpoint's): with "
+        "ENDPOINT_ID, the endpoint's identity in the shared queue.",
     )
     jobs_max_attempts: int = Field(
         3,
@@ -610,6 +621,18 @@ def _load_settings(env: Mapping[str, str]) -> RuntimeSettings:
             "ENDPOINT_ID",
             "required with JOBS_QUEUE_URL: it names the endpoint whose jobs this pod takes",
         )
+    if settings.jobs_queue_creds_file is not None:
+        if settings.jobs_queue_url is None:
+            raise ConfigError(
+                "JOBS_QUEUE_CREDS_FILE", "set without JOBS_QUEUE_URL: which queue is it for?"
+            )
+        try:
+            check_runtime_creds(
+                read_creds(settings.jobs_queue_creds_file),
+                EndpointRef(settings.endpoint_namespace, settings.endpoint_id),
+            )
+        except CredentialsError as exc:
+            raise ConfigError("JOBS_QUEUE_CREDS_FILE", str(exc)) from None
     return settings
 
 

@@ -428,13 +428,15 @@ def test_the_usage_export_lists_what_was_served(gateways, queue_url, standins):
 
     def metered_row():
         rows = json.loads(export("json"))
-        return next((r for r in rows if r["key"] == "meter" and r["endpoint"] == "metered"), None)
+        return next(
+            (r for r in rows if r["key"] == "meter" and r["endpoint"] == "default/metered"), None
+        )
 
     _until(lambda: (metered_row() or {}).get("requests") == 5, "the usage records of 'meter'")
     row = metered_row()
     assert row == {
         "key": "meter",
-        "endpoint": "metered",
+        "endpoint": "default/metered",  # usage is the endpoint's: namespace and name
         "model": "metered",
         "requests": 5,
         "prompt_tokens": stats["prompt_tokens"],
@@ -445,7 +447,10 @@ def test_the_usage_export_lists_what_was_served(gateways, queue_url, standins):
     assert rpm["requests"] == 5  # the 429s were not served
     text = export("csv").splitlines()
     assert text[0] == "key,endpoint,model,requests,prompt_tokens,completion_tokens"
-    assert f"meter,metered,metered,5,{stats['prompt_tokens']},{stats['completion_tokens']}" in text
+    assert (
+        f"meter,default/metered,metered,5,{stats['prompt_tokens']},{stats['completion_tokens']}"
+        in text
+    )
     # A window that ended before anything was served is empty.
     env = {**os.environ, "JOBS_QUEUE_URL": queue_url}
     done = subprocess.run(
@@ -519,7 +524,7 @@ def test_a_completed_jobs_tokens_are_counted_once_whoever_ran_it(gateways, queue
     async def work() -> None:
         connection = await QueueConnection.connect(queue_url, name="test-worker")
         try:
-            states = JobStates(connection.js, "demo")
+            states = JobStates(connection.js, "default/demo")
             now = time.time()
             await states.update(job_id, lambda r: claim(r, now=now, worker="w"))
             await states.update(

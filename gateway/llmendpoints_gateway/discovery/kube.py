@@ -318,7 +318,7 @@ class KubeDiscovery:
                 view.namespace,
             )
         self._endpoints[key] = view
-        self.registry.upsert(view.name, view.models, view.routing)
+        self.registry.upsert(view.name, view.models, view.routing, view.namespace or "default")
         await self._load_keys(view)
         self._publish_ready(view.name)
 

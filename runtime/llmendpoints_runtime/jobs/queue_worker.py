@@ -1,5 +1,7 @@
 """The job API on the shared queue (``JOBS_QUEUE_URL``): this pod answers every verb for every
-job of its endpoint (``ENDPOINT_ID``), and is one of the endpoint's workers.
+job of its endpoint (``ENDPOINT_NAMESPACE``/``ENDPOINT_ID``), and is one of the endpoint's
+workers. With ``JOBS_QUEUE_CREDS_FILE`` (the operator mounts one per endpoint) it can reach that
+endpoint's subjects, records and consumers and nothing else.
 
 - The verbs are ``llmendpoints_common.queue.client.QueueJobService``'s (the gateway uses the
   same), so a job submitted anywhere is seen, streamed, cancelled from here.
@@ -30,6 +32,7 @@ from typing import Any
 
 from llmendpoints_common.destinations import DestinationPolicy
 from llmendpoints_common.errors import ServiceUnavailableError
+from llmendpoints_common.identity import EndpointRef
 from llmendpoints_common.jobs.models import JobLimits, JobRequest, check_limits, job_sequences
 from llmendpoints_common.jobs.record import JobRecord
 from llmendpoints_common.jobs.service import status_body
@@ -56,10 +59,11 @@ log = logging.getLogger("llmendpoints.jobs.queue")
 @dataclass(frozen=True)
 class SharedQueueSettings:
     url: str
-    endpoint: str
+    endpoint: EndpointRef
     layout: QueueLayout
     service: QueueJobSettings
     worker: WorkerSettings
+    creds_file: str | None = None
 
 
 def shared_queue_settings(settings: Any) -> SharedQueueSettings:
@@ -67,7 +71,8 @@ def shared_queue_settings(settings: Any) -> SharedQueueSettings:
     timeout = settings.jobs_heartbeat_timeout_seconds
     return SharedQueueSettings(
         url=settings.jobs_queue_url.get_secret_value(),
-        endpoint=settings.endpoint_id,
+        endpoint=EndpointRef(settings.endpoint_namespace, settings.endpoint_id),
+        creds_file=settings.jobs_queue_creds_file,
         layout=QueueLayout(
             replicas=settings.jobs_queue_replicas,
             max_queue_length=settings.max_queue_length,
@@ -153,6 +158,7 @@ class SharedQueueJobs:
                 connection = await QueueConnection.connect(
                     self.settings.url,
                     name=f"llmep-runtime-{self.name}",
+                    creds_file=self.settings.creds_file,
                     layout=self.settings.layout,
                 )
                 break
@@ -178,7 +184,7 @@ class SharedQueueJobs:
             layout=self.settings.layout,
         )
         await self._worker.start()
-        log.info("job queue connected: working for endpoint %r", self.settings.endpoint)
+        log.info("job queue connected: working for endpoint %s", self.settings.endpoint.id)
 
     async def stop(self, timeout: float) -> None:
         if self._connecting is not None and not self._connecting.done():
