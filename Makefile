@@ -32,7 +32,7 @@ help:
 setup: $(STAMP)
 
 # Re-runs only when the project's dependency list changes.
-$(STAMP): pyproject.toml scripts/setup.sh
+$(STAMP): pyproject.toml scripts/setup.sh scripts/tools.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup.sh
 	touch $@
 

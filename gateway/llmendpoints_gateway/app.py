@@ -33,7 +33,6 @@ from llmendpoints_common.errors import (
     PermissionDeniedError,
 )
 from llmendpoints_common.request_ids import valid_request_id
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmendpoints_gateway.asgi import (
     Disconnect,
@@ -60,6 +59,7 @@ from llmendpoints_gateway.metering import (
     prepare_stream_request,
     with_usage_option,
 )
+from llmendpoints_gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from llmendpoints_gateway.metrics import GatewayMetrics
 from llmendpoints_gateway.proxy import UpstreamFailed, bad_gateway, forward, upstream_headers
 from llmendpoints_gateway.registry import Endpoint, Registry
@@ -211,12 +211,10 @@ class Gateway:
                 {
                     "type": "http.response.start",
                     "status": 200,
-                    "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode())],
+                    "headers": [(b"content-type", METRICS_CONTENT_TYPE.encode())],
                 }
             )
-            await send(
-                {"type": "http.response.body", "body": generate_latest(self.metrics.registry)}
-            )
+            await send({"type": "http.response.body", "body": self.metrics.render()})
             return None
 
         key = self._identify(scope, state)
@@ -249,13 +247,10 @@ class Gateway:
         """Count the answer (metrics, usage record) and end its limiter ticket."""
         key = state.key_name or ""
         usage = state.usage or Usage()
-        self.metrics.requests.labels(key, state.endpoint, str(state.status)).inc()
-        if usage.prompt_tokens:
-            self.metrics.tokens.labels(key, state.endpoint, "prompt").inc(usage.prompt_tokens)
-        if usage.completion_tokens:
-            self.metrics.tokens.labels(key, state.endpoint, "completion").inc(
-                usage.completion_tokens
-            )
+        endpoint = state.endpoint or ""
+        self.metrics.answered(endpoint, state.status, key)
+        self.metrics.tokens_used(endpoint, "prompt", usage.prompt_tokens, key)
+        self.metrics.tokens_used(endpoint, "completion", usage.completion_tokens, key)
         self.limiter.finish(state.ticket, usage.total)
         if self.usage is not None and state.record_kind is not None:
             self.usage.record(
@@ -368,7 +363,7 @@ class Gateway:
                 "(JOBS_QUEUE_URL), which this gateway does not have",
                 code="jobs_unavailable",
             )
-        state.endpoint = ep.name
+        state.endpoint = ep.id
         limit = self.settings.max_runsync_body_bytes if verb == "runsync" else None
         body = await self._read_body(scope, receive, limit) if scope["method"] == "POST" else None
         query = dict(parse_qsl((scope.get("query_string") or b"").decode("latin-1")))
@@ -407,12 +402,9 @@ class Gateway:
         )
 
         def count() -> None:
-            for kind, n in (
-                ("prompt", usage.prompt_tokens),
-                ("completion", usage.completion_tokens),
-            ):
-                if n:
-                    self.metrics.tokens.labels(record.owner, record.endpoint, kind).inc(n)
+            endpoint = ep.id if ep is not None else record.endpoint
+            self.metrics.tokens_used(endpoint, "prompt", usage.prompt_tokens, record.owner)
+            self.metrics.tokens_used(endpoint, "completion", usage.completion_tokens, record.owner)
             key = self.keys.by_name(record.owner)
             if key is not None:
                 self.limiter.charge(key, usage.total)
@@ -453,7 +445,7 @@ class Gateway:
             raise self._refused(key, ep, state)
         elif isinstance(model, str):
             state.model = model
-        state.endpoint = ep.name
+        state.endpoint = ep.id
         await self._admit(key, state, hold=True)
         state.record_kind = "openai"  # admitted: it is a request of the key's, billed or not
         ask_usage, strip = prepare_stream_request(upstream_path, payload)
@@ -501,7 +493,7 @@ class Gateway:
                 if tried:
                     outcome = Outcome.RETRY
                 state.replica, state.outcome = replica, str(outcome)
-                self.metrics.routing.labels(ep.name, outcome).inc()
+                self.metrics.routing.labels(ep.id, outcome).inc()
                 self.registry.acquire(ep, replica)
                 try:
                     result = await disconnected.run(
@@ -533,8 +525,8 @@ class Gateway:
                 if result.meter is not None:
                     state.usage = result.meter.usage
                 if result.first_byte_s is not None:
-                    self.metrics.ttft.labels(ep.name).observe(result.first_byte_s)
-                self.metrics.duration.labels(ep.name).observe(result.duration_s)
+                    self.metrics.ttft.labels(ep.id).observe(result.first_byte_s)
+                self.metrics.duration.labels(ep.id).observe(result.duration_s)
                 return
         except asyncio.CancelledError:
             if disconnected.gone:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 
@@ -35,6 +36,7 @@ class HoldQueue:
         max_length: int,
         on_change: Callable[[int], None] = lambda n: None,
         on_reject: Callable[[str], None] = lambda reason: None,
+        on_held: Callable[[float, str], None] = lambda seconds, outcome: None,
     ):
         self.endpoint = endpoint
         self.max_length = max_length
@@ -42,6 +44,9 @@ class HoldQueue:
         self._closed = False
         self._on_change = on_change
         self._on_reject = on_reject
+        # (seconds held, outcome: released, timeout, shutdown, client_gone): the hold-time
+        # histogram. A request refused because the queue is full was never held.
+        self._on_held = on_held
 
     def __len__(self) -> int:
         return len(self._waiters)
@@ -61,15 +66,22 @@ class HoldQueue:
         self._waiters.append(waiter)
         self._on_change(len(self._waiters))
         gone = asyncio.ensure_future(disconnected)
+        # A cancelled wait is a request whose handler was cancelled: its client went away.
+        started, outcome = time.monotonic(), "client_gone"
         try:
             done, _ = await asyncio.wait(
                 {waiter, gone}, timeout=timeout, return_when="FIRST_COMPLETED"
             )
             if waiter in done:
-                waiter.result()  # raises the 503 set by close()
+                if waiter.exception() is not None:  # the 503 set by close()
+                    outcome = "shutdown"
+                    raise waiter.exception()
+                outcome = "released"
                 return
             if gone in done:
+                outcome = "client_gone"
                 raise ClientGone()
+            outcome = "timeout"
             self._on_reject("timeout")
             raise unavailable(
                 f"endpoint {self.endpoint!r} has had no ready replica for {timeout:.0f} s; retry later"
@@ -81,6 +93,7 @@ class HoldQueue:
             with contextlib.suppress(ValueError):  # already released
                 self._waiters.remove(waiter)
             self._on_change(len(self._waiters))
+            self._on_held(time.monotonic() - started, outcome)
 
     def release_all(self) -> None:
         while self._waiters:

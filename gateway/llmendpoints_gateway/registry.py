@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from llmendpoints_gateway.holding import HoldQueue
@@ -30,6 +30,15 @@ class Endpoint:
     discovered: frozenset[str] = frozenset()
     suspended: set[str] = field(default_factory=set)
     loads: dict[str, int] = field(default_factory=dict)
+    # The registry's key and the `endpoint` label of its metrics: "<namespace>/<name>" for a
+    # discovered endpoint (DECISIONS §2), the name for a static one.
+    id: str = ""
+    namespace: str | None = None
+    # replica URL -> its name in metric labels (a pod name; default: host:port).
+    replica_names: dict[str, str] = field(default_factory=dict)
+
+    def replica_label(self, replica: str) -> str:
+        return self.replica_names.get(replica) or replica.split("://", 1)[-1]
 
     def choose(
         self, key: bytes | None, exclude: frozenset[str] = frozenset()
@@ -58,8 +67,19 @@ class Registry:
     def by_model(self, model: str) -> Endpoint | None:
         return self._by_model.get(model)
 
-    def get(self, name: str) -> Endpoint | None:
-        return self.endpoints.get(name)
+    def get(self, ref: str) -> Endpoint | None:
+        """By id; or `<name>.<namespace>` (split at the last dot); or a bare name served in
+        exactly one namespace (docs/contracts.md)."""
+        ep = self.endpoints.get(ref)
+        if ep is not None:
+            return ep
+        name, _, namespace = ref.rpartition(".")
+        if name and namespace:
+            ep = self.endpoints.get(f"{namespace}/{name}")
+            if ep is not None:
+                return ep
+        same = [e for e in self.endpoints.values() if e.name == ref]
+        return same[0] if len(same) == 1 else None
 
     def in_flight(self) -> int:
         return sum(sum(ep.loads.values()) for ep in self.endpoints.values())
@@ -69,45 +89,63 @@ class Registry:
 
     # -- writes (discovery) --
 
-    def upsert(self, name: str, models: Iterable[str], strategy: Strategy) -> Endpoint:
+    def upsert(
+        self,
+        id: str,
+        models: Iterable[str],
+        strategy: Strategy,
+        *,
+        namespace: str | None = None,
+        name: str | None = None,
+    ) -> Endpoint:
         models = tuple(dict.fromkeys(models))
-        ep = self.endpoints.get(name)
+        ep = self.endpoints.get(id)
         if ep is None:
             metrics = self.metrics
             hold = HoldQueue(
-                name,
+                name or id,
                 self.hold_queue_length,
-                on_change=lambda n: self._held_changed(name, n),
-                on_reject=lambda reason: metrics.hold_rejected.labels(name, reason).inc(),
+                on_change=lambda n: self._held_changed(id, name or id, n),
+                on_reject=lambda reason: metrics.hold_rejected.labels(id, reason).inc(),
+                on_held=lambda seconds, outcome: metrics.held_for(id, seconds, outcome),
             )
-            ep = Endpoint(name, models, Router(strategy, self.load_factor), hold)
+            ep = Endpoint(
+                name or id, models, Router(strategy, self.load_factor), hold, id=id,
+                namespace=namespace,
+            )  # fmt: skip
             if self.closed:
                 hold.close()
-            self.endpoints[name] = ep
-            logger.info("endpoint %s: models %s, routing %s", name, list(models), strategy)
+            self.endpoints[id] = ep
+            self.metrics.ready_replicas.labels(id).set(0)  # an endpoint at zero is seen too
+            logger.info("endpoint %s: models %s, routing %s", id, list(models), strategy)
         else:
             if ep.models != models or ep.router.strategy is not strategy:
-                logger.info("endpoint %s: models %s, routing %s", name, list(models), strategy)
+                logger.info("endpoint %s: models %s, routing %s", id, list(models), strategy)
             ep.models = models
             ep.router.strategy = strategy
         self._index()
         return ep
 
-    def remove(self, name: str) -> None:
-        ep = self.endpoints.pop(name, None)
+    def remove(self, id: str) -> None:
+        ep = self.endpoints.pop(id, None)
         if ep is None:
             return
         ep.hold.close()
-        self.metrics.ready_replicas.labels(name).set(0)
+        self.metrics.forget_endpoint(id, tuple(ep.replica_label(r) for r in ep.loads))
         self._index()
-        logger.info("endpoint %s removed", name)
+        logger.info("endpoint %s removed", id)
 
-    def set_ready(self, name: str, replicas: Iterable[str]) -> None:
-        """Discovery's view: these replicas of the endpoint are ready."""
-        ep = self.endpoints.get(name)
+    def set_ready(
+        self, id: str, replicas: Iterable[str], names: Mapping[str, str] | None = None
+    ) -> None:
+        """Discovery's view: these replicas (URLs) of the endpoint are ready; `names` gives
+        their names (pods) for metric labels."""
+        ep = self.endpoints.get(id)
         if ep is None:
             return
         ep.discovered = frozenset(replicas)
+        if names:
+            ep.replica_names.update(names)
         self._publish(ep)
 
     def mark_failed(self, name: str, replica: str) -> None:
@@ -130,12 +168,22 @@ class Registry:
         ready = tuple(sorted(ep.discovered - ep.suspended))
         if ready == ep.ready:
             return
-        logger.info("endpoint %s: %d ready replica(s) %s", ep.name, len(ready), list(ready))
+        logger.info("endpoint %s: %d ready replica(s) %s", ep.id, len(ready), list(ready))
+        for gone in set(ep.ready) - set(ready):
+            self._forget_if_departed(ep, gone)
         ep.ready = ready
         ep.router.set_replicas(ready)
-        self.metrics.ready_replicas.labels(ep.name).set(len(ready))
+        self.metrics.ready_replicas.labels(ep.id).set(len(ready))
         if ready:
             ep.hold.release_all()
+
+    def _forget_if_departed(self, ep: Endpoint, replica: str) -> None:
+        """A replica no longer discovered and with nothing outstanding: drop its series (and
+        its name). A suspended replica stays: it is still there, only routed around."""
+        if replica in ep.discovered or ep.loads.get(replica):
+            return
+        self.metrics.forget_replica(ep.id, ep.replica_label(replica))
+        ep.replica_names.pop(replica, None)
 
     def close(self) -> None:
         """Shutting down: held requests get 503 now; nothing is held from here on."""
@@ -148,7 +196,7 @@ class Registry:
     def acquire(self, ep: Endpoint, replica: str) -> None:
         n = ep.loads.get(replica, 0) + 1
         ep.loads[replica] = n
-        self.metrics.in_flight.labels(ep.name, replica).set(n)
+        self.metrics.set_in_flight(ep.id, ep.replica_label(replica), n)
 
     def release(self, ep: Endpoint, replica: str) -> None:
         n = ep.loads.get(replica, 1) - 1
@@ -157,7 +205,9 @@ class Registry:
             n = 0
         else:
             ep.loads[replica] = n
-        self.metrics.in_flight.labels(ep.name, replica).set(n)
+        self.metrics.set_in_flight(ep.id, ep.replica_label(replica), n)
+        if n == 0 and replica not in ep.ready:
+            self._forget_if_departed(ep, replica)  # its last request ended after it left
 
     def _index(self) -> None:
         by_model: dict[str, Endpoint] = {}
@@ -175,6 +225,8 @@ class Registry:
                 by_model[model] = ep
         self._by_model = by_model
 
-    def _held_changed(self, name: str, n: int) -> None:
-        self.metrics.held.labels(name).set(n)
+    def _held_changed(self, id: str, name: str, n: int) -> None:
+        self.metrics.held.labels(id).set(n)
+        # The queue's signal subjects still carry the bare name (the tenancy work moves them
+        # to namespace + name, DECISIONS §2).
         self.on_held(name, n)

@@ -25,7 +25,7 @@ logger = logging.getLogger("llmendpoints.gateway.server")
 
 
 def build(settings: GatewaySettings) -> Gateway:
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(key_labels=settings.metrics_key_labels)
     registry = Registry(metrics, settings.hold_queue_length, settings.load_factor)
     keys = KeyRing.from_settings(
         settings.api_keys.get_secret_value() if settings.api_keys else None,

@@ -59,6 +59,7 @@ _ENDPOINT = {
                 "additionalProperties": False,
                 "properties": {
                     "sourceLabels": {"type": "array", "items": _LABEL_NAME},
+                    "separator": {"type": "string"},
                     "targetLabel": _LABEL_NAME,
                 },
             },
@@ -533,7 +534,9 @@ def test_pod_monitor_selects_the_runtime_pods_the_operator_builds(
     sanitised = "__meta_kubernetes_pod_label_" + "".join(
         ch if ch.isalnum() else "_" for ch in manifests.LABEL_ENDPOINT
     )
-    assert relabel["sourceLabels"] == [sanitised]
+    # ... joined to its namespace: endpoint="team-a/chat", as the gateway and the operator label.
+    assert relabel["sourceLabels"] == ["__meta_kubernetes_namespace", sanitised]
+    assert (relabel["separator"], relabel["targetLabel"]) == ("/", "endpoint")
 
 
 @pytest.mark.parametrize("values", ["defaults", "namespaced"])

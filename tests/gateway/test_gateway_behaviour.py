@@ -91,6 +91,7 @@ def gateway(logs, standins, solo_port):
         GATEWAY_ENDPOINTS_FILE=str(write_endpoints(logs / "endpoints.yaml", endpoints)),
         API_KEYS_FILE=str(keys),
         MAX_REQUEST_BODY_BYTES="65536",
+        GATEWAY_METRICS_KEY_LABELS="1",
     ) as gw:
         _wait_ready_replicas(gw, {"pair": 2, "other": 1, "fragile": 2})
         yield gw
@@ -356,7 +357,7 @@ def test_a_client_that_leaves_while_held_is_dropped(gateway):
     while (
         _metric(
             gateway,
-            "llmendpoints_gateway_requests_total",
+            "llmendpoints_gateway_key_requests_total",
             key="alice",
             endpoint="never",
             code="499",
@@ -366,6 +367,16 @@ def test_a_client_that_leaves_while_held_is_dropped(gateway):
         assert time.monotonic() < deadline, "the held request was not dropped"
         time.sleep(0.05)
     assert _metric(gateway, "llmendpoints_gateway_held_requests", endpoint="never") == 0
+    assert (
+        _metric(gateway, "llmendpoints_gateway_requests_total", endpoint="never", code="499") == 1
+    )
+    gone = _metric(
+        gateway,
+        "llmendpoints_gateway_hold_duration_seconds_count",
+        endpoint="never",
+        outcome="client_gone",
+    )
+    assert gone == 1
 
 
 def test_beyond_the_hold_bounds_503_with_retry_after(logs):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from llmendpoints_common.errors import ServiceUnavailableError
 from llmendpoints_gateway import registry as registry_module
 from llmendpoints_gateway.metrics import GatewayMetrics
 from llmendpoints_gateway.registry import Registry
@@ -37,3 +38,103 @@ async def test_held_requests_go_out_when_a_replica_is_ready():
     await asyncio.wait_for(waiting, 1)
     assert len(ep.hold) == 0
     assert reg.by_model("m") is ep and reg.by_model("x") is None
+
+
+def _series(metrics: GatewayMetrics) -> str:
+    return metrics.render().decode()
+
+
+async def test_a_departed_replicas_in_flight_series_goes_with_it_named_by_pod():
+    metrics = GatewayMetrics()
+    reg = Registry(metrics, hold_queue_length=10, load_factor=1.25)
+    ep = reg.upsert("ns/e", ["m"], Strategy.PREFIX_AWARE, namespace="ns", name="e")
+    reg.set_ready("ns/e", ["http://10.0.0.1:8000", "http://10.0.0.2:8000"],
+                  names={"http://10.0.0.1:8000": "e-abc", "http://10.0.0.2:8000": "e-def"})  # fmt: skip
+    reg.acquire(ep, "http://10.0.0.1:8000")
+    reg.acquire(ep, "http://10.0.0.2:8000")
+    reg.release(ep, "http://10.0.0.2:8000")
+    text = _series(metrics)
+    assert 'llmendpoints_gateway_in_flight_requests{endpoint="ns/e",replica="e-abc"} 1.0' in text
+    assert 'llmendpoints_gateway_in_flight_requests{endpoint="ns/e",replica="e-def"} 0.0' in text
+    assert "10.0.0" not in text  # pod names, not addresses
+    # Both pods leave; e-abc still has a request outstanding (it drains), e-def has none.
+    reg.set_ready("ns/e", [])
+    text = _series(metrics)
+    assert 'replica="e-def"' not in text
+    assert 'llmendpoints_gateway_in_flight_requests{endpoint="ns/e",replica="e-abc"} 1.0' in text
+    reg.release(ep, "http://10.0.0.1:8000")  # its last request ends: the series goes
+    assert "llmendpoints_gateway_in_flight_requests{" not in _series(metrics)
+    # The endpoint at zero stays visible (dashboards list it), until it is deleted.
+    assert 'llmendpoints_gateway_ready_replicas{endpoint="ns/e"} 0.0' in _series(metrics)
+    reg.remove("ns/e")
+    assert 'endpoint="ns/e"' not in _series(metrics)
+
+
+async def test_a_suspended_replica_keeps_its_series():
+    metrics = GatewayMetrics()
+    reg = Registry(metrics, hold_queue_length=10, load_factor=1.25)
+    ep = reg.upsert("e", ["m"], Strategy.PREFIX_AWARE)
+    reg.set_ready("e", ["http://127.0.0.1:9001", "http://127.0.0.1:9002"])
+    reg.acquire(ep, "http://127.0.0.1:9001")
+    reg.release(ep, "http://127.0.0.1:9001")
+    reg.mark_failed("e", "http://127.0.0.1:9001")  # routed around, not gone
+    text = _series(metrics)
+    # A static backend has no pod: its label is host:port.
+    assert (
+        'llmendpoints_gateway_in_flight_requests{endpoint="e",replica="127.0.0.1:9001"} 0.0' in text
+    )
+
+
+async def test_hold_time_is_observed_by_outcome():
+    metrics = GatewayMetrics()
+    reg = Registry(metrics, hold_queue_length=10, load_factor=1.25)
+    ep = reg.upsert("e", ["m"], Strategy.PREFIX_AWARE)
+    never = asyncio.get_running_loop().create_future()
+    waiting = asyncio.ensure_future(ep.hold.wait(5, never))
+    await asyncio.sleep(0)
+    reg.set_ready("e", ["http://a"])
+    await asyncio.wait_for(waiting, 1)
+    reg.set_ready("e", [])
+    with pytest.raises(ServiceUnavailableError):
+        await ep.hold.wait(0.01, asyncio.get_running_loop().create_future())
+    text = _series(metrics)
+    count = "llmendpoints_gateway_hold_duration_seconds_count"
+    assert f'{count}{{endpoint="e",outcome="released"}} 1.0' in text
+    assert f'{count}{{endpoint="e",outcome="timeout"}} 1.0' in text
+    # Buckets reach the longest hold (an hour: a cold start of a large model).
+    assert (
+        'llmendpoints_gateway_hold_duration_seconds_bucket{endpoint="e",le="3600.0",outcome="released"}'
+        in text
+    )
+
+
+def test_per_key_series_only_when_asked_for_and_no_created_series():
+    plain, keyed = GatewayMetrics(), GatewayMetrics(key_labels=True)
+    for metrics in (plain, keyed):
+        metrics.answered("ns/e", 200, "team-a")
+        metrics.tokens_used("ns/e", "completion", 7, "team-a")
+    text = _series(plain)
+    assert 'llmendpoints_gateway_requests_total{code="200",endpoint="ns/e"} 1.0' in text
+    assert 'llmendpoints_gateway_tokens_total{endpoint="ns/e",kind="completion"} 7.0' in text
+    assert "team-a" not in text and "key=" not in text
+    assert "_created" not in text
+    text = _series(keyed)
+    assert 'llmendpoints_gateway_requests_total{code="200",endpoint="ns/e"} 1.0' in text
+    assert (
+        'llmendpoints_gateway_key_requests_total{code="200",endpoint="ns/e",key="team-a"} 1.0'
+        in text
+    )
+    assert (
+        'llmendpoints_gateway_key_tokens_total{endpoint="ns/e",key="team-a",kind="completion"} 7.0'
+        in text
+    )
+
+
+def test_an_endpoint_is_found_by_id_qualified_name_or_unique_name():
+    reg = Registry(GatewayMetrics(), hold_queue_length=10, load_factor=1.25)
+    a = reg.upsert("team-a/chat", ["a"], Strategy.PREFIX_AWARE, namespace="team-a", name="chat")
+    b = reg.upsert("team-b/chat", ["b"], Strategy.PREFIX_AWARE, namespace="team-b", name="chat")
+    c = reg.upsert("team-b/v1.2", ["c"], Strategy.PREFIX_AWARE, namespace="team-b", name="v1.2")
+    assert reg.get("team-a/chat") is a and reg.get("chat.team-b") is b
+    assert reg.get("chat") is None  # two namespaces serve it: qualify it
+    assert reg.get("v1.2") is c and reg.get("v1.2.team-b") is c

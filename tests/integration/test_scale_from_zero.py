@@ -262,7 +262,7 @@ async def test_held_request_scales_from_zero_in_a_tick_and_idle_goes_back_to_zer
         cold = _status(cluster, name)["autoscaling"]["coldStart"]
         assert cold["seconds"] >= COLD_START - 1  # status times are whole seconds
         text = await _operator_metrics(metrics_port)
-        labels = f'endpoint="{name}",namespace="{NS}"'
+        labels = f'endpoint="{NS}/{name}"'
         assert f"llmendpoints_autoscaler_cold_start_seconds_count{{{labels}}} 1.0" in text
         assert f"llmendpoints_autoscaler_held_requests{{{labels}}} 1.0" in text
         assert f'llmendpoints_autoscaler_queued_jobs{{{labels},priority="normal"}}' in text
