@@ -487,7 +487,9 @@ class Gateway:
                 if choice is None:
                     if tried:  # every ready replica failed before answering
                         raise bad_gateway(failures)
-                    await ep.hold.wait(self.settings.hold_timeout_seconds, disconnected.wait())
+                    await ep.hold.wait(
+                        ep.hold_seconds(self.settings.hold_timeout_seconds), disconnected.wait()
+                    )
                     continue
                 replica, outcome = choice
                 if tried:

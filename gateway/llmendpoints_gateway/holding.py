@@ -17,6 +17,21 @@ from collections.abc import Awaitable, Callable
 from llmendpoints_common.errors import ServiceUnavailableError
 
 RETRY_AFTER_SECONDS = 5
+# Before an endpoint's pod even starts its startup budget: scheduling, a node scaled up, the image
+# pulled. Added to spec.engine.startupTimeoutSeconds for the hold of a discovered endpoint.
+SCHEDULING_MARGIN_SECONDS = 300.0
+
+
+def hold_timeout(setting: float, startup_timeout: float | None) -> float:
+    """How long a request is held for an endpoint with no ready replica (pure).
+
+    Never shorter than the endpoint's own start-up: a held request answered 503 while the pod
+    that would serve it is still within its startupTimeoutSeconds is a cold start reported as a
+    failure. GATEWAY_HOLD_TIMEOUT_SECONDS is the floor, and the whole bound for endpoints whose
+    start-up budget the gateway does not know (static endpoints)."""
+    if startup_timeout is None:
+        return setting
+    return max(setting, startup_timeout + SCHEDULING_MARGIN_SECONDS)
 
 
 class ClientGone(Exception):

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from llmendpoints_gateway.holding import HoldQueue
+from llmendpoints_gateway.holding import HoldQueue, hold_timeout
 from llmendpoints_gateway.metrics import GatewayMetrics
 from llmendpoints_gateway.routing import Outcome, Router, Strategy
 
@@ -36,6 +36,12 @@ class Endpoint:
     namespace: str | None = None
     # replica URL -> its name in metric labels (a pod name; default: host:port).
     replica_names: dict[str, str] = field(default_factory=dict)
+    # spec.engine.startupTimeoutSeconds of a discovered endpoint: its holds last at least that
+    # (holding.hold_timeout).
+    startup_timeout: float | None = None
+
+    def hold_seconds(self, setting: float) -> float:
+        return hold_timeout(setting, self.startup_timeout)
 
     def replica_label(self, replica: str) -> str:
         return self.replica_names.get(replica) or replica.split("://", 1)[-1]
@@ -97,6 +103,7 @@ class Registry:
         *,
         namespace: str | None = None,
         name: str | None = None,
+        startup_timeout: float | None = None,
     ) -> Endpoint:
         models = tuple(dict.fromkeys(models))
         ep = self.endpoints.get(id)
@@ -123,6 +130,7 @@ class Registry:
                 logger.info("endpoint %s: models %s, routing %s", id, list(models), strategy)
             ep.models = models
             ep.router.strategy = strategy
+        ep.startup_timeout = startup_timeout
         self._index()
         return ep
 

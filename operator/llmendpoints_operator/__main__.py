@@ -2,9 +2,13 @@
 
     llmendpoints-operator run [--standalone] [-A|--all-namespaces] [-n NS ...]
                               [--liveness URL] [--verbose]
+    llmendpoints-operator --version
 
 Credentials come from KUBECONFIG when it is set, else from the in-cluster service account.
-Operator settings come from LLMEP_OPERATOR_* variables (see config.py and docs/operator.md).
+Operator settings come from LLMEP_OPERATOR_* variables (see config.py and docs/operator.md;
+`run --help` lists them). A bad setting, or an explicit KUBECONFIG that cannot be read, stops
+the process at once with exit status 2 and the variable's name (kopf itself would retry its
+login forever).
 """
 
 from __future__ import annotations
@@ -13,9 +17,24 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 
 from pydantic import ValidationError
+
+from llmendpoints_operator import __version__
+
+
+def _settings_help() -> str:
+    from llmendpoints_common.settings_doc import help_text, setting_rows
+
+    from llmendpoints_operator.config import OperatorSettings
+
+    return (
+        'settings (environment variables; table in docs/operator.md, "Operator settings"):\n'
+        + help_text(setting_rows(OperatorSettings))
+        + "\n\ncredentials: KUBECONFIG when set, else the pod's ServiceAccount."
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,8 +42,14 @@ def _parser() -> argparse.ArgumentParser:
         prog="llmendpoints-operator",
         description="Reconcile LLMEndpoint resources into vLLM serving workloads.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run the operator until interrupted")
+    run = commands.add_parser(
+        "run",
+        help="run the operator until interrupted",
+        epilog=_settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     scope = run.add_mutually_exclusive_group()
     scope.add_argument(
         "-A",
@@ -68,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         first = exc.errors()[0]
         variable = "LLMEP_OPERATOR_" + "_".join(str(p) for p in first["loc"]).upper()
         print(f"llmendpoints-operator: {variable}: {first['msg']}", file=sys.stderr)
+        return 2
+    from llmendpoints_operator.kubeconfig import kubeconfig_problem
+
+    problem = kubeconfig_problem(os.environ.get("KUBECONFIG"))
+    if problem is not None:
+        print(f"llmendpoints-operator: KUBECONFIG: {problem}", file=sys.stderr)
         return 2
 
     import kopf

@@ -138,3 +138,25 @@ def test_an_endpoint_is_found_by_id_qualified_name_or_unique_name():
     assert reg.get("team-a/chat") is a and reg.get("chat.team-b") is b
     assert reg.get("chat") is None  # two namespaces serve it: qualify it
     assert reg.get("v1.2") is c and reg.get("v1.2.team-b") is c
+
+
+def test_a_discovered_endpoint_is_held_for_at_least_its_own_start_up():
+    """GATEWAY_HOLD_TIMEOUT_SECONDS (600) is shorter than the CRD's startupTimeoutSeconds (3,600):
+    a cold start of a large model must not be answered 503 while its pod may still come up."""
+    from llmendpoints_gateway.discovery.kube import endpoint_view
+    from llmendpoints_gateway.holding import SCHEDULING_MARGIN_SECONDS, hold_timeout
+
+    assert hold_timeout(600, None) == 600  # static endpoints: the setting
+    assert hold_timeout(600, 3600) == 3600 + SCHEDULING_MARGIN_SECONDS
+    assert hold_timeout(7200, 60) == 7200  # the setting is the floor
+    reg = Registry(GatewayMetrics(), hold_queue_length=10, load_factor=1.25)
+    big = endpoint_view(
+        {"metadata": {"namespace": "ns", "name": "big"},
+         "spec": {"engine": {"startupTimeoutSeconds": 5400}}}
+    )  # fmt: skip
+    plain = endpoint_view({"metadata": {"namespace": "ns", "name": "plain"}, "spec": {}})
+    for view in (big, plain):
+        reg.upsert(view.id, view.models, view.routing, startup_timeout=view.startup_timeout)
+    assert reg.get("ns/big").hold_seconds(600) == 5400 + SCHEDULING_MARGIN_SECONDS
+    assert reg.get("ns/plain").hold_seconds(600) == 3600 + SCHEDULING_MARGIN_SECONDS  # CRD default
+    assert reg.upsert("static", ["m"], Strategy.PREFIX_AWARE).hold_seconds(600) == 600

@@ -4,7 +4,8 @@ resourceVersion, so a pod turning ready or going away reaches the routing table 
 API server tells.
 
 - An LLMEndpoint is registered as ``<namespace>/<name>`` (DECISIONS §2); its model is
-  ``spec.model.servedModelName`` (default: the name), its strategy ``spec.routing``.
+  ``spec.model.servedModelName`` (default: the name), its strategy ``spec.routing``; requests
+  wait for it at least its ``spec.engine.startupTimeoutSeconds`` (holding.hold_timeout).
 - EndpointSlices are selected by the labels the operator puts on its Services (the EndpointSlice
   controller copies a Service's labels to its slices): ``app.kubernetes.io/managed-by=
   llmendpoints-operator`` and ``llmendpoints.dev/endpoint``, never every slice of the cluster.
@@ -79,6 +80,7 @@ BACKOFF_BASE_SECONDS = 0.5
 BACKOFF_CAP_SECONDS = 30.0
 
 GROUP, VERSION, PLURAL = "llmendpoints.dev", "v1alpha1", "llmendpoints"
+DEFAULT_STARTUP_TIMEOUT = 3600.0  # the CRD's default of spec.engine.startupTimeoutSeconds
 _sleep = asyncio.sleep  # the backoff's wait (tests record it)
 
 
@@ -92,6 +94,7 @@ class EndpointView:
     models: tuple[str, ...]
     routing: Strategy
     keys_secret: tuple[str, str] | None  # (secret name, data key)
+    startup_timeout: float | None = None  # spec.engine.startupTimeoutSeconds
 
     @property
     def id(self) -> str:
@@ -112,7 +115,9 @@ def endpoint_view(obj: Mapping[str, Any]) -> EndpointView:
         routing = Strategy.PREFIX_AWARE
     ref = (spec.get("api") or {}).get("apiKeysSecretRef") or None
     secret = (ref["name"], ref["key"]) if ref and ref.get("name") and ref.get("key") else None
-    return EndpointView(meta.get("namespace", ""), name, (model,), routing, secret)
+    startup = (spec.get("engine") or {}).get("startupTimeoutSeconds", DEFAULT_STARTUP_TIMEOUT)
+    startup = float(startup) if isinstance(startup, int | float) else DEFAULT_STARTUP_TIMEOUT
+    return EndpointView(meta.get("namespace", ""), name, (model,), routing, secret, startup)
 
 
 def is_operator_slice(obj: Mapping[str, Any]) -> bool:
@@ -426,8 +431,9 @@ class KubeDiscovery:
         view = endpoint_view(obj)
         self._endpoints[key] = view
         self.registry.upsert(
-            view.id, view.models, view.routing, namespace=view.namespace, name=view.name
-        )
+            view.id, view.models, view.routing, namespace=view.namespace, name=view.name,
+            startup_timeout=view.startup_timeout,
+        )  # fmt: skip
         await self._load_keys(view)
         self._publish_ready(view)
 
