@@ -1,4 +1,4 @@
-"""scripts/sync_crds.sh keeps the chart's CRDs identical to crds/ (the source of truth)."""
+"""scripts/sync_crds.sh keeps the chart's CRDs (files/crds/) identical to crds/ (the source of truth)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_sync_crds_copies_new_and_changed_crds_and_removes_stale_ones(tmp_path: 
     shutil.copy(ROOT / "scripts" / "sync_crds.sh", tmp_path / "scripts")
     (tmp_path / "crds").mkdir()
     (tmp_path / "crds" / "a.yaml").write_bytes(b"kind: CustomResourceDefinition\n# a\n")
-    chart_crds = tmp_path / "charts" / "llmendpoints" / "crds"
+    chart_crds = tmp_path / "charts" / "llmendpoints" / "files" / "crds"
     chart_crds.mkdir(parents=True)
     (chart_crds / "a.yaml").write_bytes(b"old\n")
     (chart_crds / "gone.yaml").write_bytes(b"stale\n")
