@@ -66,6 +66,11 @@ serve-vision: $(STAMP) $(VISION_MODEL)/config.json
 serve-stack: $(STAMP) $(DEMO_MODEL)/config.json
 	$(BIN)/python scripts/serve_stack.py
 
+# The three images (scripts/images.sh): built (PUSH=1: and pushed) where Docker runs; elsewhere
+# the docker commands are printed. REGISTRY=... TAG=... name them.
+images:
+	bash scripts/images.sh
+
 test: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
