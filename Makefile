@@ -19,11 +19,13 @@ export HF_HUB_OFFLINE ?= 1
 export VLLM_NO_USAGE_STATS ?= 1
 export DO_NOT_TRACK ?= 1
 
-.PHONY: help setup serve serve-vision test test-unit test-runtime test-operator test-chart bench lint demo-model clean
+.PHONY: help setup serve serve-vision serve-stack images test test-unit test-runtime test-operator test-chart bench lint demo-model clean
 
 help:
 	@echo "make serve   set up, write the demo model, serve it on http://$(HOST):$(PORT)"
 	@echo "make serve-vision   the same with the image+text demo model (send it images)"
+	@echo "make serve-stack    the data plane: NATS, two replicas of the demo model, the gateway"
+	@echo "make images  build the three images (prints the docker commands where Docker is absent)"
 	@echo "make test    set up and run the whole test suite"
 	@echo "make bench   run the benchmarks under bench/ (results in bench/RESULTS.md)"
 	@echo "make lint    ruff and the import-layering contracts"
@@ -32,7 +34,7 @@ help:
 setup: $(STAMP)
 
 # Re-runs only when the project's dependency list changes.
-$(STAMP): pyproject.toml scripts/setup.sh
+$(STAMP): pyproject.toml scripts/setup.sh scripts/tools.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup.sh
 	touch $@
 
@@ -58,6 +60,16 @@ serve-vision: $(STAMP) $(VISION_MODEL)/config.json
 	MODEL_NAME=$(abspath $(VISION_MODEL)) OPENAI_SERVED_MODEL_NAME_OVERRIDE=$${OPENAI_SERVED_MODEL_NAME_OVERRIDE:-demo-vision} \
 	  MAX_MODEL_LEN=$${MAX_MODEL_LEN:-1024} LIMIT_MM_PER_PROMPT=$${LIMIT_MM_PER_PROMPT:-'{"image": 4}'} \
 	  HOST=$(HOST) PORT=$(PORT) $(BIN)/llmendpoints-runtime serve
+
+# The whole data plane locally (scripts/serve_stack.py): nats-server, two runtime replicas of the
+# demo model sharing its job queue, the gateway with a tenant key. Ctrl-C stops all of it.
+serve-stack: $(STAMP) $(DEMO_MODEL)/config.json
+	$(BIN)/python scripts/serve_stack.py
+
+# The three images (scripts/images.sh): built (PUSH=1: and pushed) where Docker runs; elsewhere
+# the docker commands are printed. REGISTRY=... TAG=... name them.
+images:
+	bash scripts/images.sh
 
 test: $(STAMP)
 	$(BIN)/lint-imports

@@ -23,7 +23,7 @@ admitted (target: 60, overshoot 0); and ``maxConcurrent: 4`` with 200 concurrent
 the most streams the upstream ever saw open at once for that key.
 
 Part ``metering``: N requests (non-streamed, streamed without and with include_usage) over both
-gateways: the tokens counted by ``llmendpoints_gateway_tokens_total``, and by the usage export,
+gateways: the tokens counted by ``llmendpoints_gateway_key_tokens_total``, and by the usage export,
 against the tokens the upstream reported.
 
 Results: a Markdown section on stdout and bench/out/quotas.json.
@@ -143,6 +143,7 @@ def fleet(log_dir: Path, url: str, api_keys: list[dict], gateways: int = 2) -> I
                     JOBS_QUEUE_URL=url,
                     GATEWAY_ID=f"bench{i}",
                     LLMEP_LOG_LEVEL="warning",
+                    GATEWAY_METRICS_KEY_LABELS="1",  # counted per key below
                 )
             )
         for proc in procs:
@@ -310,7 +311,7 @@ def metering(log_dir: Path, url: str, requests: int) -> dict:
             total = 0.0
             for proc in procs:
                 for line in httpx.get(proc.metrics_url).text.splitlines():
-                    if line.startswith("llmendpoints_gateway_tokens_total{") and (
+                    if line.startswith("llmendpoints_gateway_key_tokens_total{") and (
                         f'kind="{kind}"' in line and 'key="meter"' in line
                     ):
                         total += float(line.rsplit(" ", 1)[1])

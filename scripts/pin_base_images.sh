@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Pins the base images of Dockerfile.operator and Dockerfile.runtime by digest: every `FROM
+# Pins the base images of Dockerfile.operator, Dockerfile.gateway and Dockerfile.runtime by digest: every `FROM
 # image:tag[@sha256:...]` line gets the digest the registry serves for `image:tag` now. To bump a
 # base image, edit its tag (or leave it, to take a rebuilt tag's new digest), run this script with
 # registry access, and review the diff like code:
@@ -20,7 +20,7 @@ resolve() {
 }
 
 files=("$@")
-[[ ${#files[@]} -gt 0 ]] || files=(Dockerfile.operator Dockerfile.runtime)
+[[ ${#files[@]} -gt 0 ]] || files=(Dockerfile.operator Dockerfile.gateway Dockerfile.runtime)
 for file in "${files[@]}"; do
     # Every FROM that names a registry image (stage names have no ':'), once per image.
     for ref in $(awk '$1 == "FROM" {print $2}' "$file" | grep ':' | sed 's/@sha256:.*//' | sort -u); do

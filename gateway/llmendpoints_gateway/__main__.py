@@ -2,7 +2,8 @@
 ``llmendpoints-gateway usage --since T [--until T] [--format csv|json]``: the usage records in
 the shared queue (JOBS_QUEUE_URL), one row per key, endpoint and model, for chargeback.
 
-Settings come from the environment (see config.py and docs/gateway.md)."""
+Settings come from the environment (see config.py and docs/gateway.md; `serve --help` lists
+them). A bad one stops either subcommand with exit status 2 and the variable's name."""
 
 from __future__ import annotations
 
@@ -14,13 +15,21 @@ import os
 import sys
 from datetime import UTC, datetime
 
+from llmendpoints_common.settings_doc import help_text, setting_rows
 from llmendpoints_edge.logs import configure
 from pydantic import ValidationError
 
+from llmendpoints_gateway import __version__
 from llmendpoints_gateway.config import GatewaySettings
 from llmendpoints_gateway.metering import USAGE_COLUMNS, summarize
 from llmendpoints_gateway.server import serve
 from llmendpoints_gateway.usage import read_usage
+
+
+def _settings_help() -> str:
+    return 'settings (environment variables; table in docs/gateway.md, "Settings"):\n' + (
+        help_text(setting_rows(GatewaySettings))
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,8 +38,15 @@ def main(argv: list[str] | None = None) -> int:
         description="The front door across LLM endpoints: routes OpenAI requests by model, "
         "keeps prefix caches warm, holds requests while an endpoint starts.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command")
-    commands.add_parser("serve", help="run the gateway (settings from the environment)")
+    commands.add_parser(
+        "serve",
+        help="run the gateway (settings from the environment)",
+        description="Run the gateway. Configuration comes from the environment.",
+        epilog=_settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     usage = commands.add_parser(
         "usage",
         help="export usage per key, endpoint and model from the shared queue (JOBS_QUEUE_URL)",
@@ -72,9 +88,16 @@ def _when(text: str) -> float:
 
 
 def _usage(since: float, until: float | None, fmt: str) -> int:
-    url = os.environ.get("JOBS_QUEUE_URL")
+    url = os.environ.get("JOBS_QUEUE_URL", "").strip()
     if not url:
-        print("llmendpoints-gateway usage: JOBS_QUEUE_URL is not set", file=sys.stderr)
+        print("llmendpoints-gateway usage: JOBS_QUEUE_URL: is not set", file=sys.stderr)
+        return 2
+    if not url.startswith(("nats://", "tls://", "ws://", "wss://")):
+        print(
+            "llmendpoints-gateway usage: JOBS_QUEUE_URL: expected a NATS URL "
+            "(nats://host:4222, tls://..., ws://...)",
+            file=sys.stderr,
+        )
         return 2
     if until is not None and until <= since:
         print("llmendpoints-gateway usage: --until must be after --since", file=sys.stderr)

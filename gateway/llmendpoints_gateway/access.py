@@ -19,7 +19,7 @@ from llmendpoints_edge.asgi import Scope
 from llmendpoints_edge.keys import key_from_headers
 
 from llmendpoints_gateway.keys import Key, KeyRing
-from llmendpoints_gateway.registry import Endpoint
+from llmendpoints_gateway.registry import Endpoint, Registry
 from llmendpoints_gateway.request import RequestLog
 
 # The key name of requests without a key (an endpoint open to all).
@@ -27,8 +27,16 @@ ANONYMOUS = ""
 
 
 class Access:
-    def __init__(self, keys: KeyRing):
+    def __init__(self, keys: KeyRing, registry: Registry):
         self.keys = keys
+        self.registry = registry
+
+    def allows(self, key: Key | None, ep: Endpoint) -> bool:
+        # A key may list an endpoint as "<namespace>/<name>", or by its bare name while that
+        # name is unique across namespaces: another tenant's same-named endpoint in another
+        # namespace never inherits it.
+        unique = ep.name if self.registry.by_unique_name(ep.name) is ep else None
+        return self.keys.allows(key, ep.id, unique)
 
     def identify(self, scope: Scope, state: RequestLog) -> Key | None:
         """The caller's key, or None. An unknown key is as good as none: it is refused (401)
@@ -60,7 +68,7 @@ class Access:
     def check(self, key: Key | None, ep: Endpoint, state: RequestLog, hidden: APIError) -> None:
         """401 without a (valid) key where one is needed; ``hidden`` (the 404 of a thing that
         does not exist) for a key that may not use this endpoint."""
-        if self.keys.allows(key, ep.name):
+        if self.allows(key, ep):
             return
         if key is None:
             raise self.missing_key(state)
@@ -74,7 +82,7 @@ class Access:
         )
 
     def visible(self, key: Key | None, endpoints: list[Endpoint]) -> list[Endpoint]:
-        return [ep for ep in endpoints if self.keys.allows(key, ep.name)]
+        return [ep for ep in endpoints if self.allows(key, ep)]
 
     @staticmethod
     def caller(key: Key | None) -> tuple[str, bool]:

@@ -118,3 +118,10 @@ class GatewaySettings(EdgeSettings):
         validation_alias="GATEWAY_ID",
         description="This replica's name in the signals it publishes (default: the pod name).",
     )
+    metrics_key_labels: bool = Field(
+        False,
+        validation_alias="GATEWAY_METRICS_KEY_LABELS",
+        description="Also count requests and tokens per API key name on /metrics "
+        "(llmendpoints_gateway_key_requests_total, ..._key_tokens_total): a series per key, "
+        "endpoint and status code. Off by default; the usage export carries per-key detail.",
+    )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 
@@ -21,6 +22,21 @@ from llmendpoints_common.errors import ServiceUnavailableError
 from llmendpoints_edge.body import ClientGone
 
 RETRY_AFTER_SECONDS = 5
+# Before an endpoint's pod even starts its startup budget: scheduling, a node scaled up, the image
+# pulled. Added to spec.engine.startupTimeoutSeconds for the hold of a discovered endpoint.
+SCHEDULING_MARGIN_SECONDS = 300.0
+
+
+def hold_timeout(setting: float, startup_timeout: float | None) -> float:
+    """How long a request is held for an endpoint with no ready replica (pure).
+
+    Never shorter than the endpoint's own start-up: a held request answered 503 while the pod
+    that would serve it is still within its startupTimeoutSeconds is a cold start reported as a
+    failure. GATEWAY_HOLD_TIMEOUT_SECONDS is the floor, and the whole bound for endpoints whose
+    start-up budget the gateway does not know (static endpoints)."""
+    if startup_timeout is None:
+        return setting
+    return max(setting, startup_timeout + SCHEDULING_MARGIN_SECONDS)
 
 
 def unavailable(message: str, retry_after: int = RETRY_AFTER_SECONDS) -> ServiceUnavailableError:
@@ -56,6 +72,7 @@ class HoldQueue:
         *,
         key_share: float = 1.0,
         budget: HoldBudget | None = None,
+        on_held: Callable[[float, str], None] = lambda seconds, outcome: None,
     ):
         self.endpoint = endpoint
         self.max_length = max_length
@@ -66,6 +83,9 @@ class HoldQueue:
         self._closed = False
         self._on_change = on_change
         self._on_reject = on_reject
+        # (seconds held, outcome: released, timeout, shutdown, client_gone): the hold-time
+        # histogram. A request refused because the queue is full was never held.
+        self._on_held = on_held
 
     def __len__(self) -> int:
         return len(self._waiters)
@@ -103,15 +123,22 @@ class HoldQueue:
         self._by_key[key] = self._by_key.get(key, 0) + 1
         self._on_change(len(self._waiters))
         gone = asyncio.ensure_future(disconnected)
+        # A cancelled wait is a request whose handler was cancelled: its client went away.
+        started, outcome = time.monotonic(), "client_gone"
         try:
             done, _ = await asyncio.wait(
                 {waiter, gone}, timeout=timeout, return_when="FIRST_COMPLETED"
             )
             if waiter in done:
-                waiter.result()  # raises the 503 set by close()
+                if waiter.exception() is not None:  # the 503 set by close()
+                    outcome = "shutdown"
+                    raise waiter.exception()
+                outcome = "released"
                 return
             if gone in done:
+                outcome = "client_gone"
                 raise ClientGone()
+            outcome = "timeout"
             self._on_reject("timeout")
             raise unavailable(
                 f"endpoint {self.endpoint!r} has had no ready replica for {timeout:.0f} s; retry later"
@@ -129,6 +156,7 @@ class HoldQueue:
             else:
                 del self._by_key[key]
             self._on_change(len(self._waiters))
+            self._on_held(time.monotonic() - started, outcome)
 
     def release_all(self) -> None:
         while self._waiters:

@@ -109,7 +109,7 @@ class JobGateway:
         verb, job_id = split_verb(path)
         if verb == "openai":
             raise NotFoundError(f"/v2/{ep.name}/{path} is not a route of this gateway")
-        state.endpoint, state.endpoint_id = ep.name, ep.id
+        state.endpoint = ep.id
         caller, admin = Access.caller(key)
         call = JobCall(
             method=scope["method"],

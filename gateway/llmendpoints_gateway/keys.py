@@ -50,8 +50,13 @@ class Key:
     admin: bool = False
     limits: Limits = NO_LIMITS
 
-    def may_use(self, endpoint: str) -> bool:
-        return self.admin or self.endpoints is None or endpoint in self.endpoints
+    def may_use(self, endpoint: str, unique_name: str | None = None) -> bool:
+        """``endpoint``: its ``<namespace>/<name>``, listed as such; or -- a key that lists a
+        bare name -- ``unique_name``: the endpoint's name when no other namespace has an
+        endpoint of that name (a bare name that became ambiguous opens neither)."""
+        if self.admin or self.endpoints is None or endpoint in self.endpoints:
+            return True
+        return unique_name is not None and unique_name in self.endpoints
 
 
 def digest(secret: str) -> bytes:
@@ -287,10 +292,12 @@ class KeyRing:
         self._refresh()
         return self._merged.get(digest(secret))
 
-    def allows(self, key: Key | None, endpoint: str) -> bool:
+    def allows(self, key: Key | None, endpoint: str, unique_name: str | None = None) -> bool:
+        """May ``key`` (None: no valid key) use ``endpoint`` (its id; ``unique_name``: its name
+        when that name is unique across namespaces, see ``Key.may_use``)."""
         if key is None:
             return not self.requires_key(endpoint)
-        return key.may_use(endpoint) or not self.requires_key(endpoint)
+        return key.may_use(endpoint, unique_name) or not self.requires_key(endpoint)
 
     def set_endpoint_keys(self, endpoint: str, secrets: Iterable[str]) -> None:
         """Kubernetes: the secrets of an endpoint's apiKeysSecretRef (empty: none)."""

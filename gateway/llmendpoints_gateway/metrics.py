@@ -1,29 +1,94 @@
-"""The gateway's Prometheus metrics, per endpoint (prefix ``llmendpoints_gateway_``)."""
+"""The gateway's Prometheus metrics (prefix ``llmendpoints_gateway_``).
+
+Label names are the project's across components (docs/gateway.md, "Metrics"): ``endpoint`` is the
+endpoint's id (``<namespace>/<name>`` for discovered endpoints, the file's name for static ones),
+``code`` the HTTP status, ``replica`` the pod's name (a static backend's ``host:port``), ``key``
+an API key's name.
+
+Cardinality is bounded by what an operator controls (endpoints, replicas), never by what clients
+send: per-key series exist only with GATEWAY_METRICS_KEY_LABELS (1,000 keys x endpoints x codes is
+how a Prometheus falls over; the usage stream and ``llmendpoints-gateway usage`` carry per-key
+detail without that cost), and a replica's series are removed when it leaves (``forget_replica``).
+``_created`` series are off: they double the series count and nothing reads them.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import contextlib
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Upstream latency: 5 ms to an hour. A stream of a long generation (or a /runsync that waits
+# for one) lasts minutes; the longest a request can take through the gateway is a hold (up to
+# GATEWAY_HOLD_TIMEOUT_SECONDS, tied to a cold start) followed by its stream.
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800,
+    3600,
+)  # fmt: skip
+# Hold time: from under a second (a replica turning ready) to a cold start of a large model
+# (scheduling, image pull, download, load: up to the endpoint's startupTimeoutSeconds, 1 h).
+HOLD_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600, 900, 1800, 3600)
+HOLD_OUTCOMES = ("released", "timeout", "shutdown", "client_gone")
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+    """Definitions and the few operations the request path and the registry need.
+
+    ``key_labels``: also count requests and tokens per API key name (GATEWAY_METRICS_KEY_LABELS),
+    in the separate families ``llmendpoints_gateway_key_requests_total`` and
+    ``..._key_tokens_total``, so that dashboards built on the per-endpoint families read the
+    same with the option on or off.
+    """
+
+    def __init__(self, *, key_labels: bool = False) -> None:
+        disable_created_metrics()  # process-wide; see the module docstring
+        self.key_labels = key_labels
+        self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
             "llmendpoints_gateway_requests",
-            "Requests answered, by API key name (empty: no key), endpoint and HTTP status code "
-            "(499: the client went away; 429: over the key's limits).",
-            ["key", "endpoint", "code"],
+            "Requests answered, by endpoint and HTTP status code (499: the client went away; "
+            "429: over the key's limits; endpoint empty: refused before one was chosen).",
+            ["endpoint", "code"],
             registry=r,
         )
         self.tokens = Counter(
             "llmendpoints_gateway_tokens",
-            "Tokens the engine reported for answered requests and jobs, by API key name, "
-            "endpoint and kind (prompt, completion).",
-            ["key", "endpoint", "kind"],
+            "Tokens the engine reported for answered requests and jobs, by endpoint and kind "
+            "(prompt, completion).",
+            ["endpoint", "kind"],
             registry=r,
+        )
+        self.key_requests = (
+            Counter(
+                "llmendpoints_gateway_key_requests",
+                "Requests answered, by API key name (empty: no key), endpoint and HTTP status "
+                "code. Only with GATEWAY_METRICS_KEY_LABELS.",
+                ["key", "endpoint", "code"],
+                registry=r,
+            )
+            if key_labels
+            else None
+        )
+        self.key_tokens = (
+            Counter(
+                "llmendpoints_gateway_key_tokens",
+                "Tokens by API key name, endpoint and kind (prompt, completion). Only with "
+                "GATEWAY_METRICS_KEY_LABELS.",
+                ["key", "endpoint", "kind"],
+                registry=r,
+            )
+            if key_labels
+            else None
         )
         self.held = Gauge(
             "llmendpoints_gateway_held_requests",
@@ -33,20 +98,29 @@ class GatewayMetrics:
         )
         self.hold_rejected = Counter(
             "llmendpoints_gateway_hold_rejected",
-            "Held requests answered 503: the hold queue was full, the hold timed out, or the "
-            "gateway was shutting down.",
+            "Held requests answered 503, by reason: queue_full, timeout, shutdown.",
             ["endpoint", "reason"],
+            registry=r,
+        )
+        self.hold_seconds = Histogram(
+            "llmendpoints_gateway_hold_duration_seconds",
+            "How long requests were held for a ready replica, by outcome: released (routed), "
+            "timeout, shutdown, client_gone (queue_full requests are never held).",
+            ["endpoint", "outcome"],
+            buckets=HOLD_BUCKETS,
             registry=r,
         )
         self.in_flight = Gauge(
             "llmendpoints_gateway_in_flight_requests",
-            "Requests this gateway has outstanding at each replica.",
+            "Requests this gateway has outstanding at each replica (pod name); a replica's "
+            "series goes when the replica does.",
             ["endpoint", "replica"],
             registry=r,
         )
         self.ready_replicas = Gauge(
             "llmendpoints_gateway_ready_replicas",
-            "Replicas of the endpoint the gateway routes to.",
+            "Replicas of the endpoint the gateway routes to (0 for an endpoint at zero: the "
+            "series stays while the endpoint exists).",
             ["endpoint"],
             registry=r,
         )
@@ -61,13 +135,52 @@ class GatewayMetrics:
             "llmendpoints_gateway_upstream_ttft_seconds",
             "From sending a request upstream to its first response byte.",
             ["endpoint"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.duration = Histogram(
             "llmendpoints_gateway_upstream_duration_seconds",
             "From sending a request upstream to its last response byte.",
             ["endpoint"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
+
+    # -- the request path --
+
+    def answered(self, endpoint: str, code: int | str, key: str | None = None) -> None:
+        self.requests.labels(endpoint, str(code)).inc()
+        if self.key_requests is not None:
+            self.key_requests.labels(key or "", endpoint, str(code)).inc()
+
+    def tokens_used(self, endpoint: str, kind: str, count: int, key: str | None = None) -> None:
+        if count <= 0:
+            return
+        self.tokens.labels(endpoint, kind).inc(count)
+        if self.key_tokens is not None:
+            self.key_tokens.labels(key or "", endpoint, kind).inc(count)
+
+    def held_for(self, endpoint: str, seconds: float, outcome: str) -> None:
+        self.hold_seconds.labels(endpoint, outcome).observe(seconds)
+
+    # -- the registry --
+
+    def set_in_flight(self, endpoint: str, replica: str, count: int) -> None:
+        self.in_flight.labels(endpoint, replica).set(count)
+
+    def forget_replica(self, endpoint: str, replica: str) -> None:
+        """A replica left (and has nothing outstanding): its series go with it."""
+        with contextlib.suppress(KeyError):
+            self.in_flight.remove(endpoint, replica)
+
+    def forget_endpoint(self, endpoint: str, replicas: tuple[str, ...] = ()) -> None:
+        """An endpoint was deleted: its gauges go. Counters and histograms keep their totals
+        until the process ends (a deleted endpoint's history; bounded by endpoints created)."""
+        for gauge in (self.held, self.ready_replicas):
+            with contextlib.suppress(KeyError):
+                gauge.remove(endpoint)
+        for replica in replicas:
+            self.forget_replica(endpoint, replica)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

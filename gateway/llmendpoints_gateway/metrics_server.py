@@ -10,9 +10,8 @@ from __future__ import annotations
 import logging
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from llmendpoints_gateway.metrics import GatewayMetrics
+from llmendpoints_gateway.metrics import CONTENT_TYPE, GatewayMetrics
 
 logger = logging.getLogger("llmendpoints.gateway.metrics")
 
@@ -37,5 +36,4 @@ class MetricsServer:
             await self._runner.cleanup()
 
     async def _metrics(self, _: web.Request) -> web.Response:
-        body = generate_latest(self.metrics.registry)
-        return web.Response(body=body, headers={"content-type": CONTENT_TYPE_LATEST})
+        return web.Response(body=self.metrics.render(), headers={"content-type": CONTENT_TYPE})

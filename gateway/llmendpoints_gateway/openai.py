@@ -108,10 +108,11 @@ class OpenAIRoutes:
                 "object": "model",
                 "created": 0,
                 "owned_by": "llmendpoints",
-                "endpoint": ep.name,
+                "endpoint": self.registry.address(ep),  # what /v2/{endpoint}/... takes
+                "namespace": ep.namespace,
                 "ready_replicas": len(ep.ready),
             }
-            for ep in sorted(self.access.visible(key, endpoints), key=lambda e: e.name)
+            for ep in sorted(self.access.visible(key, endpoints), key=lambda e: e.id)
             for model in ep.models
         ]
         return {"object": "list", "data": data}
@@ -163,7 +164,7 @@ class OpenAIRoutes:
             self.access.check(key, ep, state, hidden=model_not_found(model))
         elif isinstance(model, str):
             state.model = model
-        state.endpoint, state.endpoint_id = ep.name, ep.id
+        state.endpoint = ep.id
         metered = metered_request(upstream_path, payload, len(body), self.default_max_tokens)
         if key is not None and key.limits.any:
             state.ticket = await self.limiter.admit(key, hold=True, tokens=metered.reserve_tokens)
@@ -184,7 +185,7 @@ class OpenAIRoutes:
         path_qs = encode(upstream_path) + ("?" + query.decode("latin-1") if query else "")
         caller, _ = self.access.caller(key)
         headers = upstream_headers(
-            scope["headers"], state.request_id, token=self.token(ep.name), caller=caller
+            scope["headers"], state.request_id, token=self.token(ep.id), caller=caller
         )
         await self._forward(ep, prefix, path_qs, headers, body, receive, send, state, meter, caller)
 
@@ -236,15 +237,15 @@ class OpenAIRoutes:
                     failures.append(exc)
                     logger.warning("replica failed before answering, retrying elsewhere: %s", exc)
                     if exc.status is None:
-                        self.registry.mark_failed(ep.name, exc.replica)
+                        self.registry.mark_failed(ep.id, exc.replica)
                     tried = tried | {exc.replica}
                     if len(tried) >= 2:
                         raise bad_gateway(failures) from None
                     continue
                 state.status = result.status  # 502 for a stream cut mid-way
                 if result.first_byte_s is not None:
-                    self.metrics.ttft.labels(ep.name).observe(result.first_byte_s)
-                self.metrics.duration.labels(ep.name).observe(result.duration_s)
+                    self.metrics.ttft.labels(ep.id).observe(result.first_byte_s)
+                self.metrics.duration.labels(ep.id).observe(result.duration_s)
                 return
         except asyncio.CancelledError:
             if disconnected.gone:

@@ -21,8 +21,7 @@ class RequestLog:
     request_id: str
     status: int = 0
     responded: bool = False
-    endpoint: str | None = None
-    endpoint_id: str | None = None  # "<namespace>/<name>": the queue's and usage's identity
+    endpoint: str | None = None  # "<namespace>/<name>": the metric label, the usage record's
     model: str | None = None
     replica: str | None = None
     outcome: str | None = None

@@ -33,7 +33,7 @@ from llmendpoints_gateway.usage import JobUsageMeter, Metering, UsagePublisher
 
 
 def build(settings: GatewaySettings) -> Gateway:
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(key_labels=settings.metrics_key_labels)
     registry = Registry(
         metrics,
         settings.hold_queue_length,
@@ -68,7 +68,7 @@ def build(settings: GatewaySettings) -> Gateway:
             registry, keys, namespace=settings.namespace, keys_namespace=settings.keys_namespace
         )
     gateway = Gateway(
-        settings, Access(keys), registry, metrics, limiter, metering, token_secret=token_secret
+        settings, Access(keys, registry), registry, metrics, limiter, metering, token_secret=token_secret
     )
     parts: list = []
     if queue is not None:

@@ -66,7 +66,7 @@ class Metering:
             return
         key = state.key_name or ""
         usage = state.usage or (state.meter.usage if state.meter is not None else None) or Usage()
-        self.metrics.requests.labels(key, state.endpoint, str(state.status)).inc()
+        self.metrics.answered(state.endpoint, state.status, key)
         self._count_tokens(key, state.endpoint, usage)
         self.limiter.finish(state.ticket, usage.total)
         if self.publisher is not None and state.record_kind is not None:
@@ -77,7 +77,7 @@ class Metering:
                     id=state.record_id or f"{state.request_id}.{uuid.uuid4().hex[:16]}",
                     time=time.time(),
                     key=key,
-                    endpoint=state.endpoint_id or state.endpoint,
+                    endpoint=state.endpoint,
                     model=state.model or "",
                     status=state.status,
                     prompt_tokens=usage.prompt_tokens,
@@ -89,15 +89,13 @@ class Metering:
             )
 
     def _count_tokens(self, key: str, endpoint: str, usage: Usage) -> None:
-        for kind, n in (("prompt", usage.prompt_tokens), ("completion", usage.completion_tokens)):
-            if n:
-                self.metrics.tokens.labels(key, endpoint, kind).inc(n)
+        self.metrics.tokens_used(endpoint, "prompt", usage.prompt_tokens, key)
+        self.metrics.tokens_used(endpoint, "completion", usage.completion_tokens, key)
 
     def job_usage(self, record: JobRecord, usage: Usage) -> tuple[UsageRecord, Callable[[], None]]:
         """JobUsageMeter's callback: a completed job's usage record, and what to count once
         the usage stream stored it for the first time."""
         ep = self.registry.by_id(record.endpoint)  # a job record names "<namespace>/<name>"
-        label = ep.name if ep is not None else record.endpoint
         entry = UsageRecord(
             id=f"job-{record.id}-usage",
             time=record.finished_at or time.time(),
@@ -113,7 +111,7 @@ class Metering:
         )
 
         def count() -> None:
-            self._count_tokens(record.owner, label, usage)
+            self._count_tokens(record.owner, record.endpoint, usage)
             key = self.keys.by_name(record.owner)
             if key is not None:
                 self.limiter.charge(key, usage.total)

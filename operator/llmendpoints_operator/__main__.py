@@ -5,13 +5,17 @@
     llmendpoints-operator queue-auth keys --out-dir DIR
     llmendpoints-operator queue-auth server-config --keys-dir DIR --out-dir DIR [--route URL ...]
     llmendpoints-operator queue-auth creds --keys-dir DIR --role ROLE [--endpoint NS/NAME] --out FILE
+    llmendpoints-operator --version
 
 `queue-auth` works with the shared job queue's NATS keys (llmendpoints_common.queue.trust): a new
 installation's keys, the NATS servers' trust configuration (the chart's NATS init container),
 and a role's creds file (the gateway's init container; `admin` for a person repairing the queue).
 
 Credentials come from KUBECONFIG when it is set, else from the in-cluster service account.
-Operator settings come from LLMEP_OPERATOR_* variables (see config.py and docs/operator.md).
+Operator settings come from LLMEP_OPERATOR_* variables (see config.py and docs/operator.md;
+`run --help` lists them). A bad setting, or an explicit KUBECONFIG that cannot be read, stops
+the process at once with exit status 2 and the variable's name (kopf itself would retry its
+login forever).
 """
 
 from __future__ import annotations
@@ -20,9 +24,24 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 
 from pydantic import ValidationError
+
+from llmendpoints_operator import __version__
+
+
+def _settings_help() -> str:
+    from llmendpoints_common.settings_doc import help_text, setting_rows
+
+    from llmendpoints_operator.config import OperatorSettings
+
+    return (
+        'settings (environment variables; table in docs/operator.md, "Operator settings"):\n'
+        + help_text(setting_rows(OperatorSettings))
+        + "\n\ncredentials: KUBECONFIG when set, else the pod's ServiceAccount."
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,8 +49,14 @@ def _parser() -> argparse.ArgumentParser:
         prog="llmendpoints-operator",
         description="Reconcile LLMEndpoint resources into vLLM serving workloads.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run the operator until interrupted")
+    run = commands.add_parser(
+        "run",
+        help="run the operator until interrupted",
+        epilog=_settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     scope = run.add_mutually_exclusive_group()
     scope.add_argument(
         "-A",
@@ -154,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
         first = exc.errors()[0]
         variable = "LLMEP_OPERATOR_" + "_".join(str(p) for p in first["loc"]).upper()
         print(f"llmendpoints-operator: {variable}: {first['msg']}", file=sys.stderr)
+        return 2
+    from llmendpoints_operator.kubeconfig import kubeconfig_problem
+
+    problem = kubeconfig_problem(os.environ.get("KUBECONFIG"))
+    if problem is not None:
+        print(f"llmendpoints-operator: KUBECONFIG: {problem}", file=sys.stderr)
         return 2
 
     import kopf

@@ -110,9 +110,10 @@ class OperatorSettings(BaseSettings):
     gateway_url: str | None = Field(
         None,
         description="URL of the gateway in front of all endpoints (the chart sets it when it "
-        "installs the gateway). When set, endpoints' status URLs point there and "
-        "spec.scaling.minReplicas: 0 is allowed (the gateway holds requests while an endpoint "
-        "has no replica).",
+        "installs the gateway). When set, endpoints' status URLs point there; with "
+        "LLMEP_OPERATOR_JOBS_QUEUE_URL set too, spec.scaling.minReplicas: 0 is allowed (the "
+        "gateway holds requests while an endpoint has no replica, and the autoscaler reads them "
+        "in the queue).",
     )
 
     # -- cluster-admin policy (policy.py; docs/security.md). Lists are comma-separated; unset

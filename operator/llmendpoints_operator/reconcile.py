@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import kopf
 from llmendpoints_common.identity import EndpointRef
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 
 from llmendpoints_operator import kube, manifests, status
 from llmendpoints_operator.adapter_status import STATUS_KEY as ADAPTERS_KEY
@@ -150,6 +150,7 @@ class ReconcileMetrics:
     """The reconcile's own Prometheus metrics (docs/operator.md, "Metrics")."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        disable_created_metrics()  # process-wide: no `_created` series (nothing reads them)
         registry = registry or CollectorRegistry(auto_describe=True)
         self.reconciles = Counter(
             "llmendpoints_operator_reconciles_total",

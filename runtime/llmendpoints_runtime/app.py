@@ -271,7 +271,9 @@ def create_app(
 
     app = FastAPI(title="LLM Endpoints runtime", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.runtime = runtime
-    app.openapi = openapi_builder(app, lambda: runtime.engine.asgi_app)  # type: ignore[method-assign]
+    app.openapi = openapi_builder(  # type: ignore[method-assign]
+        app, lambda: runtime.engine.asgi_app, settings.unauthenticated_path_set, is_control_path
+    )
     install_exception_handlers(app)
     app.include_router(probe_router(runtime))
     for router in routers:

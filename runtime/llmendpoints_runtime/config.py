@@ -609,6 +609,12 @@ class RuntimeConfig:
         return list(names) if names else [self.engine_args.model]
 
 
+def load_settings(env: Mapping[str, str]) -> RuntimeSettings:
+    """The runtime's own settings alone (no vLLM flags): what `download` needs. ConfigError
+    names the first variable that is wrong."""
+    return _load_settings(env)
+
+
 def _load_settings(env: Mapping[str, str]) -> RuntimeSettings:
     try:
         settings = RuntimeSettings.model_validate({k: v for k, v in env.items() if v.strip()})

@@ -25,8 +25,25 @@ _SAFETENSORS = ("*.safetensors",)
 _PICKLE = ("*.bin", "*.pt", "*.pth")
 
 
+class DownloadError(Exception):
+    """The model cannot be had: not on the Hub (or no access), or not in an offline cache."""
+
+
 def is_local_model(model: str) -> bool:
     return Path(model).expanduser().is_dir()
+
+
+def looks_like_path(model: str) -> bool:
+    """A Hub repo id is `name` or `org/name`; anything starting like a path is meant as one."""
+    return model.startswith(("/", "./", "../", "~")) or model in (".", "..")
+
+
+def model_path_problem(model: str) -> str | None:
+    """PURE but for one stat: a model given as a path that is not a directory (None: fine, or a
+    Hub repo id). Without this, a typo'd path is looked up on the Hub, or, offline, accepted."""
+    if model and looks_like_path(model) and not is_local_model(model):
+        return f"{model!r} is not a directory (a local model is a directory with config.json)"
+    return None
 
 
 def offline() -> bool:
@@ -124,18 +141,41 @@ def download_model(
     trust_remote_code: bool = False,
     log_interval: float = 10.0,
 ) -> None:
-    """Make sure the model (and a separate tokenizer) are in the local Hugging Face cache."""
-    if offline():
-        logger.info("HF_HUB_OFFLINE is set: using %s from the local cache only", model)
-        return
-    if not is_local_model(model):
-        _download_repo(
-            model, revision, trust_remote_code=trust_remote_code, log_interval=log_interval
-        )
-    if tokenizer and tokenizer != model and not is_local_model(tokenizer):
-        _download_repo(
-            tokenizer,
-            tokenizer_revision,
-            trust_remote_code=trust_remote_code,
-            log_interval=log_interval,
-        )
+    """Make sure the model (and a separate tokenizer) are in the local Hugging Face cache.
+
+    Raises DownloadError saying why it cannot (naming the variable), never a traceback."""
+    wanted = [("MODEL_NAME", model, revision)]
+    if tokenizer and tokenizer != model:
+        wanted.append(("TOKENIZER_NAME", tokenizer, tokenizer_revision))
+    for variable, repo, rev in wanted:
+        if is_local_model(repo):
+            continue
+        if offline():
+            _require_cached(variable, repo, rev)
+            logger.info("HF_HUB_OFFLINE is set: using %s from the local cache", repo)
+            continue
+        try:
+            _download_repo(
+                repo, rev, trust_remote_code=trust_remote_code, log_interval=log_interval
+            )
+        except DownloadError:
+            raise
+        except Exception as exc:  # the Hub's errors (not found, gated, network) name the cause
+            raise DownloadError(f"{variable} {repo!r}: {_hub_reason(exc)}") from None
+
+
+def _require_cached(variable: str, repo: str, revision: str | None) -> None:
+    from huggingface_hub import snapshot_download
+
+    try:
+        snapshot_download(repo, revision=revision, local_files_only=True)
+    except Exception as exc:
+        raise DownloadError(
+            f"{variable} {repo!r} is not in the local cache and HF_HUB_OFFLINE forbids "
+            f"downloading it ({_hub_reason(exc)})"
+        ) from None
+
+
+def _hub_reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

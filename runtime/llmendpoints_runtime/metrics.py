@@ -18,18 +18,31 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from llmendpoints_common import signals
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.exposition import generate_latest
 
 PHASES = ("download", "load", "warmup", "ready")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# Latency buckets from 5 ms to 10 minutes: LLM requests span that whole range.
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# Latency buckets from 5 ms to an hour: LLM requests span that whole range (a /runsync or a long
+# stream lasts minutes; the gateway's own buckets are the same).
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800,
+    3600,
+)  # fmt: skip
 
 
 class RuntimeMetrics:
     def __init__(self) -> None:
+        # No `_created` series (process-wide, vLLM's too): they double the series count and
+        # nothing reads them.
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         self._queue_sources: list[Callable[[], int]] = []
         self._in_flight_sources: list[Callable[[], int]] = []
@@ -62,8 +75,8 @@ class RuntimeMetrics:
         )
         self.http_requests = Counter(
             "llmendpoints_http_requests",
-            "HTTP requests by route template, method and status code.",
-            ["route", "method", "status"],
+            "HTTP requests by route template, method and HTTP status code.",
+            ["route", "method", "code"],
             registry=self.registry,
         )
         self.http_latency = Histogram(

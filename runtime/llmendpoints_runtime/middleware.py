@@ -73,7 +73,7 @@ class RequestContext:
                 self.active -= 1
             route = _route_label(scope)
             method = scope["method"]
-            self.metrics.http_requests.labels(route=route, method=method, status=str(status)).inc()
+            self.metrics.http_requests.labels(route=route, method=method, code=str(status)).inc()
             self.metrics.http_latency.labels(route=route, method=method).observe(
                 time.perf_counter() - begun
             )

@@ -3,6 +3,12 @@
 vLLM's app is built in-process once the model has loaded, so until then the schema holds our
 operations only. Our routes document the error statuses they answer (``errors.error_responses``);
 FastAPI's generated 422 is dropped, because validation errors are answered with 400 here.
+
+What the front door adds to every route is documented on every route it applies to
+(``document_auth``): 401 wherever a key is checked (every path but UNAUTHENTICATED_PATHS), 403 on
+vLLM's engine-control routes (admin keys only), and the two ways to send a key as security
+schemes. Without that, a client generated from the schema (or schemathesis) meets statuses the
+schema says cannot happen.
 """
 
 from __future__ import annotations
@@ -14,12 +20,34 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+HTTP_METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})
+ERROR_SCHEMA = {"$ref": "#/components/schemas/ErrorBody"}
+UNAUTHORIZED = {
+    "description": "Missing or wrong API key (when the server has keys: API_KEYS, "
+    "API_KEYS_FILE, ADMIN_API_KEYS...)",
+    "content": {"application/json": {"schema": ERROR_SCHEMA}},
+}
+FORBIDDEN = {
+    "description": "One of vLLM's engine-control routes: admin keys only (ADMIN_API_KEYS, "
+    "ADMIN_API_KEYS_FILE); closed to everyone when the server has none",
+    "content": {"application/json": {"schema": ERROR_SCHEMA}},
+}
+SECURITY_SCHEMES = {
+    "bearer": {"type": "http", "scheme": "bearer", "description": "Authorization: Bearer <key>"},
+    "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+}
+
 
 def openapi_builder(
-    app: FastAPI, vllm_app: Callable[[], FastAPI | None]
+    app: FastAPI,
+    vllm_app: Callable[[], FastAPI | None],
+    unauthenticated: frozenset[str] = frozenset(),
+    is_control: Callable[[str], bool] = lambda path: False,
 ) -> Callable[[], dict[str, Any]]:
     """``app.openapi``: our operations and, once ``vllm_app()`` exists (it is built in-process
-    after the model loads), vLLM's own; cached from then on."""
+    after the model loads), vLLM's own; cached from then on. ``unauthenticated``: the paths
+    that never need a key (UNAUTHENTICATED_PATHS); ``is_control``: whether a path is one of
+    vLLM's engine-control routes (control_routes.is_control_path)."""
     merged: dict[str, Any] | None = None
 
     def openapi() -> dict[str, Any]:
@@ -29,12 +57,50 @@ def openapi_builder(
         ours = get_openapi(title=app.title, version=_version(), routes=app.routes)
         theirs = vllm_app()
         if theirs is None:
-            return merge_openapi(ours, None)
+            return document_auth(merge_openapi(ours, None), unauthenticated, is_control)
         hidden = [r.path for r in app.routes if not getattr(r, "include_in_schema", True)]
-        merged = merge_openapi(ours, theirs.openapi(), shadowed=hidden)
+        merged = document_auth(
+            merge_openapi(ours, theirs.openapi(), shadowed=hidden), unauthenticated, is_control
+        )
         return merged
 
     return openapi
+
+
+def document_auth(
+    doc: dict[str, Any],
+    unauthenticated: Iterable[str],
+    is_control: Callable[[str], bool],
+) -> dict[str, Any]:
+    """The schema with the front door's answers on every operation they apply to (pure).
+
+    401 and the key's security schemes on every path that needs a key when keys are configured
+    (all but ``unauthenticated``); 403 on every engine-control route, whoever calls it. An
+    operation that documents its own 401/403 keeps its description."""
+    open_paths = set(unauthenticated)
+    paths: dict[str, Any] = {}
+    for path, operations in (doc.get("paths") or {}).items():
+        guarded = path not in open_paths
+        control = is_control(path)
+        documented = {}
+        for method, operation in operations.items():
+            if method not in HTTP_METHODS or not isinstance(operation, dict):
+                documented[method] = operation
+                continue
+            operation = dict(operation)
+            responses = dict(operation.get("responses") or {})
+            if guarded:
+                responses.setdefault("401", UNAUTHORIZED)
+                # Any one of the two headers; none at all on a server without keys.
+                operation["security"] = [{"bearer": []}, {"apiKey": []}, {}]
+            if control:
+                responses.setdefault("403", FORBIDDEN)
+            operation["responses"] = responses
+            documented[method] = operation
+        paths[path] = documented
+    components = dict(doc.get("components") or {})
+    components["securitySchemes"] = {**components.get("securitySchemes", {}), **SECURITY_SCHEMES}
+    return {**doc, "paths": paths, "components": components}
 
 
 def merge_openapi(

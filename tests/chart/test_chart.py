@@ -59,6 +59,7 @@ _ENDPOINT = {
                 "additionalProperties": False,
                 "properties": {
                     "sourceLabels": {"type": "array", "items": _LABEL_NAME},
+                    "separator": {"type": "string"},
                     "targetLabel": _LABEL_NAME,
                 },
             },
@@ -183,13 +184,34 @@ def test_all_features_render_monitoring_and_dashboard(helm: Path, tmp_path: Path
 
 def test_chart_crds_are_byte_identical_to_the_source_of_truth() -> None:
     source = sorted(p.name for p in (ROOT / "crds").glob("*.yaml"))
-    chart = sorted(p.name for p in (CHART / "crds").glob("*.yaml"))
+    chart = sorted(p.name for p in (CHART / "files" / "crds").glob("*.yaml"))
     assert source, "crds/ holds no CRD"
     assert chart == source, "run scripts/sync_crds.sh"
     for name in source:
-        assert (CHART / "crds" / name).read_bytes() == (ROOT / "crds" / name).read_bytes(), (
-            f"charts/llmendpoints/crds/{name} differs from crds/{name}: run scripts/sync_crds.sh"
+        assert (CHART / "files" / "crds" / name).read_bytes() == (
+            ROOT / "crds" / name
+        ).read_bytes(), (
+            f"charts/llmendpoints/files/crds/{name} differs from crds/{name}: "
+            "run scripts/sync_crds.sh"
         )
+    # No crds/ folder: Helm would install it once and never upgrade it (templates/crds.yaml).
+    assert not (CHART / "crds").exists()
+
+
+def test_the_crd_is_a_template_helm_upgrades_and_uninstall_keeps(
+    helm: Path, tmp_path: Path
+) -> None:
+    """cert-manager's practice: the CRD rendered from the repository's crds/ (so `helm upgrade`
+    upgrades it), kept on `helm uninstall` (deleting it deletes every LLMEndpoint)."""
+    source = yaml.safe_load((ROOT / "crds" / "llmendpoints.dev_llmendpoints.yaml").read_text())
+    crd = only(render(helm, tmp_path), "CustomResourceDefinition")
+    assert crd["spec"] == source["spec"]
+    assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert crd["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+    loose = only(render(helm, tmp_path, {"crds": {"keep": False}}), "CustomResourceDefinition")
+    assert "helm.sh/resource-policy" not in (loose["metadata"].get("annotations") or {})
+    off = render(helm, tmp_path, {"crds": {"enabled": False}})
+    assert not [d for d in off if d["kind"] == "CustomResourceDefinition"]
 
 
 def test_rendered_crd_is_the_llmendpoint_resource(helm: Path, tmp_path: Path) -> None:
@@ -533,7 +555,9 @@ def test_pod_monitor_selects_the_runtime_pods_the_operator_builds(
     sanitised = "__meta_kubernetes_pod_label_" + "".join(
         ch if ch.isalnum() else "_" for ch in manifests.LABEL_ENDPOINT
     )
-    assert relabel["sourceLabels"] == [sanitised]
+    # ... joined to its namespace: endpoint="team-a/chat", as the gateway and the operator label.
+    assert relabel["sourceLabels"] == ["__meta_kubernetes_namespace", sanitised]
+    assert (relabel["separator"], relabel["targetLabel"]) == ("/", "endpoint")
 
 
 @pytest.mark.parametrize("values", ["defaults", "namespaced"])

@@ -65,6 +65,7 @@ def operator_series() -> set[str]:
 
 
 OPERATOR_PREFIXES = ("llmendpoints_autoscaler_", "llmendpoints_operator_")
+GATEWAY_PREFIX = "llmendpoints_gateway_"
 
 
 def queries() -> list[tuple[str, str]]:
@@ -108,7 +109,7 @@ def test_runtime_and_vllm_series_in_queries_exist() -> None:
     known = vllm_series() | runtime_series()
     for title, expr in queries():
         for name in METRIC.findall(expr):
-            if not name.startswith(OPERATOR_PREFIXES):
+            if not name.startswith((*OPERATOR_PREFIXES, GATEWAY_PREFIX)):
                 assert name in known, f"{title}: {name} is not exported by vLLM or the runtime"
 
 
@@ -120,12 +121,78 @@ def test_operator_series_in_queries_exist() -> None:
                 assert name in known, f"{title}: the operator exports no {name}"
 
 
-def test_queries_group_by_the_label_the_pod_monitor_sets() -> None:
+def gateway_series() -> set[str]:
+    from llmendpoints_gateway.metrics import GatewayMetrics
+
+    series: set[str] = set()
+    for family in GatewayMetrics(key_labels=True).registry.collect():
+        series |= exposed(family.name, family.type)
+    return series
+
+
+def test_gateway_series_in_queries_exist() -> None:
+    known = gateway_series()
+    used = [(t, n) for t, e in queries() for n in METRIC.findall(e) if n.startswith(GATEWAY_PREFIX)]
+    assert used
+    for title, name in used:
+        assert name in known, f"{title}: the gateway exports no {name}"
+
+
+def test_dashboard_shows_the_gateway_the_kv_cache_and_token_latencies() -> None:
+    names = {m for _, expr in queries() for m in METRIC.findall(expr)}
+    assert {
+        "llmendpoints_gateway_requests_total",  # requests, and 429s by code
+        "llmendpoints_gateway_held_requests",  # held
+        "llmendpoints_gateway_hold_duration_seconds_bucket",  # hold time
+        "llmendpoints_gateway_routing_decisions_total",  # routing outcomes
+        "vllm:kv_cache_usage_perc",  # KV-cache usage
+        "vllm:time_to_first_token_seconds_bucket",  # TTFT ...
+        "vllm:inter_token_latency_seconds_bucket",  # ... and ITL, vLLM's own
+    } <= names
+    assert any('code="429"' in e for _, e in queries())
+
+
+def test_queries_select_by_the_label_every_component_sets() -> None:
+    """One `endpoint` label: the PodMonitor gives it to runtime series, the gateway and the
+    operator export it; every per-endpoint query filters on it."""
     template = (CHART / "templates" / "podmonitor.yaml").read_text()
     (target_label,) = re.findall(r"targetLabel: (\w+)", template)
-    assert target_label == "llmendpoint"
-    runtime_queries = [
-        e for _, e in queries() if re.search(r"vllm:|llmendpoints_(?!autoscaler_|operator_)", e)
-    ]
-    for expr in runtime_queries:
-        assert f'{target_label}=~"$llmendpoint"' in expr, expr
+    assert target_label == "endpoint"
+    for title, expr in queries():
+        if "llmendpoints_operator_" in expr:
+            continue  # the operator's own reconciles are not per endpoint
+        assert 'endpoint=~"$endpoint"' in expr, (title, expr)
+        grouped = {n.strip() for by in re.findall(r"by \(([^)]*)\)", expr) for n in by.split(",")}
+        selected = set(re.findall(r"[{,]\s*(\w+)\s*[=!]~?", expr))
+        # No old spellings: `llmendpoint`, an HTTP status as `status` (a job's final state
+        # keeps RunPod's word `status`), a `namespace` of our own.
+        stale = (grouped | selected) & {"llmendpoint", "namespace", "status"}
+        assert stale <= ({"status"} if "llmendpoints_jobs_finished" in expr else set()), expr
+
+
+def test_the_endpoint_picker_keeps_endpoints_scaled_to_zero() -> None:
+    """An endpoint at zero has no pod, so no runtime series: the picker also reads series that
+    exist while the endpoint does (the operator's autoscaler, the gateway's ready replicas)."""
+    variables = {v["name"]: v for v in DASHBOARD["templating"]["list"]}
+    query = variables["endpoint"]["query"]["query"]
+    for series in (
+        "llmendpoints_autoscaler_desired_replicas",
+        "llmendpoints_gateway_ready_replicas",
+        "llmendpoints_queue_depth",
+    ):
+        assert series in query
+    assert series_outlive_pods()
+
+
+def series_outlive_pods() -> bool:
+    """The gateway keeps ready_replicas at 0 for an endpoint with no replica (checked, not
+    assumed): the registry sets it when the endpoint appears."""
+    from llmendpoints_gateway.metrics import GatewayMetrics
+    from llmendpoints_gateway.registry import Registry
+    from llmendpoints_gateway.routing import Strategy
+
+    metrics = GatewayMetrics()
+    Registry(metrics, 1, 1.25).upsert("idle", ["m"], Strategy.PREFIX_AWARE, namespace="ns")
+    return (
+        'llmendpoints_gateway_ready_replicas{endpoint="ns/idle"} 0.0' in metrics.render().decode()
+    )

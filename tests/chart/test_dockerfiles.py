@@ -124,11 +124,14 @@ def _base_images(instructions: list[Instruction]) -> list[str]:
     return images
 
 
-def test_operator_base_image_is_pinned_by_digest() -> None:
+@pytest.mark.parametrize("component", ["operator", "gateway"])
+def test_python_base_images_are_pinned_by_digest(component: str) -> None:
     """A tag can be re-pointed; a digest cannot. scripts/pin_base_images.sh writes the pin."""
-    images = _base_images(OPERATOR)
+    images = _base_images(parse(ROOT / f"Dockerfile.{component}"))
     assert images and all(re.fullmatch(rf"[^@\s]+:[^@\s]+{DIGEST}", i) for i in images), images
     assert len(set(images)) == 1, "build and final stage use the same pinned Python"
+    # ... the same Python in both images: one base to patch.
+    assert images == _base_images(OPERATOR)
 
 
 @pytest.mark.xfail(
@@ -142,12 +145,18 @@ def test_runtime_base_image_is_pinned_by_digest() -> None:
     assert re.fullmatch(rf"[^@\s]+:[^@\s]+{DIGEST}", image), image
 
 
-def test_operator_installs_only_from_the_hashed_lock() -> None:
-    runs = [ins.args for ins in OPERATOR if ins.keyword == "RUN" and "pip install" in ins.args]
+LOCKED = {"operator": "Dockerfile.operator", "gateway": "Dockerfile.gateway"}
+
+
+@pytest.mark.parametrize("component", list(LOCKED))
+def test_python_images_install_only_from_their_hashed_lock(component: str) -> None:
+    instructions = parse(ROOT / LOCKED[component])
+    runs = [ins.args for ins in instructions if ins.keyword == "RUN" and "pip install" in ins.args]
     installs = [part for run in runs for part in run.split("&&") if "pip install" in part]
     assert len(installs) == 2, installs
     dependencies, project = installs
-    assert "--require-hashes" in dependencies and "-r requirements/operator.lock" in dependencies
+    assert "--require-hashes" in dependencies
+    assert f"-r requirements/{component}.lock" in dependencies
     assert "--no-deps" in dependencies
     # The package itself: from the copied source, nothing resolved, no index, locked backend.
     for flag in ("--no-deps", "--no-build-isolation", "--no-index"):
@@ -155,9 +164,9 @@ def test_operator_installs_only_from_the_hashed_lock() -> None:
     assert "pip check" in " ".join(runs)
 
 
-def _lock() -> dict[str, tuple[str, list[str]]]:
-    """requirements/operator.lock: name -> (version, hashes)."""
-    text = (ROOT / "requirements" / "operator.lock").read_text()
+def _lock(component: str = "operator") -> dict[str, tuple[str, list[str]]]:
+    """requirements/<component>.lock: name -> (version, hashes)."""
+    text = (ROOT / "requirements" / f"{component}.lock").read_text()
     entries: dict[str, tuple[str, list[str]]] = {}
     for block in re.split(r"\n(?=\S)", text):
         if block.startswith("#") or not block.strip():
@@ -170,25 +179,27 @@ def _lock() -> dict[str, tuple[str, list[str]]]:
     return entries
 
 
-def test_the_lock_pins_every_dependency_with_hashes() -> None:
+@pytest.mark.parametrize("component", list(LOCKED))
+def test_the_lock_pins_every_dependency_with_hashes(component: str) -> None:
     from packaging.requirements import Requirement
 
-    lock = _lock()
+    lock = _lock(component)
     assert all(hashes for _, hashes in lock.values()), "every pin needs at least one hash"
     project = pyproject()
     wanted = [
         *project["project"]["dependencies"],
-        *project["project"]["optional-dependencies"]["operator"],
+        *project["project"]["optional-dependencies"][component],
         *project["build-system"]["requires"],
     ]
     for line in wanted:
         requirement = Requirement(line)
         name = canonicalize_name(requirement.name)
         assert name in lock, (
-            f"{name} is not in requirements/operator.lock: run scripts/lock_operator.sh"
+            f"{name} is not in requirements/{component}.lock: run scripts/lock_images.sh"
         )
         assert requirement.specifier.contains(lock[name][0]), (
-            f"{name}=={lock[name][0]} does not satisfy pyproject's {line}: run scripts/lock_operator.sh"
+            f"{name}=={lock[name][0]} does not satisfy pyproject's {line}: "
+            "run scripts/lock_images.sh"
         )
 
 

@@ -15,7 +15,7 @@ GATEWAY_ALL: dict[str, Any] = {
     "gateway": {
         "enabled": True,
         "apiKeysSecret": "gateway-keys",
-        "jobsQueueUrl": "nats://nats.llm-system:4222",
+        "jobsQueue": {"existingSecret": "gateway-queue", "existingSecretKey": "url"},
         "autoscaling": {"enabled": True},
         "ingress": {
             "enabled": True,
@@ -119,7 +119,9 @@ def test_gateway_settings_reach_the_container_as_the_variables_it_reads(
     names = {e["name"] for e in container["env"]}
     assert names <= read, names - read
     env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env["JOBS_QUEUE_URL"] == "nats://nats.llm-system:4222"
+    # Secrets by reference: the gateway's queue URL (with its credentials) comes from a Secret.
+    (queue,) = [e for e in container["env"] if e["name"] == "JOBS_QUEUE_URL"]
+    assert queue["valueFrom"] == {"secretKeyRef": {"name": "gateway-queue", "key": "url"}}
     mount = next(m for m in container["volumeMounts"] if m["name"] == "gateway-keys")
     assert env["API_KEYS_FILE"] == f"{mount['mountPath']}/api-keys"
     # The operator learns the gateway's URL: status URLs point there.
@@ -235,7 +237,7 @@ def test_the_gateway_and_the_operator_read_the_same_queue(
     helm: Path, tmp_path: Path, queue: dict[str, Any], expected: Any
 ) -> None:
     """Held requests reach the autoscaler only if both talk to one queue, and scale to zero
-    needs both: the gateway gets the release's queue unless gateway.jobsQueueUrl says otherwise."""
+    needs both: the gateway gets the release's queue unless gateway.jobsQueue says otherwise."""
     docs = render(helm, tmp_path, {"gateway": {"enabled": True}, "queue": queue})
     gateway = _env(docs, "llmendpoints-gateway")["JOBS_QUEUE_URL"]
     operator = _env(docs, "llmendpoints")["LLMEP_OPERATOR_JOBS_QUEUE_URL"]

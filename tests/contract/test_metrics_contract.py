@@ -27,7 +27,7 @@ def _pod(queued: list[int], running: list[int]) -> RuntimeMetrics:
 def test_the_autoscaler_reads_what_the_runtime_exports() -> None:
     metrics = _pod(queued=[3, 2], running=[4])
     # Everything else a pod serves: our other series, and vLLM's (a separate registry).
-    metrics.http_requests.labels(route="/v1/completions", method="POST", status="200").inc()
+    metrics.http_requests.labels(route="/v1/completions", method="POST", code="200").inc()
     metrics.observe_phase("load", 12.5)
     vllm = CollectorRegistry()
     Histogram("vllm:time_to_first_token_seconds", "ttft", registry=vllm).observe(0.2)

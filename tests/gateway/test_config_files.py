@@ -84,25 +84,17 @@ def test_endpoint_keys_from_kubernetes_are_valid_on_their_endpoint_only():
     assert ring.identify("kb") is None
 
 
-def test_docs_list_every_gateway_setting():
-    from pathlib import Path
-
-    from llmendpoints_gateway.config import GatewaySettings
-
-    text = (Path(__file__).resolve().parents[2] / "docs" / "gateway.md").read_text()
-    table = text.split("<!-- gateway-settings:start -->")[1].split("<!-- gateway-settings:end -->")[
-        0
-    ]
-    for info in GatewaySettings.model_fields.values():
-        assert f"| `{info.validation_alias}` |" in table, info.validation_alias
-        assert info.description in table, info.validation_alias
-
-
 def test_endpoint_slices_give_ready_pods_on_the_http_port():
     from llmendpoints_gateway.discovery.kube import endpoint_view, slice_backends
 
     slice_ = {
-        "metadata": {"labels": {"kubernetes.io/service-name": "chat"}},
+        "metadata": {
+            "labels": {
+                "kubernetes.io/service-name": "chat",
+                "app.kubernetes.io/managed-by": "llmendpoints-operator",
+                "llmendpoints.dev/endpoint": "chat",
+            }
+        },
         "addressType": "IPv6",
         "ports": [{"name": "metrics", "port": 9000}, {"name": "http", "port": 8000}],
         "endpoints": [
@@ -111,8 +103,11 @@ def test_endpoint_slices_give_ready_pods_on_the_http_port():
             {"addresses": ["fd00::3"]},  # no conditions: ready, as Kubernetes reads it
         ],
     }
-    assert slice_backends(slice_) == ("chat", ["http://[fd00::1]:8000", "http://[fd00::3]:8000"])
-    assert slice_backends({**slice_, "ports": [{"name": "grpc", "port": 1}]}) == ("chat", [])
+    assert slice_backends(slice_) == (
+        "chat",
+        {"http://[fd00::1]:8000": "fd00::1", "http://[fd00::3]:8000": "fd00::3"},
+    )
+    assert slice_backends({**slice_, "ports": [{"name": "grpc", "port": 1}]}) == ("chat", {})
     view = endpoint_view(
         {
             "metadata": {"name": "chat", "namespace": "ml"},

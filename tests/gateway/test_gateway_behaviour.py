@@ -92,6 +92,7 @@ def gateway(logs, standins, solo_port):
         API_KEYS_FILE=str(keys),
         MAX_REQUEST_BODY_BYTES="65536",
         MAX_HEADER_BYTES="32768",
+        GATEWAY_METRICS_KEY_LABELS="1",
     ) as gw:
         _wait_ready_replicas(gw, {"pair": 2, "other": 1, "fragile": 2})
         yield gw
@@ -257,7 +258,7 @@ def test_a_shared_prefix_sticks_to_one_replica(gateway, standins):
         _metric(
             gateway,
             "llmendpoints_gateway_routing_decisions_total",
-            endpoint="pair",
+            endpoint="default/pair",
             outcome="affinity",
         )
         >= 6
@@ -286,7 +287,7 @@ def test_client_disconnect_cancels_the_upstream_stream(gateway, standins):
         _metric(
             gateway,
             "llmendpoints_gateway_in_flight_requests",
-            endpoint="pair",
+            endpoint="default/pair",
             replica=standins["p1"].url,
         )
         == 0
@@ -313,7 +314,7 @@ def test_a_replica_failing_before_the_first_byte_is_retried_on_another(gateway, 
         _metric(
             gateway,
             "llmendpoints_gateway_routing_decisions_total",
-            endpoint="fragile",
+            endpoint="default/fragile",
             outcome="retry",
         )
         == 1
@@ -345,7 +346,7 @@ def test_requests_are_held_until_the_only_replica_is_ready(gateway, logs, solo_p
     caller = threading.Thread(target=call)
     caller.start()
     deadline = time.monotonic() + 10
-    while _metric(gateway, "llmendpoints_gateway_held_requests", endpoint="solo") != 1:
+    while _metric(gateway, "llmendpoints_gateway_held_requests", endpoint="default/solo") != 1:
         assert time.monotonic() < deadline, "the request was not held"
         time.sleep(0.05)
     replica = launch_standin(logs, "solo", port=solo_port, ready_after=1.0)
@@ -353,7 +354,7 @@ def test_requests_are_held_until_the_only_replica_is_ready(gateway, logs, solo_p
         caller.join(30)
         assert result["response"].status_code == 200
         assert result["response"].json()["replica"] == "solo"
-        assert _metric(gateway, "llmendpoints_gateway_held_requests", endpoint="solo") == 0
+        assert _metric(gateway, "llmendpoints_gateway_held_requests", endpoint="default/solo") == 0
     finally:
         replica.stop()
 
@@ -365,16 +366,26 @@ def test_a_client_that_leaves_while_held_is_dropped(gateway):
     while (
         _metric(
             gateway,
-            "llmendpoints_gateway_requests_total",
+            "llmendpoints_gateway_key_requests_total",
             key="alice",
-            endpoint="never",
+            endpoint="default/never",
             code="499",
         )
         != 1
     ):
         assert time.monotonic() < deadline, "the held request was not dropped"
         time.sleep(0.05)
-    assert _metric(gateway, "llmendpoints_gateway_held_requests", endpoint="never") == 0
+    assert _metric(gateway, "llmendpoints_gateway_held_requests", endpoint="default/never") == 0
+    assert (
+        _metric(gateway, "llmendpoints_gateway_requests_total", endpoint="default/never", code="499") == 1
+    )
+    gone = _metric(
+        gateway,
+        "llmendpoints_gateway_hold_duration_seconds_count",
+        endpoint="default/never",
+        outcome="client_gone",
+    )
+    assert gone == 1
 
 
 def test_beyond_the_hold_bounds_503_with_retry_after(logs):
@@ -403,7 +414,7 @@ def test_beyond_the_hold_bounds_503_with_retry_after(logs):
         )
         caller.start()
         deadline = time.monotonic() + 5
-        while _metric(gw, "llmendpoints_gateway_held_requests", endpoint="cold") != 1:
+        while _metric(gw, "llmendpoints_gateway_held_requests", endpoint="default/cold") != 1:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         full = httpx.post(gw.url + CHAT, json=chat("cold-model"), timeout=10)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -98,18 +99,28 @@ def _secret(name: str, *keys: str) -> dict:
     }
 
 
-def _slice(name: str, service: str, backend: Process, ready: bool = True) -> dict:
+def _slice(
+    name: str, service: str, backend: Process, ready: bool = True, operator: bool = True
+) -> dict:
+    """An EndpointSlice as the EndpointSlice controller writes it for the operator's Service:
+    the Service's labels copied (managed-by, endpoint), the pod in targetRef."""
+    labels = {"kubernetes.io/service-name": service}
+    if operator:
+        labels |= {"app.kubernetes.io/managed-by": "llmendpoints-operator",
+                   "llmendpoints.dev/endpoint": service}  # fmt: skip
     return {
         "apiVersion": "discovery.k8s.io/v1",
         "kind": "EndpointSlice",
-        "metadata": {
-            "name": name,
-            "namespace": NS,
-            "labels": {"kubernetes.io/service-name": service},
-        },
+        "metadata": {"name": name, "namespace": NS, "labels": labels},
         "addressType": "IPv4",
         "ports": [{"name": "http", "port": backend.port, "protocol": "TCP"}],
-        "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": ready}}],
+        "endpoints": [
+            {
+                "addresses": ["127.0.0.1"],
+                "conditions": {"ready": ready},
+                "targetRef": {"kind": "Pod", "namespace": NS, "name": f"{name}-pod"},
+            }
+        ],
     }
 
 
@@ -151,8 +162,21 @@ async def test_endpoints_pods_and_keys_come_from_the_cluster(cluster, gateway, s
     await cluster.create(SLICES, NS, _slice("alpha-2", "alpha", standins["a2"]))
     await cluster.create(SLICES, NS, _slice("beta-1", "beta", standins["b1"]))
 
+    # A slice of some other Service of the same name (not the operator's) is never routed to.
+    await cluster.create(SLICES, NS, _slice("alpha-x", "alpha", standins["b1"], operator=False))
+
     await _until(lambda: _models(gateway, "ka") == {"alpha-model": 2}, "alpha with 2 ready pods")
     await _until(lambda: _models(gateway, "kb") == {"beta": 1}, "beta (its name is its model)")
+    for _ in range(6):
+        answer = await asyncio.to_thread(_chat, gateway, "ka", "alpha-model")
+        assert answer.json()["replica"] in ("a1", "a2")
+    # The endpoint is "<namespace>/<name>" in metrics, and replicas are named by their pods.
+    text = httpx.get(gateway.metrics_url).text
+    assert f'llmendpoints_gateway_ready_replicas{{endpoint="{NS}/alpha"}} 2.0' in text
+    assert re.search(
+        r'in_flight_requests\{endpoint="models/alpha",replica="alpha-[12]-pod"\}', text
+    )
+    assert "127.0.0.1" not in text
     assert (await asyncio.to_thread(_chat, gateway, "ka", "alpha-model")).status_code == 200
     assert (await asyncio.to_thread(_chat, gateway, "kb", "beta")).json()["replica"] == "b1"
     # A key of alpha is refused on beta and the other way round; no key at all is a 401.
@@ -174,7 +198,7 @@ async def test_pods_leaving_and_becoming_ready_reach_routing(cluster, gateway, s
     held = asyncio.create_task(asyncio.to_thread(_chat, gateway, "ka", "alpha-model", 30))
     await _until(
         lambda: (
-            'llmendpoints_gateway_held_requests{endpoint="alpha"} 1.0'
+            f'llmendpoints_gateway_held_requests{{endpoint="{NS}/alpha"}} 1.0'
             in httpx.get(gateway.metrics_url).text
         ),
         "the request is held",
@@ -241,3 +265,51 @@ async def test_labelled_key_secrets_give_keys_with_limits_and_revocation_is_imme
         "the deleted key refused",
         timeout=5.0,
     )
+
+
+async def test_a_rotated_token_is_read_again_on_401(cluster, logs, standins):
+    """Bound ServiceAccount tokens expire and kubeconfig tokens rotate: on a 401 the gateway
+    re-reads its credentials and carries on, without a restart."""
+    accepted: dict[str, str | None] = {"token": "first"}
+
+    def unauthorized(request: kmock.Request) -> bool:
+        """The gateway's requests (kubernetes-asyncio's) without the current token; the test's
+        own writes pass."""
+        token = accepted["token"]
+        if token is None or "OpenAPI-Generator" not in request.headers.get("User-Agent", ""):
+            return False
+        return request.headers.get("Authorization") != f"Bearer {token}"
+
+    def kubeconfig(token: str) -> Path:
+        path = cluster.write_kubeconfig(logs / "kubeconfig-token")
+        text = path.read_text().replace("user: {}", f"user: {{token: {token}}}")
+        path.write_text(text)
+        return path
+
+    cluster.kmock[unauthorized] << kmock.KubernetesError(
+        status=401, reason="Unauthorized", message="Unauthorized"
+    )
+    try:
+        gw = launch_gateway(
+            logs, KUBECONFIG=str(kubeconfig("first")), GATEWAY_KEYS_NAMESPACE="token-keys"
+        )
+        try:
+            await _until(lambda: _status(gw, "/health") == 200, "the gateway listens")
+            await _until(lambda: "alpha-model" in _models(gw, "ka"), "alpha discovered")
+            # The token rotates: the old one is refused from now on.
+            accepted["token"] = "second"
+            kubeconfig("second")
+            await cluster.create(SECRETS, NS, _secret("gamma-keys", "kg"))
+            api = {"apiKeysSecretRef": {"name": "gamma-keys", "key": "keys"}}
+            await cluster.create(
+                LLMEP, NS, endpoint("gamma", NS, {"model": {"name": "m"}, "api": api})
+            )
+            await cluster.create(SLICES, NS, _slice("gamma-1", "gamma", standins["b1"]))
+            # Reading gamma's key Secret got a 401, re-read the kubeconfig, and succeeded.
+            await _until(lambda: _chat(gw, "kg", "gamma").status_code == 200, "gamma's key works")
+            assert "401 Unauthorized; re-reading credentials" in gw.log()
+        finally:
+            gw.stop()
+    finally:
+        accepted["token"] = None  # the API is open again for the other tests
+        await cluster.delete(LLMEP, NS, "gamma")

@@ -111,6 +111,7 @@ def gateways(logs, endpoints_file, queue_url):
             GATEWAY_ENDPOINTS_FILE=str(endpoints_file),
             JOBS_QUEUE_URL=queue_url,
             GATEWAY_ID=f"g{i}",
+            GATEWAY_METRICS_KEY_LABELS="1",  # these tests count per key
         )
         for i in (1, 2)
     ]
@@ -230,7 +231,11 @@ def test_requests_per_minute_hold_across_both_gateways_and_429s_carry_the_header
     assert raised.value.code == "rate_limit_exceeded"
     assert (
         _both(
-            gateways, "llmendpoints_gateway_requests_total", key="rpm", endpoint="demo", code="429"
+            gateways,
+            "llmendpoints_gateway_key_requests_total",
+            key="rpm",
+            endpoint="default/demo",
+            code="429",
         )
         == 4
     )
@@ -351,9 +356,9 @@ def test_counters_match_the_usage_the_backend_reported(gateways, standins):
     def counted(kind: str) -> float:
         return _both(
             gateways,
-            "llmendpoints_gateway_tokens_total",
+            "llmendpoints_gateway_key_tokens_total",
             key="meter",
-            endpoint="metered",
+            endpoint="default/metered",
             kind=kind,
         )
 
@@ -362,9 +367,9 @@ def test_counters_match_the_usage_the_backend_reported(gateways, standins):
     assert (
         _both(
             gateways,
-            "llmendpoints_gateway_requests_total",
+            "llmendpoints_gateway_key_requests_total",
             key="meter",
-            endpoint="metered",
+            endpoint="default/metered",
             code="200",
         )
         == 5
@@ -373,7 +378,11 @@ def test_counters_match_the_usage_the_backend_reported(gateways, standins):
 
 def test_a_request_retried_on_another_replica_is_counted_once(gateways, standins):
     before = _both(
-        gateways, "llmendpoints_gateway_requests_total", key="meter", endpoint="fragile", code="200"
+        gateways,
+        "llmendpoints_gateway_key_requests_total",
+        key="meter",
+        endpoint="default/fragile",
+        code="200",
     )
     # f1 crashes before answering; the gateway retries on f2.
     for _ in range(2):
@@ -386,15 +395,19 @@ def test_a_request_retried_on_another_replica_is_counted_once(gateways, standins
         assert answer.status_code == 200, answer.text
     stats = httpx.get(standins["f2"].url + "/stats").json()
     after = _both(
-        gateways, "llmendpoints_gateway_requests_total", key="meter", endpoint="fragile", code="200"
+        gateways,
+        "llmendpoints_gateway_key_requests_total",
+        key="meter",
+        endpoint="default/fragile",
+        code="200",
     )
     assert after - before == 2
     assert (
         _both(
             gateways,
-            "llmendpoints_gateway_tokens_total",
+            "llmendpoints_gateway_key_tokens_total",
             key="meter",
-            endpoint="fragile",
+            endpoint="default/fragile",
             kind="completion",
         )
         == stats["completion_tokens"]
@@ -537,9 +550,9 @@ def test_a_completed_jobs_tokens_are_counted_once_whoever_ran_it(gateways, queue
     def tokens(kind: str) -> float:
         return _both(
             gateways,
-            "llmendpoints_gateway_tokens_total",
+            "llmendpoints_gateway_key_tokens_total",
             key="demo-only",
-            endpoint="demo",
+            endpoint="default/demo",
             kind=kind,
         )
 

@@ -99,6 +99,7 @@ def gateways(logs, endpoints_file, queue_url):
             GATEWAY_ENDPOINTS_FILE=str(endpoints_file),
             JOBS_QUEUE_URL=queue_url,
             GATEWAY_ID=f"g{i}",
+            GATEWAY_METRICS_KEY_LABELS="1",  # these tests count per key
         )
         for i in (1, 2)
     ]
@@ -152,7 +153,7 @@ def _engine_tokens(runtime: Process) -> tuple[float, float]:
 def _gateway_tokens(gateways, key: str) -> tuple[float, float]:
     return tuple(
         sum(
-            _metric(gw.url, "llmendpoints_gateway_tokens_total", key=key, kind=kind)
+            _metric(gw.url, "llmendpoints_gateway_key_tokens_total", key=key, kind=kind)
             for gw in gateways
         )
         for kind in ("prompt", "completion")
@@ -225,7 +226,7 @@ def test_the_tokens_counted_are_the_engines_own_for_answers_streams_and_jobs(gat
     assert engine[0] > seen[0] + job_usage["input"]  # plus the two streams' prompts
     assert (
         sum(
-            _metric(gw.url, "llmendpoints_gateway_requests_total", key="meter", code="200")
+            _metric(gw.url, "llmendpoints_gateway_key_requests_total", key="meter", code="200")
             for gw in gateways
         )
         == 5

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from llmendpoints_common.errors import ServiceUnavailableError
 from llmendpoints_gateway import registry as registry_module
 from llmendpoints_gateway.metrics import GatewayMetrics
 from llmendpoints_gateway.registry import Registry
@@ -17,10 +18,12 @@ async def test_a_failed_replica_is_routed_around_then_trusted_again(
     monkeypatch.setattr(registry_module, "SUSPEND_SECONDS", 0.05)
     reg = Registry(GatewayMetrics(), hold_queue_length=10, load_factor=1.25)
     ep = reg.upsert("e", ["m"], Strategy.PREFIX_AWARE)
-    reg.set_ready("e", ["http://a", "http://b"])
-    reg.mark_failed("e", "http://a")
+    reg.set_ready("default/e", ["http://a", "http://b"])
+    reg.mark_failed("default/e", "http://a")
     assert ep.ready == ("http://b",)
-    reg.set_ready("e", ["http://a", "http://b"])  # discovery still lists it: still suspended
+    reg.set_ready(
+        "default/e", ["http://a", "http://b"]
+    )  # discovery still lists it: still suspended
     assert ep.ready == ("http://b",)
     await asyncio.sleep(0.1)
     assert ep.ready == ("http://a", "http://b")
@@ -33,7 +36,135 @@ async def test_held_requests_go_out_when_a_replica_is_ready():
     waiting = asyncio.ensure_future(ep.hold.wait(5, never))
     await asyncio.sleep(0)
     assert len(ep.hold) == 1 and reg.held() == 1
-    reg.set_ready("e", ["http://a"])
+    reg.set_ready("default/e", ["http://a"])
     await asyncio.wait_for(waiting, 1)
     assert len(ep.hold) == 0
     assert reg.by_model("m") is ep and reg.by_model("x") is None
+
+
+def _series(metrics: GatewayMetrics) -> str:
+    return metrics.render().decode()
+
+
+async def test_a_departed_replicas_in_flight_series_goes_with_it_named_by_pod():
+    metrics = GatewayMetrics()
+    reg = Registry(metrics, hold_queue_length=10, load_factor=1.25)
+    ep = reg.upsert("e", ["m"], Strategy.PREFIX_AWARE, namespace="ns")
+    reg.set_ready("ns/e", ["http://10.0.0.1:8000", "http://10.0.0.2:8000"],
+                  names={"http://10.0.0.1:8000": "e-abc", "http://10.0.0.2:8000": "e-def"})  # fmt: skip
+    reg.acquire(ep, "http://10.0.0.1:8000")
+    reg.acquire(ep, "http://10.0.0.2:8000")
+    reg.release(ep, "http://10.0.0.2:8000")
+    text = _series(metrics)
+    assert 'llmendpoints_gateway_in_flight_requests{endpoint="ns/e",replica="e-abc"} 1.0' in text
+    assert 'llmendpoints_gateway_in_flight_requests{endpoint="ns/e",replica="e-def"} 0.0' in text
+    assert "10.0.0" not in text  # pod names, not addresses
+    # Both pods leave; e-abc still has a request outstanding (it drains), e-def has none.
+    reg.set_ready("ns/e", [])
+    text = _series(metrics)
+    assert 'replica="e-def"' not in text
+    assert 'llmendpoints_gateway_in_flight_requests{endpoint="ns/e",replica="e-abc"} 1.0' in text
+    reg.release(ep, "http://10.0.0.1:8000")  # its last request ends: the series goes
+    assert "llmendpoints_gateway_in_flight_requests{" not in _series(metrics)
+    # The endpoint at zero stays visible (dashboards list it), until it is deleted.
+    assert 'llmendpoints_gateway_ready_replicas{endpoint="ns/e"} 0.0' in _series(metrics)
+    reg.remove("ns/e")
+    assert 'endpoint="ns/e"' not in _series(metrics)
+
+
+async def test_a_suspended_replica_keeps_its_series():
+    metrics = GatewayMetrics()
+    reg = Registry(metrics, hold_queue_length=10, load_factor=1.25)
+    ep = reg.upsert("e", ["m"], Strategy.PREFIX_AWARE)
+    reg.set_ready("default/e", ["http://127.0.0.1:9001", "http://127.0.0.1:9002"])
+    reg.acquire(ep, "http://127.0.0.1:9001")
+    reg.release(ep, "http://127.0.0.1:9001")
+    reg.mark_failed("default/e", "http://127.0.0.1:9001")  # routed around, not gone
+    text = _series(metrics)
+    # A static backend has no pod: its label is host:port.
+    assert (
+        'llmendpoints_gateway_in_flight_requests{endpoint="default/e",replica="127.0.0.1:9001"} 0.0' in text
+    )
+
+
+async def test_hold_time_is_observed_by_outcome():
+    metrics = GatewayMetrics()
+    reg = Registry(metrics, hold_queue_length=10, load_factor=1.25)
+    ep = reg.upsert("e", ["m"], Strategy.PREFIX_AWARE)
+    never = asyncio.get_running_loop().create_future()
+    waiting = asyncio.ensure_future(ep.hold.wait(5, never))
+    await asyncio.sleep(0)
+    reg.set_ready("default/e", ["http://a"])
+    await asyncio.wait_for(waiting, 1)
+    reg.set_ready("default/e", [])
+    with pytest.raises(ServiceUnavailableError):
+        await ep.hold.wait(0.01, asyncio.get_running_loop().create_future())
+    text = _series(metrics)
+    count = "llmendpoints_gateway_hold_duration_seconds_count"
+    assert f'{count}{{endpoint="default/e",outcome="released"}} 1.0' in text
+    assert f'{count}{{endpoint="default/e",outcome="timeout"}} 1.0' in text
+    # Buckets reach the longest hold (an hour: a cold start of a large model).
+    assert (
+        'llmendpoints_gateway_hold_duration_seconds_bucket{endpoint="default/e",le="3600.0",outcome="released"}'
+        in text
+    )
+
+
+def test_per_key_series_only_when_asked_for_and_no_created_series():
+    plain, keyed = GatewayMetrics(), GatewayMetrics(key_labels=True)
+    for metrics in (plain, keyed):
+        metrics.answered("ns/e", 200, "team-a")
+        metrics.tokens_used("ns/e", "completion", 7, "team-a")
+    text = _series(plain)
+    assert 'llmendpoints_gateway_requests_total{code="200",endpoint="ns/e"} 1.0' in text
+    assert 'llmendpoints_gateway_tokens_total{endpoint="ns/e",kind="completion"} 7.0' in text
+    assert "team-a" not in text and "key=" not in text
+    assert "_created" not in text
+    text = _series(keyed)
+    assert 'llmendpoints_gateway_requests_total{code="200",endpoint="ns/e"} 1.0' in text
+    assert (
+        'llmendpoints_gateway_key_requests_total{code="200",endpoint="ns/e",key="team-a"} 1.0'
+        in text
+    )
+    assert (
+        'llmendpoints_gateway_key_tokens_total{endpoint="ns/e",key="team-a",kind="completion"} 7.0'
+        in text
+    )
+
+
+def test_an_endpoint_is_found_by_id_qualified_name_or_unique_name():
+    reg = Registry(GatewayMetrics(), hold_queue_length=10, load_factor=1.25)
+    a = reg.upsert("chat", ["a"], Strategy.PREFIX_AWARE, namespace="team-a")
+    b = reg.upsert("chat", ["b"], Strategy.PREFIX_AWARE, namespace="team-b")
+    c = reg.upsert("v1.2", ["c"], Strategy.PREFIX_AWARE, namespace="team-b")
+    assert reg.get("team-a/chat") is a and reg.get("chat.team-b") is b
+    assert reg.get("chat") is None  # two namespaces serve it: qualify it
+    assert reg.get("v1.2") is c and reg.get("v1.2.team-b") is c
+
+
+def test_a_discovered_endpoint_is_held_for_at_least_its_own_start_up():
+    """GATEWAY_HOLD_TIMEOUT_SECONDS (600) is shorter than the CRD's startupTimeoutSeconds (3,600):
+    a cold start of a large model must not be answered 503 while its pod may still come up."""
+    from llmendpoints_gateway.discovery.kube import endpoint_view
+    from llmendpoints_gateway.holding import SCHEDULING_MARGIN_SECONDS, hold_timeout
+
+    assert hold_timeout(600, None) == 600  # static endpoints: the setting
+    assert hold_timeout(600, 3600) == 3600 + SCHEDULING_MARGIN_SECONDS
+    assert hold_timeout(7200, 60) == 7200  # the setting is the floor
+    reg = Registry(GatewayMetrics(), hold_queue_length=10, load_factor=1.25)
+    big = endpoint_view(
+        {"metadata": {"namespace": "ns", "name": "big"},
+         "spec": {"engine": {"startupTimeoutSeconds": 5400}}}
+    )  # fmt: skip
+    plain = endpoint_view({"metadata": {"namespace": "ns", "name": "plain"}, "spec": {}})
+    for view in (big, plain):
+        reg.upsert(
+            view.name,
+            view.models,
+            view.routing,
+            namespace=view.namespace,
+            startup_timeout=view.startup_timeout,
+        )
+    assert reg.get("ns/big").hold_seconds(600) == 5400 + SCHEDULING_MARGIN_SECONDS
+    assert reg.get("ns/plain").hold_seconds(600) == 3600 + SCHEDULING_MARGIN_SECONDS  # CRD default
+    assert reg.upsert("static", ["m"], Strategy.PREFIX_AWARE).hold_seconds(600) == 600

@@ -85,6 +85,7 @@ def gateway(logs, standins):
         GATEWAY_HOLD_TIMEOUT_SECONDS="20",
         REQUEST_READ_TIMEOUT_SECONDS="2",
         LOG_FORMAT="text",
+        GATEWAY_METRICS_KEY_LABELS="1",  # billing is read per key below
     ) as gw:
         deadline = time.monotonic() + 20
         while True:
@@ -120,17 +121,17 @@ def test_the_pod_sees_the_gateways_token_and_the_callers_name_never_the_callers_
         answer = httpx.post(gateway.url + CHAT, json=chat("one-model"), headers=headers)
         assert answer.status_code == 200, answer.text
         seen = _stats(standins["s1"])
-        assert seen["last_authorization"] == f"Bearer {derive(SECRET, 'one')}"
+        assert seen["last_authorization"] == f"Bearer {derive(SECRET, 'default/one')}"
         assert seen["last_api_key"] is None
         assert seen["last_caller"] == "alice"  # the gateway's word, not the client's
     # an admin key is never forwarded either
     answer = httpx.post(gateway.url + CHAT, json=chat("two-model"), headers=_auth(ADMIN))
     assert answer.status_code == 200
     seen = _stats(standins["s2"])
-    assert seen["last_authorization"] == f"Bearer {derive(SECRET, 'two')}"
+    assert seen["last_authorization"] == f"Bearer {derive(SECRET, 'default/two')}"
     assert seen["last_caller"] == "ops"
     # each endpoint's pods get their own token: one endpoint's is no use at another's
-    assert derive(SECRET, "one") != derive(SECRET, "two")
+    assert derive(SECRET, "default/one") != derive(SECRET, "default/two")
 
 
 # ------------------------------------------------------------------ paths
@@ -281,7 +282,7 @@ def _hold(gw: Process, key: str, results: list, body: dict | None = None) -> thr
 
 def _held(gw: Process) -> float:
     for line in httpx.get(gw.metrics_url).text.splitlines():
-        if line.startswith("llmendpoints_gateway_held_requests{") and '"cold"' in line:
+        if line.startswith("llmendpoints_gateway_held_requests{") and '"default/cold"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
@@ -365,17 +366,17 @@ def test_no_key_configured_is_no_access_and_deleting_the_last_key_opens_nothing(
 
 
 def _tokens(gw: Process, key: str, kind: str) -> float:
-    want = f'llmendpoints_gateway_tokens_total{{endpoint="one",key="{key}",kind="{kind}"}}'
+    """The tokens billed to ``key`` on endpoint one (per-key series: GATEWAY_METRICS_KEY_LABELS)."""
+    want = {"endpoint": '"default/one"', "key": f'"{key}"', "kind": f'"{kind}"'}
     for line in httpx.get(gw.metrics_url).text.splitlines():
-        if line.startswith("llmendpoints_gateway_tokens_total{"):
+        if line.startswith("llmendpoints_gateway_key_tokens_total{"):
             labels = dict(
                 part.split("=", 1)
                 for part in line[line.index("{") + 1 : line.index("}")].split(",")
             )
-            if labels == {"endpoint": '"one"', "key": f'"{key}"', "kind": f'"{kind}"'}:
+            if labels == want:
                 return float(line.rsplit(" ", 1)[1])
-    assert want  # (the series appears once something was counted)
-    return 0.0
+    return 0.0  # the series appears once something was counted
 
 
 def _wait(condition, what: str, timeout: float = 10) -> None:

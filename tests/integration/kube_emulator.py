@@ -126,6 +126,9 @@ class _FastMatching(kmock.RawHandler):
         raise NotImplementedError("no reaction matches the request")
 
 
+_GO_TRUE = {"1", "t", "T", "TRUE", "True"}
+
+
 def _is_apply(request: kmock.Request) -> bool:
     content_type = next((v for k, v in request.headers.items() if k.lower() == "content-type"), "")
     return content_type.startswith(APPLY_CONTENT_TYPE)
@@ -152,6 +155,10 @@ class Emulator(kmock.KubernetesEmulator, _FastMatching):
         # Nothing here asserts on past requests: do not let the history grow without bound.
         if len(self._requests) > 1024:
             del self._requests[:-512]
+        if request.action == kmock.action.LIST and request.params.get("watch") in _GO_TRUE:
+            # The API server reads `watch` with Go's strconv.ParseBool; kmock knows only "true"
+            # (kubernetes-asyncio, the gateway's client, sends "True").
+            request = attrs.evolve(request, action=kmock.action.WATCH)
         if (
             request.resource is not None
             and request.action == kmock.action.UPDATE

@@ -191,7 +191,7 @@ async def test_queue_up_scales_up_fast_load_gone_holds_then_returns_to_min(
     assert "burst" in ups[-1]["reason"] and ups[-1]["signals"]["queueDepth"] == 20
 
     text = await operator.metrics()
-    labels = f'endpoint="{NAME}",namespace="{NS}"'
+    labels = f'endpoint="{NS}/{NAME}"'
     assert f"llmendpoints_autoscaler_desired_replicas{{{labels}}} 4.0" in text
     assert f'llmendpoints_autoscaler_decisions_total{{direction="up",{labels}}} 2.0' in text
 

@@ -180,7 +180,7 @@ def test_metrics_expose_ours_and_vllms(runtime, client):
         "llmendpoints_engine_ready 1.0",
         'llmendpoints_startup_phase_seconds{phase="load"}',
         'llmendpoints_startup_phase_seconds{phase="ready"}',
-        'llmendpoints_http_requests_total{method="POST",route="/v1/completions",status="200"}',
+        'llmendpoints_http_requests_total{code="200",method="POST",route="/v1/completions"}',
         "llmendpoints_http_request_duration_seconds_bucket",
         "vllm:num_requests_waiting",
         "vllm:generation_tokens_total",

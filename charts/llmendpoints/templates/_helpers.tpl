@@ -50,9 +50,14 @@ app.kubernetes.io/component: operator
 {{- end }}
 {{- end }}
 
+{{/* The runtime image endpoints get by default: the digest wins over the tag, as above. */}}
 {{- define "llmendpoints.runtimeImage" -}}
 {{- $img := .Values.runtimeDefaults.image }}
+{{- if $img.digest }}
+{{- printf "%s@%s" $img.repository $img.digest }}
+{{- else }}
 {{- printf "%s:%s" $img.repository (default .Chart.AppVersion $img.tag) }}
+{{- end }}
 {{- end }}
 
 {{/* True ("true") when the operator watches every namespace. */}}
@@ -220,6 +225,9 @@ Secret, or a plain queue.url. The operator and the gateway read the same queue. 
       name: {{ $v.existingSecret }}
       key: {{ $v.existingSecretKey }}
 {{- else if $v.url }}
+{{- if regexMatch "^[a-z]+://[^/]*@" $v.url }}
+{{- fail "queue.url carries credentials: secrets go by reference -- put the URL in a Secret and set queue.existingSecret" }}
+{{- end }}
 - name: {{ .name }}
   value: {{ $v.url | quote }}
 {{- end }}

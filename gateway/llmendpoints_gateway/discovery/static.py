@@ -79,9 +79,9 @@ def parse_endpoints(text: str) -> list[StaticEndpoint]:
                 f"{where}.routing: must be one of {[s.value for s in Strategy]}"
             ) from None
         result.append(StaticEndpoint(name, models, backends, routing, namespace))
-    names = [e.name for e in result]
-    if len(set(names)) != len(names):
-        raise EndpointsFileError("endpoint names must be unique")
+    ids = [f"{e.namespace}/{e.name}" for e in result]
+    if len(set(ids)) != len(ids):
+        raise EndpointsFileError("endpoints must be unique by namespace and name")
     return result
 
 
@@ -105,11 +105,13 @@ class StaticDiscovery:
         session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
         self._session = session
         for ep in endpoints:
-            self.registry.upsert(ep.name, ep.models, ep.routing, ep.namespace)
-            self._ready[ep.name] = set()
+            endpoint = self.registry.upsert(ep.name, ep.models, ep.routing, namespace=ep.namespace)
+            self._ready[endpoint.id] = set()
             for backend in ep.backends:
-                self._tasks.append(asyncio.create_task(self._probe(ep.name, backend)))
-        logger.info("static endpoints from %s: %s", self.path, [e.name for e in endpoints])
+                self._tasks.append(asyncio.create_task(self._probe(endpoint.id, backend)))
+        logger.info(
+            "static endpoints from %s: %s", self.path, [f"{e.namespace}/{e.name}" for e in endpoints]
+        )
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -2,13 +2,18 @@
 
 In the registry they are given: the operator's startup (handlers.py) passes the one __main__
 serves; without one (tests) they get a fresh registry of their own.
+
+Every series names its LLMEndpoint as ``endpoint="<namespace>/<name>"``, the label and value the
+gateway uses and the chart's PodMonitor gives the runtime pods' series, so one dashboard variable
+selects an endpoint across the three components. (No ``namespace`` label of our own: Prometheus
+gives every target its own, here the operator's.)
 """
 
 from __future__ import annotations
 
 import contextlib
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from .decision import Decision, Outside
 
@@ -18,10 +23,16 @@ PRIORITIES = ("normal", "low")
 _COLD_START_BUCKETS = (5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600, 900, 1800)
 
 
+def endpoint_label(namespace: str, name: str) -> str:
+    """The ``endpoint`` label's value: ``<namespace>/<name>`` (DECISIONS §2's endpoint id)."""
+    return f"{namespace}/{name}"
+
+
 class AutoscalerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        disable_created_metrics()  # process-wide: no `_created` series (nothing reads them)
         self.registry = registry or CollectorRegistry(auto_describe=True)
-        labels = ["namespace", "endpoint"]
+        labels = ["endpoint"]
         self.desired = Gauge(
             "llmendpoints_autoscaler_desired_replicas",
             "Replicas the autoscaler decided on at its last tick.",
@@ -92,21 +103,22 @@ class AutoscalerMetrics:
         )
 
     def record_outside(self, namespace: str, endpoint: str, outside: Outside) -> None:
-        self.held.labels(namespace, endpoint).set(outside.held)
-        self.queued_jobs.labels(namespace, endpoint, "normal").set(outside.jobs_queued)
-        self.queued_jobs.labels(namespace, endpoint, "low").set(outside.jobs_queued_low_priority)
-        self.running_jobs.labels(namespace, endpoint).set(outside.jobs_running)
+        ref = endpoint_label(namespace, endpoint)
+        self.held.labels(ref).set(outside.held)
+        self.queued_jobs.labels(ref, "normal").set(outside.jobs_queued)
+        self.queued_jobs.labels(ref, "low").set(outside.jobs_queued_low_priority)
+        self.running_jobs.labels(ref).set(outside.jobs_running)
 
     def outside_failed(self, namespace: str, endpoint: str) -> None:
-        self.outside_errors.labels(namespace, endpoint).inc()
+        self.outside_errors.labels(endpoint_label(namespace, endpoint)).inc()
 
     def cold_started(self, namespace: str, endpoint: str, seconds: float | None) -> None:
         if seconds is not None:
-            self.cold_start.labels(namespace, endpoint).observe(seconds)
+            self.cold_start.labels(endpoint_label(namespace, endpoint)).observe(seconds)
 
     def record(self, namespace: str, endpoint: str, current: int, decision: Decision) -> None:
         """One tick's outcome."""
-        key = (namespace, endpoint)
+        key = (endpoint_label(namespace, endpoint),)
         self.desired.labels(*key).set(decision.replicas)
         self.current.labels(*key).set(current)
         self.ready.labels(*key).set(decision.signals.get("readyReplicas", 0))
@@ -115,16 +127,17 @@ class AutoscalerMetrics:
         self.decisions.labels(*key, DIRECTIONS[decision.action]).inc()
 
     def scrape_failed(self, namespace: str, endpoint: str, count: int = 1) -> None:
-        self.scrape_errors.labels(namespace, endpoint).inc(count)
+        self.scrape_errors.labels(endpoint_label(namespace, endpoint)).inc(count)
 
     def forget(self, namespace: str, endpoint: str) -> None:
         """Drop a deleted endpoint's series."""
+        ref = endpoint_label(namespace, endpoint)
         series = [
-            *((m, (namespace, endpoint)) for m in self._per_endpoint()),
-            *((self.queued_jobs, (namespace, endpoint, p)) for p in PRIORITIES),
-            (self.scrape_errors, (namespace, endpoint)),
-            *((self.signal, (namespace, endpoint, s)) for s in ("queue_depth", "in_flight")),
-            *((self.decisions, (namespace, endpoint, d)) for d in DIRECTIONS.values()),
+            *((m, (ref,)) for m in self._per_endpoint()),
+            *((self.queued_jobs, (ref, p)) for p in PRIORITIES),
+            (self.scrape_errors, (ref,)),
+            *((self.signal, (ref, s)) for s in ("queue_depth", "in_flight")),
+            *((self.decisions, (ref, d)) for d in DIRECTIONS.values()),
         ]
         for metric, labels in series:
             with contextlib.suppress(KeyError):

@@ -104,16 +104,13 @@ def test_operator_metrics_per_endpoint_and_forgetting_a_deleted_endpoint():
     metrics.record("ns", "chat", current=1, decision=decision)
     metrics.scrape_failed("ns", "chat", 2)
     text = generate_latest(metrics.registry).decode()
-    assert 'llmendpoints_autoscaler_desired_replicas{endpoint="chat",namespace="ns"} 2.0' in text
-    assert 'llmendpoints_autoscaler_current_replicas{endpoint="chat",namespace="ns"} 1.0' in text
-    assert (
-        'llmendpoints_autoscaler_decisions_total{direction="up",endpoint="chat",namespace="ns"} 1.0'
-        in text
-    )
-    assert 'llmendpoints_autoscaler_scrape_errors_total{endpoint="chat",namespace="ns"} 2.0' in text
+    assert 'llmendpoints_autoscaler_desired_replicas{endpoint="ns/chat"} 2.0' in text
+    assert 'llmendpoints_autoscaler_current_replicas{endpoint="ns/chat"} 1.0' in text
+    assert 'llmendpoints_autoscaler_decisions_total{direction="up",endpoint="ns/chat"} 1.0' in text
+    assert 'llmendpoints_autoscaler_scrape_errors_total{endpoint="ns/chat"} 2.0' in text
     assert 'signal="queue_depth"} 40.0' in text
     metrics.forget("ns", "chat")
-    assert 'endpoint="chat"' not in generate_latest(metrics.registry).decode()
+    assert 'endpoint="ns/chat"' not in generate_latest(metrics.registry).decode()
 
 
 def test_spec_scaling_carries_the_tuning_into_the_policy():

@@ -85,9 +85,7 @@ def test_every_variable_the_operator_writes_is_managed(example: pathlib.Path) ->
     ep = parse(doc["metadata"]["name"], "ns", doc["spec"])
     written = {v["name"] for v in manifests.build_env(ep)}
     from_env = {v.name for v in ep.spec.engine.env}  # the user's own engine.env, passed through
-    from_args = {
-        name for name in written - from_env if name not in managed_env.operator_written()
-    }
+    from_args = {name for name in written - from_env if name not in managed_env.operator_written()}
     # Besides engine.args: the LoRA defaults spec.adapters derives, which args/env may override.
     defaults = set(manifests.lora_settings(ep))
     assert from_args - defaults == {n.replace("-", "_").upper() for n in ep.spec.engine.args}
