@@ -103,6 +103,12 @@ class OperatorSettings(BaseSettings):
         "spec.scaling.minReplicas: 0 is allowed (the gateway holds requests while an endpoint "
         "has no replica).",
     )
+    inference_pool_default: bool = Field(
+        False,
+        description="Whether endpoints that do not set spec.api.inferencePool.enabled get an "
+        "InferencePool (inference.networking.k8s.io/v1) selecting their pods, for Gateway API "
+        "gateways with an endpoint picker (docs/gateway-api.md).",
+    )
 
     # -- cluster-admin policy (policy.py; docs/security.md). Lists are comma-separated; unset
     # means no restriction, an empty value allows nothing. Globs: `*` any run of characters,
