@@ -13,6 +13,7 @@ import pytest
 from runtime_process import (  # noqa: F401 -- re-exported for the test modules
     RUNTIME_BIN,
     RuntimeServer,
+    check_model_server,
     free_port,
     launch_runtime,
     running_runtime,
