@@ -5,9 +5,11 @@ token, in blocks of prompt to prefill (prefix_index's blocks):
 
 - the request's own uncached prefill: its blocks minus the longest prefix the replica holds
   (prefix_index.longest_match);
-- the requests waiting in the replica's engine queue ahead of it (vllm:num_requests_waiting, plus
-  those this gateway sent since that sample), each costing a typical request's prefill;
+- the requests waiting in the replica's engine queue ahead of it (vllm:num_requests_waiting),
+  each costing a typical request's prefill;
 - the requests running (vllm:num_requests_running), which share every engine step with it;
+  this gateway's requests sent since the sample and still in flight count as waiting when the
+  engine had a queue, as running when it had none;
 - a full KV cache (vllm:kv_cache_usage_perc above `kv_high`): the engine must evict or preempt
   before it admits more;
 - for a LoRA adapter, a replica that does not have it active (vllm:lora_requests_info) must load it
@@ -65,11 +67,13 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Weights:
-    """The estimate's constants, in blocks of prefill. Defaults: a running request costs a
-    quarter block per step it shares; a full cache costs four typical requests; loading an adapter
-    one typical request with a free slot, four without."""
+    """The estimate's constants, in blocks of prefill. Defaults: a running request costs a block
+    (it shares every step with the new one, and where new conversations start decides where
+    their history will be: bench/RESULTS.md, "Routing on what the engines hold", measured 0.25
+    and 1.0); a full cache costs four typical requests; loading an adapter one typical request
+    with a free slot, four without."""
 
-    running_blocks: float = 0.25
+    running_blocks: float = 1.0
     kv_high: float = 0.9
     kv_full_requests: float = 4.0
     adapter_free_slot_requests: float = 1.0
@@ -170,8 +174,14 @@ def _score(
     uncached = request_blocks - matched
     engine = c.engine if use_engine else None
     if engine is not None:
-        queue = max(engine.waiting, 0.0) + c.sent_since_sample
-        running = max(engine.running, 0.0)
+        queue, running = max(engine.waiting, 0.0), max(engine.running, 0.0)
+        # What this gateway sent since the sample and is still waiting for is not in it: it
+        # queues behind the engine's queue if there is one, else it is running already.
+        new = min(c.sent_since_sample, c.in_flight)
+        if queue > 0:
+            queue += new
+        else:
+            running += new
         kv = min(max(engine.kv_usage, 0.0), 1.0)
         kv_cost = max(0.0, kv - w.kv_high) / (1 - w.kv_high) * w.kv_full_requests * typical
     else:

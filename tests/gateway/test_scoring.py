@@ -3,6 +3,7 @@ system prompts go where they are cached, bounded load holds, engine load and ada
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -69,7 +70,7 @@ def test_a_conversation_stays_where_its_history_is() -> None:
         gw.route(conversation(SYSTEM[i % 4], f"other {i}", 1)[0])
     turns = conversation(text(80, 7), "My order never arrived.", 5)
     home = gw.route(turns[0]).replica
-    for before, body in zip(turns, turns[1:], strict=False):
+    for before, body in itertools.pairwise(turns):
         choice = gw.route(body)
         assert (choice.replica, choice.reason) == (home, Reason.AFFINITY)
         score = next(s for s in choice.scores if s.replica == home)
@@ -154,15 +155,19 @@ def test_the_replica_that_starts_soonest_wins_among_equals() -> None:
         assert (choice.replica, choice.reason) == (expected, Reason.LOAD), engines
 
 
-def test_requests_sent_since_the_last_sample_count_as_queue() -> None:
-    """The engine's numbers are up to a second old: what this gateway sent since is added."""
+def test_requests_sent_since_the_last_sample_are_added_while_in_flight() -> None:
+    """The engine's numbers are up to a second old: what this gateway sent since, and still
+    waits for, is added -- to the queue behind a queue, to the running batch otherwise."""
     candidates = [
-        Candidate("a", 5, EngineState(0, 0, 0.1), sent_since_sample=5),
-        Candidate("b", 1, EngineState(0, 1, 0.1), sent_since_sample=0),
+        Candidate("a", 5, EngineState(0, 2, 0.1), sent_since_sample=7),
+        Candidate("b", 1, EngineState(0, 3, 0.1), sent_since_sample=0),
+        Candidate("c", 3, EngineState(2, 0, 0.1), sent_since_sample=30),
     ]
-    choice = choose(candidates, 4, {})
+    choice = choose(candidates, 4, {}, load_factor=4)
+    # "a": 5 of the 7 it was sent are still in flight, behind 2 waiting; "c": 3 more running.
+    assert [(s.queue, s.running) for s in choice.scores] == [(7, 0), (3, 0), (0, 5)]
+    assert [s.cost for s in choice.scores] == [4 + 7, 4 + 3, 4 + 5]
     assert choice.replica == "b"
-    assert [s.queue for s in choice.scores] == [5, 1]
 
 
 def test_without_fresh_engine_load_everywhere_our_in_flight_counts_stand_in() -> None:
@@ -206,6 +211,6 @@ def test_spill_affinity_and_the_debug_line() -> None:
 
 def test_weights_are_tunable() -> None:
     candidates = [Candidate("a", 0, EngineState(40, 0, 0.2)), Candidate("b", 0, IDLE)]
-    # "a" holds 6 more blocks; 40 running requests cost 10 blocks at the default weight.
+    # "a" holds 6 more blocks; 40 running requests cost 40 blocks at the default weight.
     assert choose(candidates, 6, {"a": 6}).replica == "b"
     assert choose(candidates, 6, {"a": 6}, weights=Weights(running_blocks=0.05)).replica == "a"
