@@ -68,10 +68,11 @@ class Candidate:
 @dataclass(frozen=True)
 class Weights:
     """The estimate's constants, in blocks of prefill. Defaults: a running request costs a block
-    (it shares every step with the new one, and where new conversations start decides where
-    their history will be: bench/RESULTS.md, "Routing on what the engines hold", measured 0.25
-    and 1.0); a full cache costs four typical requests; loading an adapter one typical request
-    with a free slot, four without."""
+    (it shares every step with the new one, and where a new conversation starts is where its
+    history will be: leaning to the less busy replica then spares bounded-load spills later; on
+    the demo model 1.0 spilled less than 0.25 at hit rates within noise, bench/RESULTS.md -- to
+    be tuned on real GPUs); a full cache costs four typical requests; loading an adapter one
+    typical request with a free slot, four without."""
 
     running_blocks: float = 1.0
     kv_high: float = 0.9
