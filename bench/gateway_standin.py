@@ -14,7 +14,11 @@ thousands of streams cost the backend next to nothing and failures can be made o
   ``stream_options.include_usage`` a last usage-only chunk (``choices: []``) before ``[DONE]``.
 - ``GET /stats``: requests seen, streams ended by the client's disconnect, the last
   ``x-request-id``, which replica this is (``--name``), and the tokens it reported in total
-  (``prompt_tokens``, ``completion_tokens``: what metering must add up to).
+  (``prompt_tokens``, ``completion_tokens``: what metering must add up to); every path asked
+  for (``paths``, the last 100) and the credentials the last request carried
+  (``last_authorization``, ``last_api_key``, ``last_caller``): what a pod learns of a caller.
+- ``standin_pad``: that many bytes of padding in a JSON answer, before its ``usage`` (a large
+  answer, as embeddings of a big batch are).
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ class Standin:
             "prompt_tokens": 0,
             "completion_tokens": 0,
             "usage_requested": 0,
+            "paths": [],
+            "last_authorization": None,
+            "last_api_key": None,
+            "last_caller": None,
         }
 
     async def __call__(self, scope, receive, send):
@@ -56,6 +64,15 @@ class Standin:
             )
         if path == "/stats":
             return await _json(send, 200, self.stats)
+        self.stats["paths"] = [*self.stats["paths"][-99:], f"{scope['method']} {path}"]
+        headers = dict(scope["headers"])
+        for field, header in (
+            ("last_authorization", b"authorization"),
+            ("last_api_key", b"x-api-key"),
+            ("last_caller", b"x-llmep-caller"),
+        ):
+            value = headers.get(header)
+            self.stats[field] = value.decode("latin-1") if value is not None else None
         if path not in ("/v1/chat/completions", "/v1/completions"):
             return await _json(send, 404, {"error": {"message": "not found"}})
         body = b""
@@ -93,6 +110,7 @@ class Standin:
                     "object": "chat.completion",
                     "model": request.get("model"),
                     "replica": self.name,
+                    "padding": "p" * int(request.get("standin_pad", 0)),
                     "choices": [
                         {
                             "index": 0,

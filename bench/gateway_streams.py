@@ -14,7 +14,7 @@ proxy), in its own process in front of two stand-in backends:
    is sampled; memory per open stream = (RSS with all open - RSS idle) / streams. Every stream
    must end with ``[DONE]`` and status 200: any other ending is an error.
 
-Target (DESIGN.md): 2,000 concurrent open streams on 2 cores with no error; CPU per proxied
+Target (bench/README.md, the table's target column): 2,000 concurrent open streams on 2 cores with no error; CPU per proxied
 request and memory per open stream reported. Results: JSON in bench/out/gateway_streams.json and
 a Markdown section on stdout (for bench/RESULTS.md).
 """
@@ -183,8 +183,10 @@ def start_target(name: str, port: int, backends: list[str], tmp: Path) -> subpro
             "GATEWAY_ENDPOINTS_FILE": str(endpoints),
             "PORT": str(port),
             "HOST": "127.0.0.1",
-            "LOG_LEVEL": "warning",
-            "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in ("gateway", "common")),
+            "LLMEP_LOG_LEVEL": "warning",
+            "GATEWAY_REQUIRE_KEYS": "false",  # the replicas are open: a bench of routing
+            "GATEWAY_METRICS_PORT": "0",
+            "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in ("gateway", "common", "edge")),
         }
         return spawn([PY, "-m", "llmendpoints_gateway", "serve"], tmp / "gateway.log", env)
     argv = [

@@ -57,8 +57,10 @@ def gateway(endpoints: list[dict], log_path: Path) -> Iterator[tuple[str, int]]:
         "GATEWAY_ENDPOINTS_FILE": str(config),
         "PORT": str(port),
         "HOST": "127.0.0.1",
-        "LOG_LEVEL": "warning",
-        "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in ("gateway", "common")),
+        "LLMEP_LOG_LEVEL": "warning",
+        "GATEWAY_REQUIRE_KEYS": "false",  # the replicas are open: a bench of routing
+        "GATEWAY_METRICS_PORT": "0",
+        "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in ("gateway", "common", "edge")),
     }
     with log_path.open("wb") as log:
         process = subprocess.Popen(

@@ -3,7 +3,7 @@
     .venv/bin/python bench/queue_runsync.py                 # ~5 minutes on 2 cores
     .venv/bin/python bench/queue_runsync.py --rounds 3 --seconds 20 --concurrency 8
 
-Targets (DESIGN.md): throughput ratio (queue / in-pod) >= 0.90; added median latency per job
+Targets (bench/README.md, the table's target column): throughput ratio (queue / in-pod) >= 0.90; added median latency per job
 <= 5 ms. Also reported: jobs/s one worker drains from a full queue, and the nats-server
 process's own CPU per job.
 

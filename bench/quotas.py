@@ -68,6 +68,7 @@ def pct(values: list[float], q: float) -> float:
 async def limiter_cost(url: str, requests: int) -> dict:
     from llmendpoints_gateway.keys import Key
     from llmendpoints_gateway.limiter import Limiter
+    from llmendpoints_gateway.queue import SharedQueue
     from llmendpoints_gateway.quotas import Limits
 
     rates = Limits(requests_per_minute=10**9, tokens_per_minute=10**12)
@@ -79,7 +80,10 @@ async def limiter_cost(url: str, requests: int) -> dict:
         ("rpm+tpm, shared through NATS", Key("rates", limits=rates), True),
         ("rpm+tpm+maxConcurrent, shared through NATS", Key("every", limits=every), True),
     ]:
-        limiter = Limiter("bench", url if shared else None)
+        queue = SharedQueue(url, "bench") if shared else None
+        if queue is not None:
+            await queue.start()
+        limiter = Limiter("bench", queue)
         await limiter.start()
         if shared:
             deadline = time.monotonic() + 20
@@ -99,6 +103,8 @@ async def limiter_cost(url: str, requests: int) -> dict:
             if limiter._background:
                 await asyncio.wait(limiter._background)  # release lands before the next one
         await limiter.stop()
+        if queue is not None:
+            await queue.stop()
         results[label] = {
             "admitted_without_round_trip": limiter.local_admissions,
             "p50_us": round(statistics.median(times), 1),
@@ -136,7 +142,7 @@ def fleet(log_dir: Path, url: str, api_keys: list[dict], gateways: int = 2) -> I
                     GATEWAY_ENDPOINTS_FILE=str(path),
                     JOBS_QUEUE_URL=url,
                     GATEWAY_ID=f"bench{i}",
-                    LOG_LEVEL="warning",
+                    LLMEP_LOG_LEVEL="warning",
                 )
             )
         for proc in procs:
@@ -303,7 +309,7 @@ def metering(log_dir: Path, url: str, requests: int) -> dict:
         def counted(kind: str) -> int:
             total = 0.0
             for proc in procs:
-                for line in httpx.get(proc.url + "/metrics").text.splitlines():
+                for line in httpx.get(proc.metrics_url).text.splitlines():
                     if line.startswith("llmendpoints_gateway_tokens_total{") and (
                         f'kind="{kind}"' in line and 'key="meter"' in line
                     ):

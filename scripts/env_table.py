@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from llmendpoints_edge.settings import EdgeSettings
 from llmendpoints_runtime.config import (
     COMMON_ENGINE_VARIABLES,
     RETIRED_VARIABLES,
@@ -27,13 +28,29 @@ def _default(info) -> str:
 
 
 def render() -> str:
+    shared = EdgeSettings.model_fields
     lines = [
+        "#### Settings the runtime shares with the gateway",
+        "",
+        "One name, one default and one meaning in both front doors (`llmendpoints_edge.settings."
+        "EdgeSettings`); only `PORT`'s default differs (the gateway listens on 8080).",
+        "",
+        "| Variable | Default | Meaning |",
+        "| --- | --- | --- |",
+    ]
+    for name, info in shared.items():
+        info = RuntimeSettings.model_fields[name]
+        lines.append(f"| `{info.validation_alias}` | {_default(info)} | {info.description} |")
+    lines += [
+        "",
         "#### The runtime's own settings",
         "",
         "| Variable | Default | Meaning |",
         "| --- | --- | --- |",
     ]
-    for info in RuntimeSettings.model_fields.values():
+    for name, info in RuntimeSettings.model_fields.items():
+        if name in shared:
+            continue
         lines.append(f"| `{info.validation_alias}` | {_default(info)} | {info.description} |")
     lines += [
         "",

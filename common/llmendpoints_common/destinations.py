@@ -232,13 +232,27 @@ def _unmap(ip: IPAddress) -> IPAddress:
     return ip
 
 
+# What C's inet_aton (so getaddrinfo, so every HTTP client) reads as an IPv4 address besides
+# dotted quads: 0xa9fea9fe, 2852039166, 0251.0376.0251.0376, 169.254.43518 -- all of them the
+# metadata address. Such a "host name" is an address, and is checked as one.
+_LEGACY_IPV4 = re.compile(r"^[0-9a-fx.]+$", re.IGNORECASE)
+
+
 def _parse_ip(text: str) -> IPAddress | None:
     text = text.strip("[]")
     text = text.split("%", 1)[0]  # a zone id (fe80::1%eth0) does not change the address
+    if text.endswith(".") and not text.endswith(".."):
+        text = text[:-1]  # "169.254.169.254." is the same address (a rooted name)
     try:
         return _unmap(ipaddress.ip_address(text))
     except ValueError:
-        return None
+        pass
+    if _LEGACY_IPV4.match(text):
+        try:
+            return ipaddress.IPv4Address(socket.inet_aton(text))
+        except OSError:
+            return None
+    return None
 
 
 def _as_network(entry: str) -> IPNetwork | None:

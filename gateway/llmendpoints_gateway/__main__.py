@@ -7,9 +7,20 @@ Settings come from the environment (see config.py and docs/gateway.md)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import csv
+import json
+import os
 import sys
+from datetime import UTC, datetime
 
+from llmendpoints_edge.logs import configure
 from pydantic import ValidationError
+
+from llmendpoints_gateway.config import GatewaySettings
+from llmendpoints_gateway.metering import USAGE_COLUMNS, summarize
+from llmendpoints_gateway.server import serve
+from llmendpoints_gateway.usage import read_usage
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,9 +46,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command not in (None, "serve"):
         parser.error(f"unknown command {args.command}")
 
-    from llmendpoints_gateway.config import GatewaySettings
-    from llmendpoints_gateway.logs import configure
-
     try:
         settings = GatewaySettings()
     except ValidationError as exc:
@@ -46,17 +54,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"llmendpoints-gateway: {where}: {error['msg']}", file=sys.stderr)
         return 2
     configure(settings.log_format, settings.log_level)
-
-    from llmendpoints_gateway.server import serve
-
     serve(settings)
     return 0
 
 
 def _when(text: str) -> float:
     """An ISO 8601 time as epoch seconds; a time without a zone is UTC."""
-    from datetime import UTC, datetime
-
     try:
         value = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
     except ValueError:
@@ -69,13 +72,6 @@ def _when(text: str) -> float:
 
 
 def _usage(since: float, until: float | None, fmt: str) -> int:
-    import asyncio
-    import csv
-    import json
-    import os
-
-    from llmendpoints_gateway.metering import USAGE_COLUMNS, read_usage, summarize
-
     url = os.environ.get("JOBS_QUEUE_URL")
     if not url:
         print("llmendpoints-gateway usage: JOBS_QUEUE_URL is not set", file=sys.stderr)
@@ -84,7 +80,9 @@ def _usage(since: float, until: float | None, fmt: str) -> int:
         print("llmendpoints-gateway usage: --until must be after --since", file=sys.stderr)
         return 2
     try:
-        records = asyncio.run(read_usage(url, since, until))
+        records = asyncio.run(
+            read_usage(url, since, until, os.environ.get("JOBS_QUEUE_CREDS_FILE") or None)
+        )
     except Exception as exc:
         detail = str(exc) or type(exc).__name__
         print(

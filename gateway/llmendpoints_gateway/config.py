@@ -1,70 +1,30 @@
 """The gateway's settings, from the environment (pydantic-settings; aliases are the variable names).
 
-Names shared with the runtime keep the runtime's spelling (HOST, PORT, API_KEYS, API_KEYS_FILE,
-JOBS_QUEUE_URL, LOG_FORMAT, DRAIN_TIMEOUT_SECONDS, LLMEP_WEBHOOK_DESTINATIONS, WEBHOOK_TIMEOUT_SECONDS,
-WEBHOOK_MAX_CONCURRENCY); the gateway's own ones start with GATEWAY_.
+What the gateway shares with the runtime (HOST, PORT, API_KEYS, API_KEYS_FILE, body limits, the
+read deadline, MAX_HEADER_BYTES, LOG_FORMAT, LLMEP_LOG_LEVEL, DRAIN_TIMEOUT_SECONDS, the webhook
+settings, JOBS_QUEUE_URL) is the edge's ``EdgeSettings``: one name, one default, one meaning in
+both. The gateway's own settings start with GATEWAY_.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from typing import Literal
 
-from llmendpoints_common.destinations import DestinationPolicy
-from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from llmendpoints_edge.settings import EdgeSettings
+from pydantic import Field
 
 from llmendpoints_gateway.routing import DEFAULT_LOAD_FACTOR
 
 
-class GatewaySettings(BaseSettings):
-    model_config = SettingsConfigDict(populate_by_name=False, extra="ignore", frozen=True)
-
-    host: str = Field("0.0.0.0", validation_alias="HOST", description="Interface to listen on.")
+class GatewaySettings(EdgeSettings):
+    # The one default the edge leaves to each component (the design fixes the gateway's 8080).
     port: int = Field(8080, ge=1, le=65535, validation_alias="PORT", description="HTTP port.")
-    api_keys: SecretStr | None = Field(
-        None,
-        validation_alias="API_KEYS",
-        description="Comma-separated API keys allowed on every endpoint (named by a short hash).",
-    )
-    api_keys_file: str | None = Field(
-        None,
-        validation_alias="API_KEYS_FILE",
-        description="File of API keys, re-read when it changes: one key per line (as the "
-        "runtime's), or YAML `keys: [{name, key, endpoints, admin}]`.",
-    )
     endpoints_file: str | None = Field(
         None,
         validation_alias="GATEWAY_ENDPOINTS_FILE",
-        description="Static endpoints (YAML `endpoints: [{name, models, backends, routing}]`); "
-        "without it endpoints are discovered from Kubernetes.",
-    )
-    jobs_queue_url: SecretStr | None = Field(
-        None,
-        validation_alias="JOBS_QUEUE_URL",
-        description="NATS URL of the shared job queue; held-request counts and scale-from-zero "
-        "nudges are published there.",
-    )
-    webhook_destinations: str = Field(
-        "",
-        validation_alias="LLMEP_WEBHOOK_DESTINATIONS",
-        description="Comma-separated hosts (exact or *.suffix) and CIDRs the webhooks of jobs "
-        "cancelled or purged here may reach; empty: any but link-local/metadata/multicast "
-        "(as the runtime's; see docs/jobs.md).",
-    )
-    webhook_timeout_seconds: float = Field(
-        10.0,
-        gt=0,
-        validation_alias="WEBHOOK_TIMEOUT_SECONDS",
-        description="One webhook attempt's deadline, from connecting to the answer's status "
-        "line (nothing after it is read), as the runtime's.",
-    )
-    webhook_max_concurrency: int = Field(
-        64,
-        ge=1,
-        validation_alias="WEBHOOK_MAX_CONCURRENCY",
-        description="Webhook attempts under way at once; more wait for a slot (never dropped).",
+        description="Static endpoints (YAML `endpoints: [{name, namespace, models, backends, "
+        "routing}]`, and `apiKeys`); without it endpoints are discovered from Kubernetes.",
     )
     namespace: str | None = Field(
         None,
@@ -90,30 +50,55 @@ class GatewaySettings(BaseSettings):
         validation_alias="GATEWAY_HOLD_QUEUE_LENGTH",
         description="Most requests held per endpoint; more are answered 503 at once.",
     )
+    hold_max_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        validation_alias="GATEWAY_HOLD_MAX_BYTES",
+        description="Bytes of request bodies this replica holds at most, over all endpoints "
+        "(each held request keeps its body); beyond, 503 at once.",
+    )
+    hold_key_share: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        validation_alias="GATEWAY_HOLD_KEY_SHARE",
+        description="The share of an endpoint's hold queue one key may take (at least one "
+        "request): no tenant fills the queue for the others.",
+    )
+    require_keys: bool = Field(
+        True,
+        validation_alias="GATEWAY_REQUIRE_KEYS",
+        description="Every request to an endpoint needs a valid key, whatever keys exist or "
+        "not (no key configured: every request is refused); false: endpoints with no key "
+        "anywhere are open.",
+    )
+    token_secret_file: str | None = Field(
+        None,
+        validation_alias="GATEWAY_TOKEN_SECRET_FILE",
+        description="File with the secret each endpoint's gateway token is derived from (the "
+        "operator derives the same tokens for the pods): the gateway presents it to a pod "
+        "instead of the client's key. Without it the gateway sends pods no credential.",
+    )
+    metrics_port: int = Field(
+        9090,
+        ge=0,
+        le=65535,
+        validation_alias="GATEWAY_METRICS_PORT",
+        description="Port of /metrics, apart from the client port (0: no metrics endpoint).",
+    )
+    default_token_reservation: int = Field(
+        1024,
+        ge=1,
+        validation_alias="GATEWAY_DEFAULT_MAX_TOKENS",
+        description="A key with tokensPerMinute: the max_tokens reserved for a request that "
+        "sets none (settled against what the engine reports when it ends).",
+    )
     load_factor: float = Field(
         DEFAULT_LOAD_FACTOR,
         gt=1.0,
         validation_alias="GATEWAY_LOAD_FACTOR",
         description="Prefix-aware routing: a replica takes a prefix's requests until it carries "
         "this many times the mean in-flight load, then they spill to the next replica.",
-    )
-    max_request_body_bytes: int = Field(
-        16 * 1024 * 1024,
-        ge=1024,
-        validation_alias="MAX_REQUEST_BODY_BYTES",
-        description="Largest request body accepted (413 beyond), /runsync excepted.",
-    )
-    max_runsync_body_bytes: int = Field(
-        20 * 1024 * 1024,
-        ge=1024,
-        validation_alias="MAX_RUNSYNC_BODY_BYTES",
-        description="Largest /v2/{endpoint}/runsync body accepted (413 beyond; RunPod's limit).",
-    )
-    max_header_bytes: int = Field(
-        32 * 1024,
-        ge=1024,
-        validation_alias="GATEWAY_MAX_HEADER_BYTES",
-        description="Largest total size of request headers accepted (431 beyond).",
     )
     probe_interval_seconds: float = Field(
         0.5,
@@ -128,30 +113,8 @@ class GatewaySettings(BaseSettings):
         description="Connecting to a replica; a replica that does not accept in time is "
         "retried once on another.",
     )
-    drain_timeout_seconds: float = Field(
-        30.0,
-        ge=0,
-        validation_alias="DRAIN_TIMEOUT_SECONDS",
-        description="On SIGTERM: held requests get 503 at once, in-flight ones this long to finish.",
-    )
     gateway_id: str = Field(
         default_factory=lambda: os.environ.get("HOSTNAME") or socket.gethostname(),
         validation_alias="GATEWAY_ID",
         description="This replica's name in the signals it publishes (default: the pod name).",
     )
-    log_format: Literal["text", "json"] = Field(
-        "json", validation_alias="LOG_FORMAT", description="`json` lines or `text`."
-    )
-    log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", validation_alias="LOG_LEVEL", description="Log level."
-    )
-
-    @field_validator("webhook_destinations")
-    @classmethod
-    def _destinations_parse(cls, value: str) -> str:
-        DestinationPolicy.parse(value)  # ValueError names the entry that is wrong
-        return value
-
-    @property
-    def webhook_policy(self) -> DestinationPolicy:
-        return DestinationPolicy.parse(self.webhook_destinations)

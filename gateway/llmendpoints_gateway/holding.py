@@ -4,6 +4,10 @@ A request that finds no ready replica waits here; the moment discovery reports o
 every waiter is released in arrival order and routed normally. Beyond the queue's length, past
 the hold timeout, or when the gateway shuts down, the waiter gets a 503 with Retry-After. A
 client that disconnects while held is simply removed.
+
+Held requests are shared fairly: one key takes at most its share of an endpoint's queue
+(GATEWAY_HOLD_KEY_SHARE), and the bodies held across every endpoint fit in one byte budget
+(GATEWAY_HOLD_MAX_BYTES) -- a held request keeps its body, and nothing else of it.
 """
 
 from __future__ import annotations
@@ -14,18 +18,32 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 from llmendpoints_common.errors import ServiceUnavailableError
+from llmendpoints_edge.body import ClientGone
 
 RETRY_AFTER_SECONDS = 5
-
-
-class ClientGone(Exception):
-    """The client disconnected while its request was held."""
 
 
 def unavailable(message: str, retry_after: int = RETRY_AFTER_SECONDS) -> ServiceUnavailableError:
     return ServiceUnavailableError(
         message, code="endpoint_unavailable", headers={"retry-after": str(retry_after)}
     )
+
+
+class HoldBudget:
+    """Bytes of held request bodies, across the endpoints of one gateway replica."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.used = 0
+
+    def take(self, size: int) -> bool:
+        if self.used + size > self.max_bytes:
+            return False
+        self.used += size
+        return True
+
+    def give(self, size: int) -> None:
+        self.used = max(0, self.used - size)
 
 
 class HoldQueue:
@@ -35,10 +53,16 @@ class HoldQueue:
         max_length: int,
         on_change: Callable[[int], None] = lambda n: None,
         on_reject: Callable[[str], None] = lambda reason: None,
+        *,
+        key_share: float = 1.0,
+        budget: HoldBudget | None = None,
     ):
         self.endpoint = endpoint
         self.max_length = max_length
+        self.per_key = max(1, int(max_length * key_share))
+        self.budget = budget or HoldBudget(1 << 62)
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._by_key: dict[str, int] = {}
         self._closed = False
         self._on_change = on_change
         self._on_reject = on_reject
@@ -46,8 +70,12 @@ class HoldQueue:
     def __len__(self) -> int:
         return len(self._waiters)
 
-    async def wait(self, timeout: float, disconnected: Awaitable[object]) -> None:
-        """Return when released; raise 503 (full, timeout, closing) or ClientGone."""
+    async def wait(
+        self, timeout: float, disconnected: Awaitable[object], *, key: str = "", size: int = 0
+    ) -> None:
+        """Return when released; raise 503 (full, the key's share taken, the byte budget
+        spent, timeout, closing) or ClientGone. ``key``: the caller's key name; ``size``: the
+        bytes its request keeps while held."""
         if self._closed:
             self._on_reject("shutdown")
             raise unavailable("the gateway is shutting down; retry")
@@ -57,8 +85,22 @@ class HoldQueue:
                 f"endpoint {self.endpoint!r} has no ready replica and its hold queue is full "
                 f"({self.max_length} requests); retry later"
             )
+        if self._by_key.get(key, 0) >= self.per_key:
+            self._on_reject("key_share")
+            raise unavailable(
+                f"endpoint {self.endpoint!r} has no ready replica and this key already has "
+                f"{self.per_key} requests waiting for it (its share of the hold queue); retry "
+                "later"
+            )
+        if not self.budget.take(size):
+            self._on_reject("bytes")
+            raise unavailable(
+                f"endpoint {self.endpoint!r} has no ready replica and the gateway holds as "
+                f"many request bytes as it may ({self.budget.max_bytes}); retry later"
+            )
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
+        self._by_key[key] = self._by_key.get(key, 0) + 1
         self._on_change(len(self._waiters))
         gone = asyncio.ensure_future(disconnected)
         try:
@@ -80,6 +122,12 @@ class HoldQueue:
                 waiter.cancel()
             with contextlib.suppress(ValueError):  # already released
                 self._waiters.remove(waiter)
+            self.budget.give(size)
+            left = self._by_key[key] - 1
+            if left:
+                self._by_key[key] = left
+            else:
+                del self._by_key[key]
             self._on_change(len(self._waiters))
 
     def release_all(self) -> None:

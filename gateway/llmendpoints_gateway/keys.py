@@ -1,6 +1,6 @@
 """API keys and what each may use.
 
-A key (DESIGN.md "Identity and authority") has a name (the tenant: what logs, metrics, usage
+A key (docs/security.md, "Tenancy") has a name (the tenant: what logs, metrics, usage
 records and queued jobs carry; never the secret), the endpoints it may use (None: all),
 ``admin``, and optional limits (quotas.py: requestsPerMinute, tokensPerMinute, maxConcurrent).
 
@@ -27,16 +27,16 @@ gateway reads.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import logging
-import os
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 from llmendpoints_common.jobs.service import key_owner
+from llmendpoints_edge.keys import WatchedFile, parse_key_list
 
 from llmendpoints_gateway.quotas import NO_LIMITS, Limits, LimitsError, parse_limits
 
@@ -68,16 +68,6 @@ class KeyFileError(ValueError):
     pass
 
 
-def parse_plain_keys(text: str) -> list[str]:
-    """The runtime's API_KEYS_FILE format: keys separated by newlines or commas, # comments."""
-    keys: list[str] = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            keys.extend(k.strip() for k in line.split(",") if k.strip())
-    return list(dict.fromkeys(keys))
-
-
 def parse_keys_file(text: str) -> dict[bytes, Key]:
     """Either format; a YAML file with a ``keys`` list carries names, endpoints and admin."""
     try:
@@ -85,7 +75,7 @@ def parse_keys_file(text: str) -> dict[bytes, Key]:
     except yaml.YAMLError:
         document = None
     if not (isinstance(document, Mapping) and "keys" in document):
-        return {digest(s): Key(hashed_name(s)) for s in parse_plain_keys(text)}
+        return {digest(s): Key(hashed_name(s)) for s in parse_key_list(text)}
     entries = document["keys"]
     if not isinstance(entries, list):
         raise KeyFileError("keys: must be a list of {name, key, endpoints, admin}")
@@ -176,8 +166,6 @@ def secret_api_key(obj: Mapping[str, Any]) -> tuple[bytes, Key]:
     Secret's name), ``endpoints`` (comma-separated; default all), ``requestsPerMinute``,
     ``tokensPerMinute``, ``maxConcurrent``, ``admin`` (``true``/``false``). Errors name the
     Secret and the field, never the key."""
-    import base64
-
     meta = obj.get("metadata") or {}
     where = f"Secret {meta.get('namespace', '')}/{meta.get('name', '')}"
     data: dict[str, str] = {}
@@ -219,69 +207,59 @@ def parse_endpoints_file_keys(text: str) -> dict[bytes, Key] | None:
 
 
 @dataclass
-class _WatchedFile:
-    """A file of keys re-read when it changes (checked at most every ``check_interval``)."""
-
-    path: str
-    parse: Callable[[str], dict[bytes, Key] | None]
-    label: str
-    keys: dict[bytes, Key] | None = None
-    stamp: tuple[int, int] | None = None
-
-    def load(self, *, force: bool) -> bool:
-        """True when the keys changed. Fail closed: a file that cannot be read or parsed keeps
-        the previous keys (and at start-up stops the gateway)."""
-        try:
-            st = os.stat(self.path)
-            stamp = (st.st_mtime_ns, st.st_size)
-            if stamp == self.stamp:
-                return False
-            with open(self.path, encoding="utf-8") as handle:
-                keys = self.parse(handle.read())
-        except (OSError, UnicodeDecodeError, KeyFileError) as exc:
-            logger.error("cannot use %s (%s); keeping the previous keys", self.label, exc)
-            if force:
-                raise
-            return False
-        self.stamp = stamp
-        self.keys = keys
-        if keys is not None:
-            logger.info("loaded %d API key(s) from %s", len(keys), self.label)
-        return True
-
-
-@dataclass
 class KeyRing:
     static: dict[bytes, Key] = field(default_factory=dict)
     keys_file: str | None = None
     endpoints_file: str | None = None
     check_interval: float = 1.0
-    _files: list[_WatchedFile] = field(default_factory=list)
+    # GATEWAY_REQUIRE_KEYS: every endpoint needs a key, whatever keys exist (fail closed).
+    require_keys: bool = False
+    # Kubernetes: labelled Secrets are a source, and until their first listing nothing is
+    # known about keys -- not "there are none".
+    awaiting_secrets: bool = False
+    _files: list[WatchedFile[dict[bytes, Key] | None]] = field(default_factory=list)
     _endpoint_keys: dict[str, dict[bytes, Key]] = field(default_factory=dict)
     _secret_keys: dict[bytes, Key] | None = None  # Kubernetes: labelled Secrets
     _merged: dict[bytes, Key] = field(default_factory=dict)
     _by_name: dict[str, Key] = field(default_factory=dict)
-    _checked_at: float = float("-inf")
 
     def __post_init__(self) -> None:
         if self.keys_file:
-            self._files.append(_WatchedFile(self.keys_file, parse_keys_file, "API_KEYS_FILE"))
+            self._files.append(
+                WatchedFile(self.keys_file, parse_keys_file, "API_KEYS_FILE", self.check_interval)
+            )
         if self.endpoints_file:
             self._files.append(
-                _WatchedFile(
+                WatchedFile(
                     self.endpoints_file,
                     parse_endpoints_file_keys,
                     "apiKeys of GATEWAY_ENDPOINTS_FILE",
+                    self.check_interval,
                 )
             )
 
     @classmethod
     def from_settings(
-        cls, api_keys: str | None, keys_file: str | None, endpoints_file: str | None = None
+        cls,
+        api_keys: str | None,
+        keys_file: str | None,
+        endpoints_file: str | None = None,
+        *,
+        require_keys: bool = False,
+        secrets: bool = False,
     ) -> KeyRing:
-        secrets = parse_plain_keys((api_keys or "").replace(",", "\n"))
-        ring = cls({digest(s): Key(hashed_name(s)) for s in secrets}, keys_file, endpoints_file)
-        ring._refresh(force=True)
+        """``secrets``: keys also come from labelled Secrets (Kubernetes discovery)."""
+        ring = cls(
+            {digest(s): Key(hashed_name(s)) for s in parse_key_list(api_keys or "")},
+            keys_file,
+            endpoints_file,
+            require_keys=require_keys,
+            awaiting_secrets=secrets,
+        )
+        for watched in ring._files:
+            # A file that cannot be used at start-up stops the gateway: it never starts open.
+            if not watched.load():
+                raise KeyFileError(f"{watched.label}: {watched.error}")
         ring._merge()
         return ring
 
@@ -291,11 +269,15 @@ class KeyRing:
             bool(self.static)
             or bool(self.keys_file)
             or self._secret_keys is not None
-            or any(f.keys is not None for f in self._files if f.path == self.endpoints_file)
+            or any(f.value is not None for f in self._files if f.path == self.endpoints_file)
         )
 
+    @property
+    def requires_key_everywhere(self) -> bool:
+        return self.require_keys or self.gateway_keys
+
     def requires_key(self, endpoint: str) -> bool:
-        return self.gateway_keys or bool(self._endpoint_keys.get(endpoint))
+        return self.requires_key_everywhere or bool(self._endpoint_keys.get(endpoint))
 
     def by_name(self, name: str) -> Key | None:
         """A key of this name (its limits), e.g. a job's owner."""
@@ -323,6 +305,7 @@ class KeyRing:
         """Kubernetes: every key of the labelled Secrets (None: the watch has not listed yet,
         or no such Secret exists; an empty dict still means "keys are required")."""
         self._secret_keys = keys
+        self.awaiting_secrets = False
         self._merge()
 
     def _merge(self) -> None:
@@ -337,30 +320,19 @@ class KeyRing:
         merged.update(self.static)
         merged.update(self._secret_keys or {})
         for watched in self._files:
-            merged.update(watched.keys or {})
+            merged.update(watched.value or {})
         self._merged = merged
         self._by_name = {key.name: key for key in merged.values()}
 
-    def _refresh(self, *, force: bool = False) -> None:
-        if not self._files:
-            return
-        now = time.monotonic()
-        if not force and now - self._checked_at < self.check_interval:
-            return
-        self._checked_at = now
+    def _refresh(self) -> None:
         changed = False
         for watched in self._files:
-            changed = watched.load(force=force) or changed
+            watched.check_interval = self.check_interval
+            if watched.refresh():
+                changed = True
+                if watched.value is not None:
+                    logger.info("loaded %d API key(s) from %s", len(watched.value), watched.label)
         if changed:
             self._merge()
 
 
-def key_from_headers(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
-    for name, value in headers:
-        if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
-        elif name == b"x-api-key" and value.strip():
-            return value.decode("latin-1").strip()
-    return None

@@ -47,8 +47,12 @@ from typing import Any
 
 from llmendpoints_common.errors import RateLimitError
 from llmendpoints_common.queue import names
+from llmendpoints_edge.asgi import Message, Send
+from nats.js.api import DeliverPolicy
+from nats.js.errors import NotFoundError
 
 from llmendpoints_gateway.keys import Key
+from llmendpoints_gateway.queue import SharedQueue
 from llmendpoints_gateway.quotas import (
     LEASE_RENEW_SECONDS,
     Denied,
@@ -60,7 +64,9 @@ from llmendpoints_gateway.quotas import (
     rate_headers,
     renew,
     reservation,
+    reserved_tokens,
 )
+from llmendpoints_gateway.request import RequestLog
 
 logger = logging.getLogger("llmendpoints.gateway.limiter")
 
@@ -82,6 +88,8 @@ class Ticket:
     lease: str | None
     headers: list[tuple[bytes, bytes]]
     finished: bool = False
+    reserved: int = 0  # tokens reserved at admission (settled when it ends)
+    window: int | None = None  # the minute it was admitted in
 
 
 class _Pending:
@@ -94,12 +102,12 @@ class Limiter:
     def __init__(
         self,
         gateway_id: str,
-        url: str | None = None,
+        queue: SharedQueue | None = None,
         *,
         clock: Callable[[], float] = time.time,
     ):
         self.gateway_id = gateway_id
-        self.url = url
+        self.queue = queue
         self.clock = clock
         # Lease ids are unique across replicas and restarts (two replicas may share a name).
         self._lease_prefix = f"{gateway_id}.{os.urandom(4).hex()}"
@@ -109,7 +117,7 @@ class Limiter:
         self._pending: dict[str, _Pending] = {}
         self._held: dict[str, set[str]] = {}  # tenant token -> leases this replica holds
         self._names: dict[str, str] = {}  # tenant token -> key name (for renewals)
-        self._connection = None
+        self._js: Any = None  # the bucket's JetStream context, once the queue is connected
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self._watch = None
@@ -122,8 +130,8 @@ class Limiter:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        if self.url is not None:
-            self._tasks.append(asyncio.create_task(self._connect()))
+        if self.queue is not None:
+            self._tasks.append(asyncio.create_task(self._follow(self.queue)))
         self._tasks.append(asyncio.create_task(self._renew_forever()))
 
     async def stop(self) -> None:
@@ -135,8 +143,6 @@ class Limiter:
         if self._watch is not None:
             with contextlib.suppress(Exception):
                 await self._watch.unsubscribe()
-        if self._connection is not None:
-            await self._connection.close()
 
     @property
     def pending(self) -> int:
@@ -145,29 +151,28 @@ class Limiter:
     @property
     def shared(self) -> bool:
         """True when the limits are enforced with the other replicas (NATS reachable)."""
-        return self._connection is not None and self._connection.connected
+        return self._js is not None and self.queue is not None and self.queue.connected
 
-    async def _connect(self) -> None:
-        from llmendpoints_common.queue.client import QueueConnection
-        from nats.js.api import DeliverPolicy
-
+    async def _follow(self, queue: SharedQueue) -> None:
+        """Follow the bucket once the queue is connected (an ordered consumer: every change
+        of every key's state, so the cached revisions are the latest)."""
+        connection = await queue.wait()
+        js = connection.nc.jetstream(timeout=WRITE_TIMEOUT_SECONDS)
         while True:
             try:
-                connection = await QueueConnection.connect(
-                    self.url, name=f"gateway-quotas-{self.gateway_id}", request_timeout=2.0
-                )
-                self._watch = await connection.js.subscribe(
+                self._watch = await js.subscribe(
                     names.kv_subject(names.QUOTAS_BUCKET, ">"),
                     ordered_consumer=True,
                     deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
                     cb=self._on_change,
                 )
-                self._connection = connection
-                logger.info("per-key limits shared through the bucket %s", names.QUOTAS_BUCKET)
-                return
             except Exception as exc:
-                logger.warning("cannot reach the queue for limits (%s); retrying", exc)
+                logger.warning("cannot follow the limits bucket (%s); retrying", exc)
                 await asyncio.sleep(2.0)
+                continue
+            self._js = js
+            logger.info("per-key limits shared through the bucket %s", names.QUOTAS_BUCKET)
+            return
 
     async def _on_change(self, msg) -> None:
         token = msg.subject.rsplit(".", 1)[-1]
@@ -181,10 +186,11 @@ class Limiter:
 
     # ------------------------------------------------------------------ the request path
 
-    async def admit(self, key: Key, *, hold: bool = True) -> Ticket | None:
+    async def admit(self, key: Key, *, hold: bool = True, tokens: int = 0) -> Ticket | None:
         """Count one request of ``key`` (and hold a concurrency lease while it runs when
-        ``hold``); None for a key without limits. Over a limit: RateLimitError (429) naming the
-        limit and the key's name, with Retry-After and the x-ratelimit-* headers."""
+        ``hold``; reserve ``tokens`` of tokensPerMinute, settled by ``finish``); None for a key
+        without limits. Over a limit: RateLimitError (429) naming the limit and the key's name,
+        with Retry-After and the x-ratelimit-* headers."""
         limits = key.limits
         if not limits.any:
             return None
@@ -195,12 +201,15 @@ class Limiter:
             if hold and limits.max_concurrent is not None
             else None
         )
-        reserve = lease is None and self.shared
+        reserved = reserved_tokens(limits, tokens)
+        # Admissions from a local allowance of requests (no round trip) count no tokens: a
+        # request that reserves some is written, so the window never takes more than it holds.
+        reserve = lease is None and reserved == 0 and self.shared
         if reserve and (headers := self._admit_locally(token, limits)) is not None:
             return Ticket(key.name, limits, None, headers)
 
         def op(state: QuotaState, now: float) -> tuple[QuotaState, Any, bool]:
-            after, denied = admit(state, limits, now, lease)
+            after, denied = admit(state, limits, now, lease, reserved)
             extra = reservation(after, limits) if reserve and denied is None else 0
             after.requests += extra
             view = QuotaState(after.window, after.requests - extra, after.tokens)
@@ -218,7 +227,7 @@ class Limiter:
             self._allowance[token] = (window, extra + (left if have_window == window else 0))
         if lease is not None:
             self._held.setdefault(token, set()).add(lease)
-        return Ticket(key.name, limits, lease, headers)
+        return Ticket(key.name, limits, lease, headers, reserved=reserved, window=window)
 
     def _admit_locally(self, token: str, limits: Limits) -> list[tuple[bytes, bytes]] | None:
         """Admit with no round trip when the cached state allows it: from this replica's
@@ -251,6 +260,23 @@ class Limiter:
         now = self.clock()
         return rate_headers(state.current(now), key.limits, now)
 
+    def reporting(self, key: Key, send: Send, state: RequestLog) -> Send:
+        """``send`` that puts x-ratelimit-* on every answer to ``key``: the admission's view
+        (``state.ticket``), or -- answers that count nothing: /status, /v1/models, errors --
+        this replica's current one."""
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = message["headers"]
+                if not any(name.startswith(b"x-ratelimit-") for name, _ in headers):
+                    ticket = state.ticket
+                    extra = ticket.headers if ticket is not None else self.peek(key)
+                    message = {**message, "headers": [*headers, *extra]}
+            await send(message)
+
+        state.send = send_with_headers
+        return send_with_headers
+
     def finish(self, ticket: Ticket | None, tokens: int = 0) -> None:
         """The request ended (answered, failed or abandoned): release its lease and charge its
         tokens, in the background. Called once per ticket; later calls do nothing."""
@@ -262,14 +288,15 @@ class Limiter:
             held = self._held.get(token)
             if held is not None:
                 held.discard(ticket.lease)
-        if ticket.lease is None and tokens <= 0:
+        if ticket.lease is None and tokens <= 0 and not ticket.reserved:
             return
         if ticket.limits.tokens_per_minute is None and ticket.lease is None:
             return
 
         def op(state: QuotaState, now: float) -> tuple[QuotaState, Any, bool]:
             charged = tokens if ticket.limits.tokens_per_minute is not None else 0
-            return finish(state, now, ticket.lease, charged), None, True
+            after = finish(state, now, ticket.lease, charged, ticket.reserved, ticket.window)
+            return after, None, True
 
         task = asyncio.get_running_loop().create_task(self._submit(token, op))
         self._background.add(task)
@@ -341,7 +368,7 @@ class Limiter:
         return results
 
     async def _apply_shared(self, token: str, ops: list[Op]) -> list[Any]:
-        js = self._connection.js
+        js = self._js
         subject = names.kv_subject(names.QUOTAS_BUCKET, token)
         fresh = False
         while True:
@@ -380,11 +407,9 @@ class Limiter:
             return results
 
     async def _read(self, token: str) -> tuple[QuotaState, int]:
-        from nats.js.errors import NotFoundError
-
         self.round_trips += 1
         try:
-            raw = await self._connection.js.get_msg(
+            raw = await self._js.get_msg(
                 names.kv_stream(names.QUOTAS_BUCKET),
                 subject=names.kv_subject(names.QUOTAS_BUCKET, token),
                 direct=True,

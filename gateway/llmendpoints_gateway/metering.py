@@ -17,28 +17,22 @@ record's id as the message id (unique per answer; a job's own id for its records
 published twice (a publish retried after a lost acknowledgement, a job's result read through two
 replicas) is stored once.
 
-Pure parts first (scanner, extraction, aggregation); the NATS publisher and reader at the end.
+This module is pure (scanners, extraction, records, aggregation); usage.py publishes the
+records, meters jobs and reads the records back.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import logging
-from collections import deque
+import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-logger = logging.getLogger("llmendpoints.gateway.metering")
+from llmendpoints_common.errors import BadRequestError
 
 # Routes whose streams take stream_options.include_usage (vLLM's OpenAI server).
 USAGE_OPTION_ROUTES = ("/v1/chat/completions", "/v1/completions")
-# A JSON answer larger than this is relayed without being read for usage (embeddings of a big
-# batch): its usage is taken from the first bytes only if the whole body fits.
-MAX_METERED_BODY_BYTES = 8 * 1024 * 1024
-ANONYMOUS = ""  # the key name of requests without a key (an endpoint open to all)
 
 
 @dataclass(frozen=True)
@@ -94,25 +88,120 @@ def usage_of_job_output(output: Any) -> Usage | None:
     return None
 
 
-def prepare_stream_request(path: str, payload: dict[str, Any]) -> tuple[bool, bool]:
-    """(ask the replica for usage, strip the usage chunk from the client's stream).
+# -- what a request will cost, read as the engine will read it ---------------------------------
 
-    Only for streamed chat/completions requests; a client that asked for usage itself gets it
-    as it asked (nothing stripped)."""
-    if payload.get("stream") is not True or path.split("?", 1)[0] not in USAGE_OPTION_ROUTES:
-        return False, False
+# Fields that change what is metered. vLLM's request models coerce "true", 1 or "yes" to a
+# boolean and "4" to an integer; the gateway decides on them too (stream: ask for usage or not;
+# n and max_tokens: what to reserve), so it takes only what cannot be read two ways.
+_BOOLEAN_FIELDS = ("stream",)
+_OPTION_BOOLEANS = ("include_usage", "continuous_usage_stats")
+_INTEGER_FIELDS = ("n", "best_of", "max_tokens", "max_completion_tokens", "max_output_tokens")
+# A prompt's tokens, estimated before the engine counts them: about four characters a token for
+# English text, and a few tokens of chat template around each message.
+CHARS_PER_TOKEN = 4
+TOKENS_PER_MESSAGE = 4
+
+
+@dataclass(frozen=True)
+class MeteredRequest:
+    stream: bool
+    ask_usage: bool  # ask the replica for the usage chunk (stream_options.include_usage)
+    strip: bool  # take that chunk out of the client's stream (the client did not ask for it)
+    reserve_tokens: int  # what the request may use: prompt estimate + n x max_tokens
+    prompt_estimate: int
+
+
+def _refuse(field: str, what: str, value: Any) -> BadRequestError:
+    return BadRequestError(f"{field}: must be {what}, got {json.dumps(value)}", param=field)
+
+
+def metered_request(
+    path: str, payload: dict[str, Any], body_bytes: int, default_max_tokens: int
+) -> MeteredRequest:
+    """PURE: how a request is metered; BadRequestError (naming the field) for a value the
+    gateway and the engine could read differently."""
+    for name in _BOOLEAN_FIELDS:
+        value = payload.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise _refuse(name, "true or false", value)
     options = payload.get("stream_options")
-    if isinstance(options, dict) and options.get("include_usage") is True:
-        return False, False
-    if options is not None and not isinstance(options, dict):
-        return False, False  # the replica answers the 400 for a malformed value
-    return True, True
+    if options is not None:
+        if not isinstance(options, dict):
+            raise _refuse("stream_options", "an object", options)
+        for name in _OPTION_BOOLEANS:
+            value = options.get(name)
+            if value is not None and not isinstance(value, bool):
+                raise _refuse(f"stream_options.{name}", "true or false", value)
+    counts: dict[str, int] = {}
+    for name in _INTEGER_FIELDS:
+        value = payload.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _refuse(name, "a whole number", value)
+        counts[name] = value
+    stream = payload.get("stream") is True
+    route = path.split("?", 1)[0]
+    asked = isinstance(options, dict) and options.get("include_usage") is True
+    ask_usage = stream and route in USAGE_OPTION_ROUTES and not asked
+    sequences = max(counts.get("n", 1), counts.get("best_of", 1), 1)
+    prompts = payload.get("prompt")
+    if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int):
+        sequences *= len(prompts)  # a list of prompts (not one prompt's token ids)
+    limit = next(
+        (
+            counts[n]
+            for n in ("max_completion_tokens", "max_tokens", "max_output_tokens")
+            if n in counts
+        ),
+        default_max_tokens,
+    )
+    prompt = prompt_estimate(payload, body_bytes)
+    return MeteredRequest(stream, ask_usage, ask_usage, prompt + sequences * limit, prompt)
 
 
-def with_usage_option(payload: dict[str, Any]) -> bytes:
+def prompt_estimate(payload: dict[str, Any], body_bytes: int) -> int:
+    """The prompt's tokens before the engine counts them (pure): its text's characters / 4 and
+    the chat template's few tokens a message; token ids count one each; a body of another shape
+    by its size."""
+    messages = payload.get("messages")
+    prompt = payload.get("prompt", payload.get("input"))
+    if isinstance(messages, list):
+        chars = sum(len(_content_text(m.get("content"))) for m in messages if isinstance(m, dict))
+        return -(-chars // CHARS_PER_TOKEN) + TOKENS_PER_MESSAGE * len(messages)
+    if isinstance(prompt, str):
+        return -(-len(prompt) // CHARS_PER_TOKEN)
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) for t in prompt):
+            return len(prompt)  # token ids
+        return sum(prompt_estimate({"prompt": p}, 0) for p in prompt)
+    return -(-body_bytes // CHARS_PER_TOKEN)
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return ""
+
+
+def with_usage_option(body: bytes, payload: dict[str, Any]) -> bytes:
+    """``body`` asking for the usage chunk. The usual case (no ``stream_options`` yet) is a
+    splice into the bytes, so a held request keeps no second, re-serialised copy of itself."""
+    if "stream_options" not in payload:
+        start = body.index(b"{") + 1
+        rest = body[start:].lstrip()
+        separator = b"" if rest.startswith(b"}") else b","
+        return body[:start] + b'"stream_options":{"include_usage":true}' + separator + rest
     options = dict(payload.get("stream_options") or {})
     options["include_usage"] = True
     return json.dumps({**payload, "stream_options": options}).encode()
+
+
+# A non-empty generated text in an SSE event: a chat delta's content, a completion's text, a
+# /v1/responses text delta (the role-only first delta and finish events carry "").
+_TEXT = re.compile(rb'"(?:content|text|delta)"\s*:\s*"(?!")')
 
 
 class StreamUsage:
@@ -121,14 +210,33 @@ class StreamUsage:
     ``feed`` returns the bytes to send on to the client. Without stripping they are the bytes
     received, unchanged. With stripping, whole events are sent as they complete (vLLM writes
     one event per write, so nothing waits in practice) and a trailing partial event is held
-    until its end arrives."""
+    until its end arrives.
 
-    def __init__(self, strip: bool):
+    A stream cut before its usage chunk (the client left, the replica failed) is still billed:
+    its completion tokens estimated by the events that carried text (vLLM streams a token an
+    event), its prompt by the request's size (``estimated``)."""
+
+    def __init__(self, strip: bool, prompt_estimate: int = 0):
         self.strip = strip
-        self.usage: Usage | None = None
+        self.prompt_estimate = prompt_estimate
+        self.found: Usage | None = None
+        self.text_events = 0
         self._tail = b""
 
+    @property
+    def estimated(self) -> bool:
+        return self.found is None and self.text_events > 0
+
+    @property
+    def usage(self) -> Usage | None:
+        if self.found is not None:
+            return self.found
+        if self.text_events:
+            return Usage(self.prompt_estimate, self.text_events)
+        return None
+
     def feed(self, chunk: bytes) -> bytes:
+        self.text_events += len(_TEXT.findall(chunk))
         data = self._tail + chunk if self._tail else chunk
         cut = data.rfind(b"\n\n")
         if cut < 0:
@@ -145,7 +253,7 @@ class StreamUsage:
         for event in complete.split(b"\n\n")[:-1]:
             usage, usage_only = _event_usage(event)
             if usage is not None:
-                self.usage = usage
+                self.found = usage
                 if self.strip and usage_only:
                     continue
             kept.append(event + b"\n\n")
@@ -179,19 +287,32 @@ def _event_usage(event: bytes) -> tuple[Usage | None, bool]:
     return None, False
 
 
+# Answers up to this size are kept whole and parsed; of larger ones (embeddings of a big batch)
+# only the last TAIL_BYTES, where the engine writes ``usage``.
+WHOLE_BODY_BYTES = 1024 * 1024
+TAIL_BYTES = 64 * 1024
+
+
 class BodyUsage:
-    """Reads a non-streamed answer as it passes (unchanged) for its ``usage``."""
+    """Reads a non-streamed answer as it passes (unchanged) for its ``usage``, in bounded
+    memory whatever its size."""
 
     strip = False
+    estimated = False
 
     def __init__(self) -> None:
         self._parts: list[bytes] = []
         self._size = 0
+        self._tail = b""
 
     def feed(self, chunk: bytes) -> bytes:
         self._size += len(chunk)
-        if self._size <= MAX_METERED_BODY_BYTES:
+        if self._size <= WHOLE_BODY_BYTES:
             self._parts.append(chunk)
+        else:
+            if self._parts:  # from here on only the tail
+                self._tail, self._parts = b"".join(self._parts), []
+            self._tail = (self._tail + chunk)[-TAIL_BYTES:]
         return chunk
 
     def flush(self) -> bytes:
@@ -199,9 +320,33 @@ class BodyUsage:
 
     @property
     def usage(self) -> Usage | None:
-        if self._size > MAX_METERED_BODY_BYTES:
-            return None
-        return usage_of_body(b"".join(self._parts))
+        if self._size <= WHOLE_BODY_BYTES:
+            return usage_of_body(b"".join(self._parts))
+        return usage_of_tail(self._tail)
+
+
+def usage_of_tail(tail: bytes) -> Usage | None:
+    """The ``usage`` object in the last bytes of a JSON answer: its last occurrence, read to its
+    closing brace (pure; None if it is not there whole)."""
+    at = tail.rfind(b'"usage"')
+    if at < 0:
+        return None
+    start = tail.find(b"{", at)
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start, len(tail)):
+        byte = tail[i]
+        if byte == 0x7B:  # {
+            depth += 1
+        elif byte == 0x7D:  # }
+            depth -= 1
+            if depth == 0:
+                try:
+                    return usage_of(json.loads(tail[start : i + 1]))
+                except ValueError:
+                    return None
+    return None
 
 
 # ------------------------------------------------------------------ records
@@ -266,177 +411,3 @@ def summarize(records: Iterable[UsageRecord]) -> list[dict[str, Any]]:
         row["prompt_tokens"] += record.prompt_tokens
         row["completion_tokens"] += record.completion_tokens
     return [rows[k] for k in sorted(rows)]
-
-
-# ------------------------------------------------------------------ NATS
-
-
-class UsagePublisher:
-    """Publishes usage records to ``LLMEP_USAGE`` in the background: the request path only
-    appends to a bounded buffer. While NATS is unreachable records wait (up to
-    ``buffer_limit``, then the oldest are dropped with a warning) and go out once it is back."""
-
-    def __init__(self, url: str, gateway_id: str, buffer_limit: int = 100_000):
-        self.url = url
-        self.gateway_id = gateway_id
-        self._buffer: deque[UsageRecord] = deque()
-        self._limit = buffer_limit
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self._connection = None
-        self.dropped = 0
-        self.published = 0
-
-    def record(self, record: UsageRecord) -> None:
-        if len(self._buffer) >= self._limit:
-            self._buffer.popleft()
-            self.dropped += 1
-            if self.dropped in (1, 1000) or self.dropped % 100_000 == 0:
-                logger.warning("usage buffer full: %d record(s) dropped", self.dropped)
-        self._buffer.append(record)
-        self._wake.set()
-
-    @property
-    def pending(self) -> int:
-        return len(self._buffer)
-
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
-    async def stop(self, timeout: float = 3.0) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while self._buffer and self._connection is not None and loop.time() < deadline:
-            self._wake.set()
-            await asyncio.sleep(0.05)
-        if self._buffer:
-            logger.warning("%d usage record(s) not published at shutdown", len(self._buffer))
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self._connection is not None:
-            await self._connection.close()
-
-    async def _run(self) -> None:
-        from llmendpoints_common.queue import names
-        from llmendpoints_common.queue.client import QueueConnection
-
-        while self._connection is None:
-            try:
-                self._connection = await QueueConnection.connect(
-                    self.url, name=f"gateway-usage-{self.gateway_id}"
-                )
-            except Exception as exc:
-                logger.warning("cannot reach the queue for usage records (%s); retrying", exc)
-                await asyncio.sleep(2.0)
-        js = self._connection.js
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._buffer:
-                batch = [self._buffer[i] for i in range(min(256, len(self._buffer)))]
-                acks = await asyncio.gather(
-                    *(
-                        js.publish(
-                            names.usage_subject(r.endpoint, r.key),
-                            r.encode(),
-                            headers={"Nats-Msg-Id": r.id},
-                        )
-                        for r in batch
-                    ),
-                    return_exceptions=True,
-                )
-                done = 0
-                for ack in acks:
-                    if isinstance(ack, BaseException):
-                        break
-                    done += 1
-                for _ in range(done):
-                    self._buffer.popleft()
-                self.published += done
-                if done < len(batch):
-                    failed = next(a for a in acks if isinstance(a, BaseException))
-                    logger.warning("publishing usage records failed (%s); retrying", failed)
-                    await asyncio.sleep(1.0)
-
-
-CONNECT_TIMEOUT_SECONDS = 10.0
-
-
-async def read_usage(url: str, since: float, until: float | None) -> list[UsageRecord]:
-    """Every record of ``LLMEP_USAGE`` that ended in [since, until): read from the first
-    message stored at ``since`` (the stream's own time index) up to its last message now."""
-    from datetime import UTC, datetime
-
-    import nats
-    from llmendpoints_common.queue import names
-    from llmendpoints_common.queue.topology import QueueLayout, ensure_streams
-    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
-    async def quiet(exc: Exception) -> None:
-        pass
-
-    # Bounded, unlike the servers' reconnect-forever (nats-py keeps retrying a first connect
-    # whatever its options say): a CLI says it cannot reach the queue.
-    try:
-        nc = await asyncio.wait_for(
-            nats.connect(
-                url,
-                name="llmendpoints-gateway-usage",
-                connect_timeout=5,
-                allow_reconnect=False,
-                max_reconnect_attempts=0,
-                error_cb=quiet,
-            ),
-            CONNECT_TIMEOUT_SECONDS,
-        )
-    except TimeoutError:
-        raise ConnectionError(
-            f"no NATS server answered within {CONNECT_TIMEOUT_SECONDS:.0f} s"
-        ) from None
-    try:
-        js = nc.jetstream(timeout=10)
-        await ensure_streams(js, QueueLayout())
-        info = await js.stream_info(names.USAGE_STREAM)
-        last = info.state.last_seq
-        records: list[UsageRecord] = []
-        if info.state.messages == 0:
-            return records
-        # Records may be stored a moment after they ended: start a minute early, filter exactly.
-        start = datetime.fromtimestamp(max(0.0, since - 60.0), tz=UTC)
-        sub = await js.pull_subscribe(
-            "llmep.usage.>",
-            stream=names.USAGE_STREAM,
-            config=ConsumerConfig(
-                deliver_policy=DeliverPolicy.BY_START_TIME,
-                ack_policy=AckPolicy.NONE,
-                opt_start_time=start.isoformat().replace("+00:00", "Z"),
-                inactive_threshold=60.0,
-                mem_storage=True,
-            ),
-        )
-        try:
-            while True:
-                try:
-                    messages = await sub.fetch(1000, timeout=1.0)
-                except TimeoutError:
-                    break
-                seq = 0
-                for msg in messages:
-                    seq = msg.metadata.sequence.stream
-                    record = UsageRecord.decode(msg.data)
-                    if (
-                        record is not None
-                        and record.time >= since
-                        and (until is None or record.time < until)
-                    ):
-                        records.append(record)
-                if seq >= last:
-                    break
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        return records
-    finally:
-        await nc.close()

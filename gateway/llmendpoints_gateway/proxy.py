@@ -8,6 +8,9 @@
   so the client sees an incomplete response, never a silently truncated one.
 - The caller cancels this coroutine when the client disconnects; closing the upstream
   connection makes the runtime abort the request in the engine.
+- No client credential goes upstream: pods run the endpoint author's image. The gateway
+  presents the endpoint's own gateway token and names the caller (``x-llmep-caller``), which
+  the runtime believes only with that token (``llmendpoints_common.gateway_token``).
 """
 
 from __future__ import annotations
@@ -19,9 +22,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+from urllib.parse import quote
 
 import aiohttp
 from llmendpoints_common.errors import APIError, error_object
+from llmendpoints_common.gateway_token import CALLER_HEADER as _CALLER
+
+CALLER_HEADER = _CALLER.encode()
 
 logger = logging.getLogger("llmendpoints.gateway.proxy")
 
@@ -38,6 +45,13 @@ _DROP_REQUEST = frozenset(
         b"upgrade",
         b"content-length",
         b"expect",
+        # credentials: the client's stay here
+        b"authorization",
+        b"proxy-authorization",
+        b"x-api-key",
+        b"cookie",
+        CALLER_HEADER,
+        b"x-request-id",  # replaced by the request's own (checked) id
     }
 )
 _DROP_RESPONSE = frozenset(
@@ -83,14 +97,21 @@ class Meter(Protocol):
     def flush(self) -> bytes: ...
 
 
-def upstream_headers(headers: list[tuple[bytes, bytes]], request_id: str) -> dict[str, str]:
+def upstream_headers(
+    headers: list[tuple[bytes, bytes]], request_id: str, *, token: str | None, caller: str
+) -> dict[str, str]:
+    """What goes upstream: the client's headers less hop-by-hop ones and credentials, the
+    request's id, and -- with a gateway token -- the gateway's credential and the caller."""
     out: dict[str, str] = {}
     for name, value in headers:
-        if name not in _DROP_REQUEST and name != b"x-request-id":
+        if name not in _DROP_REQUEST:
             key = name.decode("latin-1")
             text = value.decode("latin-1")
             out[key] = f"{out[key]}, {text}" if key in out else text
     out["x-request-id"] = request_id
+    if token is not None:
+        out["authorization"] = f"Bearer {token}"
+        out[CALLER_HEADER.decode()] = quote(caller, safe="")  # any key name, as header-safe text
     return out
 
 

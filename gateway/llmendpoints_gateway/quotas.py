@@ -11,9 +11,12 @@ the ``LLMEP_QUOTAS`` bucket and changes it by compare-and-set):
 Fixed minute windows, aligned to the clock's minute: the counts, the ``remaining`` and ``reset``
 headers are exact (no estimate), and a burst that straddles a minute boundary may use two
 minutes' allowances back to back -- the trade-off OpenAI's headers also make visible.
-Tokens are known only when a request ends, so a request is admitted while the window's tokens
-are below the limit and charged what the engine reported afterwards: the overshoot is bounded by
-the tokens of the requests already in flight when the limit is reached.
+Tokens are known only when a request ends, so a request reserves what it may use when it is
+admitted (``n`` x ``max_tokens`` and an estimate of its prompt, at most the whole limit) and is
+admitted only if the reservation fits in what is left of the minute; when it ends, the
+reservation is settled against what the engine reported (the difference charged, or given back
+while the window lasts). Requests in flight can therefore never take the window past its limit
+by more than their estimates of their prompts were short.
 """
 
 from __future__ import annotations
@@ -147,16 +150,28 @@ class Denied:
     retry_after: int  # seconds
 
 
+def reserved_tokens(limits: Limits, estimate: int) -> int:
+    """What a request reserves of tokensPerMinute: its estimate, never more than the whole
+    limit (a request larger than a minute's budget runs alone in an otherwise empty window)."""
+    if limits.tokens_per_minute is None:
+        return 0
+    return max(0, min(estimate, limits.tokens_per_minute))
+
+
 def admit(
-    state: QuotaState, limits: Limits, now: float, lease: str | None
+    state: QuotaState, limits: Limits, now: float, lease: str | None, reserve: int = 0
 ) -> tuple[QuotaState, Denied | None]:
-    """Admit one request: the new state (count + lease) or, over a limit, the current state and
-    which limit refused it. ``lease``: an id for the concurrency lease (None: do not hold one)."""
+    """Admit one request: the new state (count + lease + reserved tokens) or, over a limit, the
+    current state and which limit refused it. ``lease``: an id for the concurrency lease (None:
+    do not hold one); ``reserve``: the tokens it may use (``reserved_tokens``)."""
     state = state.current(now)
     reset = max(1, math.ceil(window_end(state.window) - now))
     if limits.requests_per_minute is not None and state.requests >= limits.requests_per_minute:
         return state, Denied("requestsPerMinute", reset)
-    if limits.tokens_per_minute is not None and state.tokens >= limits.tokens_per_minute:
+    if limits.tokens_per_minute is not None and (
+        state.tokens >= limits.tokens_per_minute
+        or state.tokens + reserve > limits.tokens_per_minute
+    ):
         return state, Denied("tokensPerMinute", reset)
     if (
         limits.max_concurrent is not None
@@ -165,6 +180,7 @@ def admit(
     ):
         return state, Denied("maxConcurrent", CONCURRENCY_RETRY_AFTER_SECONDS)
     state.requests += 1
+    state.tokens += reserve
     if lease is not None and limits.max_concurrent is not None:
         state.leases[lease] = now + LEASE_TTL_SECONDS
     return state, None
@@ -182,12 +198,25 @@ def reservation(state: QuotaState, limits: Limits) -> int:
     return max(0, min(RESERVE_MAX, left // RESERVE_SHARE))
 
 
-def finish(state: QuotaState, now: float, lease: str | None, tokens: int) -> QuotaState:
-    """A request ended: its lease goes, its tokens count in the current window."""
+def finish(
+    state: QuotaState,
+    now: float,
+    lease: str | None,
+    tokens: int,
+    reserved: int = 0,
+    window: int | None = None,
+) -> QuotaState:
+    """A request ended: its lease goes, its tokens count in the current window -- less what it
+    reserved when it was admitted in ``window``; what it reserved and did not use is given back
+    while that window lasts (a later window never counted it)."""
     state = state.current(now)
     if lease is not None:
         state.leases.pop(lease, None)
-    state.tokens += max(0, tokens)
+    tokens = max(0, tokens)
+    if reserved and window == state.window:
+        state.tokens = max(0, state.tokens + tokens - reserved)
+    else:
+        state.tokens += max(0, tokens - reserved) if reserved else tokens
     return state
 
 

@@ -6,11 +6,14 @@ request path reads it. Single event loop: no locks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
-from llmendpoints_gateway.holding import HoldQueue
+from llmendpoints_common.identity import DEFAULT_NAMESPACE
+
+from llmendpoints_gateway.holding import HoldBudget, HoldQueue
 from llmendpoints_gateway.metrics import GatewayMetrics
 from llmendpoints_gateway.routing import Outcome, Router, Strategy
 
@@ -26,15 +29,33 @@ class Endpoint:
     models: tuple[str, ...]
     router: Router
     hold: HoldQueue
+    namespace: str = DEFAULT_NAMESPACE
     ready: tuple[str, ...] = ()  # what requests are routed to: discovered, not suspended
     discovered: frozenset[str] = frozenset()
     suspended: set[str] = field(default_factory=set)
     loads: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def id(self) -> str:
+        """The endpoint's identity in the shared queue: ``<namespace>/<name>``."""
+        return f"{self.namespace}/{self.name}"
+
     def choose(
         self, key: bytes | None, exclude: frozenset[str] = frozenset()
     ) -> tuple[str, Outcome] | None:
         return self.router.choose(key, self.loads, exclude)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A replica chosen for one request, counted in its load while the lease is held."""
+
+    replica: str
+    outcome: Outcome
+
+
+class NoReplicaLeft(Exception):
+    """Every ready replica was tried for this request and failed before answering."""
 
 
 class Registry:
@@ -44,9 +65,14 @@ class Registry:
         hold_queue_length: int,
         load_factor: float,
         on_held: Callable[[str, int], None] = lambda endpoint, n: None,
+        *,
+        hold_key_share: float = 1.0,
+        hold_max_bytes: int = 1 << 62,
     ):
         self.metrics = metrics
         self.hold_queue_length = hold_queue_length
+        self.hold_key_share = hold_key_share
+        self.hold_budget = HoldBudget(hold_max_bytes)
         self.load_factor = load_factor
         self.on_held = on_held
         self.endpoints: dict[str, Endpoint] = {}
@@ -61,6 +87,10 @@ class Registry:
     def get(self, name: str) -> Endpoint | None:
         return self.endpoints.get(name)
 
+    def by_id(self, endpoint_id: str) -> Endpoint | None:
+        """The endpoint whose ``<namespace>/<name>`` is ``endpoint_id``."""
+        return next((ep for ep in self.endpoints.values() if ep.id == endpoint_id), None)
+
     def in_flight(self) -> int:
         return sum(sum(ep.loads.values()) for ep in self.endpoints.values())
 
@@ -69,7 +99,13 @@ class Registry:
 
     # -- writes (discovery) --
 
-    def upsert(self, name: str, models: Iterable[str], strategy: Strategy) -> Endpoint:
+    def upsert(
+        self,
+        name: str,
+        models: Iterable[str],
+        strategy: Strategy,
+        namespace: str = DEFAULT_NAMESPACE,
+    ) -> Endpoint:
         models = tuple(dict.fromkeys(models))
         ep = self.endpoints.get(name)
         if ep is None:
@@ -79,8 +115,10 @@ class Registry:
                 self.hold_queue_length,
                 on_change=lambda n: self._held_changed(name, n),
                 on_reject=lambda reason: metrics.hold_rejected.labels(name, reason).inc(),
+                key_share=self.hold_key_share,
+                budget=self.hold_budget,
             )
-            ep = Endpoint(name, models, Router(strategy, self.load_factor), hold)
+            ep = Endpoint(name, models, Router(strategy, self.load_factor), hold, namespace)
             if self.closed:
                 hold.close()
             self.endpoints[name] = ep
@@ -90,6 +128,7 @@ class Registry:
                 logger.info("endpoint %s: models %s, routing %s", name, list(models), strategy)
             ep.models = models
             ep.router.strategy = strategy
+            ep.namespace = namespace
         self._index()
         return ep
 
@@ -143,6 +182,43 @@ class Registry:
         for ep in self.endpoints.values():
             ep.hold.close()
 
+    # -- the request path: wait for a replica, choose it, count it --
+
+    @contextlib.asynccontextmanager
+    async def lease(
+        self,
+        ep: Endpoint,
+        prefix: bytes | None,
+        *,
+        hold_timeout: float,
+        gone: Callable[[], Awaitable[object]],
+        exclude: frozenset[str] = frozenset(),
+        key: str = "",
+        size: int = 0,
+    ) -> AsyncIterator[Lease]:
+        """A replica of ``ep`` for one request (KubeAI's ``getBestAddr`` and its ``done``):
+        while the endpoint has none ready the request is held (``HoldQueue``: 503 when full,
+        past ``hold_timeout``, over ``key``'s share or the byte budget with its ``size``, or
+        shutting down; ClientGone when ``gone()`` completes first);
+        the chosen replica carries the request in its load until the block ends. A retry
+        passes the replicas already tried as ``exclude``: NoReplicaLeft when none is left."""
+        while True:
+            choice = ep.choose(prefix, exclude=exclude)
+            if choice is not None:
+                break
+            if exclude:
+                raise NoReplicaLeft()
+            await ep.hold.wait(hold_timeout, gone(), key=key, size=size)
+        replica, outcome = choice
+        if exclude:
+            outcome = Outcome.RETRY
+        self.metrics.routing.labels(ep.name, outcome).inc()
+        self.acquire(ep, replica)
+        try:
+            yield Lease(replica, outcome)
+        finally:
+            self.release(ep, replica)
+
     # -- load accounting --
 
     def acquire(self, ep: Endpoint, replica: str) -> None:
@@ -177,4 +253,6 @@ class Registry:
 
     def _held_changed(self, name: str, n: int) -> None:
         self.metrics.held.labels(name).set(n)
-        self.on_held(name, n)
+        ep = self.endpoints.get(name)
+        # The queue's signals name the endpoint by namespace and name.
+        self.on_held(ep.id if ep is not None else f"{DEFAULT_NAMESPACE}/{name}", n)

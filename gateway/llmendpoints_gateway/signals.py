@@ -8,8 +8,8 @@
 - A nudge (``llmep.nudge.<endpoint>``) when a request starts waiting for an endpoint with no
   ready replica, at most once a second per endpoint: the autoscaler acts before its next tick.
 
-NATS being down never stops the gateway serving: the connection is retried in the background
-and the counts are published once it is back.
+NATS being down never stops the gateway serving: the counts are published once the shared
+connection (queue.py) is there.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import contextlib
 import logging
 import re
 
-import nats
 from llmendpoints_common.queue.signals import HELD_REFRESH_SECONDS, nudge, publish_held
-from nats.aio.client import Client as NATS
+
+from llmendpoints_gateway.queue import SharedQueue
 
 logger = logging.getLogger("llmendpoints.gateway.signals")
 
@@ -35,14 +35,13 @@ def key_token(gateway_id: str) -> str:
 
 
 class SignalPublisher:
-    def __init__(self, url: str, gateway_id: str):
-        self.url = url
+    def __init__(self, queue: SharedQueue, gateway_id: str):
+        self.queue = queue
         self.gateway_id = key_token(gateway_id)
         self._counts: dict[str, int] = {}
         self._dirty: set[str] = set()
         self._nudged_at: dict[str, float] = {}
         self._wake = asyncio.Event()
-        self._nc: NATS | None = None
         self._task: asyncio.Task | None = None
         self._pending: set[asyncio.Task] = set()
 
@@ -61,7 +60,7 @@ class SignalPublisher:
         if loop.time() - self._nudged_at.get(endpoint, float("-inf")) < NUDGE_INTERVAL_SECONDS:
             return
         self._nudged_at[endpoint] = loop.time()
-        if self._nc is not None and self._nc.is_connected:
+        if self.queue.connected:
             task = loop.create_task(self._nudge(endpoint))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
@@ -74,38 +73,21 @@ class SignalPublisher:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        if self._nc is not None and self._nc.is_connected:
+        if self.queue.connected:
             # This replica holds nothing any more: say so rather than wait for the TTL.
             with contextlib.suppress(Exception):
-                js = self._nc.jetstream()
+                js = (await self.queue.wait()).js
                 for endpoint in self._counts:
                     await publish_held(js, endpoint, self.gateway_id, 0)
-            await self._nc.close()
 
     async def _nudge(self, endpoint: str) -> None:
         try:
-            await nudge(self._nc, endpoint)
+            await nudge((await self.queue.wait()).nc, endpoint)
         except Exception as exc:
             logger.warning("nudge for %s failed: %s", endpoint, exc)
 
-    async def _connect(self) -> NATS:
-        while True:
-            try:
-                return await nats.connect(
-                    self.url,
-                    name=f"gateway-{self.gateway_id}",
-                    max_reconnect_attempts=-1,
-                    connect_timeout=2,
-                )
-            except Exception as exc:
-                logger.warning(
-                    "cannot reach the queue at JOBS_QUEUE_URL (%s); retrying", type(exc).__name__
-                )
-                await asyncio.sleep(2.0)
-
     async def _run(self) -> None:
-        self._nc = await self._connect()
-        js = self._nc.jetstream()
+        js = (await self.queue.wait()).js
         logger.info("publishing held-request signals as gateway %s", self.gateway_id)
         self._dirty.update(self._counts)
         loop = asyncio.get_running_loop()

@@ -2,6 +2,13 @@
 
     llmendpoints-operator run [--standalone] [-A|--all-namespaces] [-n NS ...]
                               [--liveness URL] [--verbose]
+    llmendpoints-operator queue-auth keys --out-dir DIR
+    llmendpoints-operator queue-auth server-config --keys-dir DIR --out-dir DIR [--route URL ...]
+    llmendpoints-operator queue-auth creds --keys-dir DIR --role ROLE [--endpoint NS/NAME] --out FILE
+
+`queue-auth` works with the shared job queue's NATS keys (llmendpoints_common.queue.trust): a new
+installation's keys, the NATS servers' trust configuration (the chart's NATS init container),
+and a role's creds file (the gateway's init container; `admin` for a person repairing the queue).
 
 Credentials come from KUBECONFIG when it is set, else from the in-cluster service account.
 Operator settings come from LLMEP_OPERATOR_* variables (see config.py and docs/operator.md).
@@ -53,11 +60,90 @@ def _parser() -> argparse.ArgumentParser:
         help="serve a liveness endpoint, e.g. http://0.0.0.0:8081/healthz",
     )
     run.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+
+    auth = commands.add_parser("queue-auth", help="NATS keys, server trust and creds files")
+    actions = auth.add_subparsers(dest="action", required=True)
+    keys = actions.add_parser("keys", help="write a new installation's four nkey seeds")
+    keys.add_argument("--out-dir", required=True, help="folder for the key files (created)")
+    server = actions.add_parser(
+        "server-config", help="the nats.conf part that trusts the installation (resolver MEMORY)"
+    )
+    server.add_argument("--keys-dir", required=True, help="folder with the four key files")
+    server.add_argument(
+        "--out-dir", required=True, help="folder for auth.conf (and routes.conf with --route)"
+    )
+    server.add_argument(
+        "--route",
+        action="append",
+        default=[],
+        help="a cluster route, nats://host:6222 (repeatable): routes.conf then makes routes "
+        "authenticate with the keys folder's `cluster-password`",
+    )
+    creds = actions.add_parser("creds", help="mint a role's creds file")
+    creds.add_argument(
+        "--keys-dir", required=True, help="folder with `account` and `account-signing`"
+    )
+    creds.add_argument("--role", required=True, choices=["runtime", "gateway", "operator", "admin"])
+    creds.add_argument("--endpoint", help="NS/NAME: the endpoint of a runtime credential")
+    creds.add_argument("--out", required=True, help="file to write (mode 0600)")
     return parser
+
+
+def _write_private(path: str, text: str) -> None:
+    """Write a secret file readable by its owner only (replaced whole, never half-written)."""
+    import os
+
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def _queue_auth(args: argparse.Namespace) -> int:
+    import pathlib
+    import time
+
+    from llmendpoints_common.queue.natsjwt import CredentialsError
+    from llmendpoints_common.queue.trust import (
+        Installation,
+        Signer,
+        mint,
+        routes_config,
+        server_config,
+    )
+
+    try:
+        if args.action == "keys":
+            folder = pathlib.Path(args.out_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            for name, seed in Installation.generate().seeds().items():
+                if (folder / name).exists():
+                    raise CredentialsError(f"{folder / name} exists: not overwriting a key")
+                _write_private(str(folder / name), seed + "\n")
+        elif args.action == "server-config":
+            out = pathlib.Path(args.out_dir)
+            _write_private(
+                str(out / "auth.conf"), server_config(Installation.from_dir(args.keys_dir))
+            )
+            if args.route:
+                password = (pathlib.Path(args.keys_dir) / "cluster-password").read_text()
+                _write_private(str(out / "routes.conf"), routes_config(password, args.route))
+        else:
+            text = mint(
+                Signer.from_dir(args.keys_dir), args.role, args.endpoint, issued_at=int(time.time())
+            )
+            _write_private(args.out, text)
+    except (CredentialsError, ValueError, OSError) as exc:
+        print(f"llmendpoints-operator queue-auth {args.action}: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "queue-auth":
+        return _queue_auth(args)
 
     # Settings are validated before anything starts: a bad LLMEP_OPERATOR_* value names itself.
     from llmendpoints_operator.config import OperatorSettings

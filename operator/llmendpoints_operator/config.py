@@ -8,8 +8,9 @@ endpoint lives in the LLMEndpoint spec instead (see spec.py).
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llmendpoints_operator import __version__
@@ -83,10 +84,20 @@ class OperatorSettings(BaseSettings):
     )
     jobs_queue_url: str | None = Field(
         None,
-        description="NATS URL of the shared job queue (nats://user:pass@host:4222). Runtime pods "
-        "get it as JOBS_QUEUE_URL (and ENDPOINT_ID), so every replica and the gateway share one "
-        "queue; the autoscaler reads each endpoint's queued jobs there. Unset: each pod keeps its "
-        "jobs in memory.",
+        description="NATS URL of the shared job queue. Runtime pods get it as JOBS_QUEUE_URL "
+        "(with ENDPOINT_NAMESPACE and ENDPOINT_ID), so every replica and the gateway share one "
+        "queue; the autoscaler reads each endpoint's queued jobs there. With "
+        "LLMEP_OPERATOR_JOBS_QUEUE_KEYS_DIR: nats://host:4222, no password (each endpoint gets "
+        "its own credential); without: nats://user:pass@host:4222, passed to the pods through "
+        "a Secret per endpoint. Unset: each pod keeps its jobs in memory.",
+    )
+    jobs_queue_keys_dir: str | None = Field(
+        None,
+        description="Folder holding the queue account's keys (files `account` and "
+        "`account-signing`; the chart mounts them): the operator mints with them a NATS "
+        "credential per endpoint (Secret <endpoint>-queue-creds, allowed only that endpoint's "
+        "subjects, records and consumers) and its own. Unset: one password in the URL for "
+        "everyone (weaker; docs/security.md).",
     )
     jobs_queue_replicas: int | None = Field(
         None,
@@ -159,6 +170,17 @@ class OperatorSettings(BaseSettings):
                 f"unknown Service types {unknown}; choose from {', '.join(SERVICE_TYPES)}"
             )
         return value
+
+    @model_validator(mode="after")
+    def _no_password_with_keys(self) -> OperatorSettings:
+        url = self.jobs_queue_url
+        if self.jobs_queue_keys_dir and url and urlsplit(url).password is not None:
+            raise ValueError(
+                "LLMEP_OPERATOR_JOBS_QUEUE_URL carries a password while "
+                "LLMEP_OPERATOR_JOBS_QUEUE_KEYS_DIR is set: with per-endpoint credentials "
+                "the URL must not hold one (it would reach every pod)"
+            )
+        return self
 
     @property
     def scales_to_zero(self) -> bool:

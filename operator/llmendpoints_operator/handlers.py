@@ -37,6 +37,7 @@ from llmendpoints_operator.autoscaling.metrics import AutoscalerMetrics
 from llmendpoints_operator.autoscaling.outside import NatsOutside
 from llmendpoints_operator.config import OperatorSettings
 from llmendpoints_operator.events import EventPoster
+from llmendpoints_operator.jobs_queue import JobsQueue
 from llmendpoints_operator.reconcile import (
     Indexes,
     Key,
@@ -72,6 +73,7 @@ class Running:
     reconciler: Reconciler = field(init=False)
     autoscaler: Autoscaler = field(init=False)
     adapter_watcher: AdapterStatusWatcher = field(init=False)
+    jobs_queue: JobsQueue | None = None
 
     def api(self) -> kube.KubeClient:
         """The API client, created on first use (kopf logs in after the startup handlers)."""
@@ -85,20 +87,23 @@ class Running:
 
     def start(self, indexes: Indexes, registry: prometheus_client.CollectorRegistry) -> None:
         self.events = EventPoster(self.api)
+        # The shared job queue (None without one): streams, consumers, per-endpoint creds.
+        self.jobs_queue = JobsQueue.from_settings(self.settings)
         self.reconciler = Reconciler(
             kube=self.api,
             indexes=indexes,
             settings=self.settings,
             post_event=self.events.post,
             metrics=ReconcileMetrics(registry),
+            jobs_queue=self.jobs_queue,
         )
         self.autoscaler = Autoscaler(
             kube=self.api, post_event=self.events.post, metrics=AutoscalerMetrics(registry)
         )
         self.adapter_watcher = AdapterStatusWatcher(kube=self.api)
-        if self.settings.jobs_queue_url:  # held requests, queued jobs and nudges live in NATS
+        if self.jobs_queue is not None:  # held requests, queued jobs and nudges live in NATS
             self.autoscaler.set_outside(
-                NatsOutside(self.settings.jobs_queue_url, on_nudge=self.autoscaler.nudge)
+                NatsOutside(self.jobs_queue, on_nudge=self.autoscaler.nudge)
             )
         self.events_task = asyncio.create_task(self.events.run(), name="llmendpoints-events")
         self.loops = [

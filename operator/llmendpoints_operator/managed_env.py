@@ -34,7 +34,9 @@ RUNTIME_MANAGED: dict[str, str] = {
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "adapters are declared in spec.adapters and loaded by "
     "the operator",
     "JOBS_QUEUE_URL": "the cluster admin chooses the queue (LLMEP_OPERATOR_JOBS_QUEUE_URL)",
+    "JOBS_QUEUE_CREDS_FILE": "the operator mints the endpoint's own queue credential",
     "ENDPOINT_ID": "it is the endpoint's name",
+    "ENDPOINT_NAMESPACE": "it is the endpoint's namespace",
 }
 
 # Other names under which the runtime (worker-vllm's and vLLM's spellings) reads a variable the
@@ -87,7 +89,9 @@ _EVERYTHING = {
 def operator_written() -> frozenset[str]:
     """Every variable the operator writes into a runtime container."""
     ep = parse("managed", "ns", _EVERYTHING)
-    every_feature = OperatorSettings(jobs_queue_url="nats://queue:4222", gateway_url="http://gw")
+    every_feature = OperatorSettings(
+        jobs_queue_url="nats://queue:4222", jobs_queue_keys_dir="/keys", gateway_url="http://gw"
+    )
     container = manifests.build_pod_template(ep, every_feature)["spec"]["containers"][0]
     # The LoRA engine settings spec.adapters derives are defaults an author may override.
     defaults = manifests.lora_settings(ep)

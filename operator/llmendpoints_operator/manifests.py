@@ -43,6 +43,11 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 API_KEYS_DIR = "/etc/llmendpoints/api-keys"
 API_KEYS_FILE = "api-keys"
 ADAPTERS_DIR = "/etc/llmendpoints/adapters"
+# The endpoint's own NATS credential for the shared job queue (Secret <endpoint>-queue-creds):
+# a creds file when the operator mints per-endpoint credentials, else the password URL.
+QUEUE_CREDS_DIR = "/etc/llmendpoints/queue"
+QUEUE_CREDS_FILE = "queue.creds"
+QUEUE_URL_KEY = "url"
 ADMIN_KEY_DIR = "/etc/llmendpoints/admin-key"
 ADMIN_KEY_FILE = "admin-api-key"  # the file in ADMIN_KEY_DIR and the key in the Secret
 ADAPTERS_FILE = "adapters.json"
@@ -76,6 +81,10 @@ def cache_claim_name(endpoint_name: str) -> str:
 
 def admin_key_secret_name(endpoint_name: str) -> str:
     return f"{endpoint_name}-admin-key"
+
+
+def queue_creds_secret_name(endpoint_name: str) -> str:
+    return f"{endpoint_name}-queue-creds"
 
 
 def selector_labels(endpoint_name: str) -> dict[str, str]:
@@ -227,11 +236,29 @@ def build_adapters_configmap(ep: Endpoint) -> dict[str, Any] | None:
 
 
 def queue_env(ep: Endpoint, settings: OperatorSettings) -> list[dict[str, Any]]:
-    """Which endpoint's jobs the pod serves (``/v2/{ENDPOINT_ID}/...``) and, when the operator
-    knows the shared job queue, where it is: then the pod is one of the endpoint's workers."""
-    env = [{"name": "ENDPOINT_ID", "value": ep.name}]
+    """Which endpoint's jobs the pod serves (``/v2/{ENDPOINT_ID}/...``; its identity in the
+    queue is ENDPOINT_NAMESPACE/ENDPOINT_ID) and, when the operator knows the shared job queue,
+    where it is and the endpoint's own credential: then the pod is one of the endpoint's
+    workers. No secret is a plain env value: the credential is a mounted creds file, or (a
+    password URL) read from the endpoint's Secret."""
+    env: list[dict[str, Any]] = [
+        {"name": "ENDPOINT_ID", "value": ep.name},
+        {"name": "ENDPOINT_NAMESPACE", "value": ep.namespace},
+    ]
     if settings.jobs_queue_url:
-        env.append({"name": "JOBS_QUEUE_URL", "value": settings.jobs_queue_url})
+        secret = queue_creds_secret_name(ep.name)
+        if settings.jobs_queue_keys_dir:
+            env.append({"name": "JOBS_QUEUE_URL", "value": settings.jobs_queue_url})
+            env.append(
+                {"name": "JOBS_QUEUE_CREDS_FILE", "value": f"{QUEUE_CREDS_DIR}/{QUEUE_CREDS_FILE}"}
+            )
+        else:
+            env.append(
+                {
+                    "name": "JOBS_QUEUE_URL",
+                    "valueFrom": {"secretKeyRef": {"name": secret, "key": QUEUE_URL_KEY}},
+                }
+            )
         if settings.jobs_queue_replicas is not None:
             env.append(
                 {"name": "LLMEP_JOBS_QUEUE_REPLICAS", "value": str(settings.jobs_queue_replicas)}
@@ -334,10 +361,27 @@ def chat_template_hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _queue_volumes(ep: Endpoint, settings: OperatorSettings) -> tuple[list, list]:
+    """The endpoint's creds file (per-endpoint credentials only). A directory mount: a creds
+    file replaced in the Secret reaches running pods, which read it at each reconnect."""
+    if not (settings.jobs_queue_url and settings.jobs_queue_keys_dir):
+        return [], []
+    volume = {
+        "name": "queue-creds",
+        "secret": {
+            "secretName": queue_creds_secret_name(ep.name),
+            "items": [{"key": QUEUE_CREDS_FILE, "path": QUEUE_CREDS_FILE}],
+        },
+    }
+    return [volume], [{"name": "queue-creds", "mountPath": QUEUE_CREDS_DIR, "readOnly": True}]
+
+
 def build_pod_template(ep: Endpoint, settings: OperatorSettings) -> dict[str, Any]:
     spec = ep.spec
     engine = spec.engine
     volumes, mounts = _volumes(ep)
+    queue_volumes, queue_mounts = _queue_volumes(ep, settings)
+    volumes, mounts = [*volumes, *queue_volumes], [*mounts, *queue_mounts]
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": engine.image or settings.runtime_image,
@@ -551,6 +595,25 @@ def build_admin_key_secret(ep: Endpoint, key: str) -> dict[str, Any]:
         "metadata": _metadata(ep, admin_key_secret_name(ep.name)),
         "type": "Opaque",
         "data": {ADMIN_KEY_FILE: base64.b64encode(key.encode()).decode()},
+    }
+
+
+def build_queue_creds_secret(
+    ep: Endpoint, *, creds: str | None = None, url: str | None = None
+) -> dict[str, Any]:
+    """The endpoint's credential for the shared job queue: a creds file minted for it alone
+    (``creds``), or the queue's password URL (``url``). Created once like the admin key;
+    labelled as the operator's (``app.kubernetes.io/managed-by``) and owned by the endpoint.
+    A runtime pod checks that a creds file was minted for its own endpoint before using it
+    (llmendpoints_common.queue.trust.check_runtime_creds), so a Secret planted under this name
+    before the endpoint existed is refused by the pods that would mount it."""
+    data = {QUEUE_CREDS_FILE: creds} if creds is not None else {QUEUE_URL_KEY: url or ""}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(ep, queue_creds_secret_name(ep.name)),
+        "type": "Opaque",
+        "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
     }
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import kopf
+from llmendpoints_common.identity import EndpointRef
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from llmendpoints_operator import kube, manifests, status
@@ -41,6 +42,7 @@ from llmendpoints_operator.autoscaling.controller import STATUS_KEY as AUTOSCALI
 from llmendpoints_operator.autoscaling.controller import Subject
 from llmendpoints_operator.config import OperatorSettings
 from llmendpoints_operator.events import PostEvent
+from llmendpoints_operator.jobs_queue import JobsQueue
 from llmendpoints_operator.spec import Endpoint, InvalidSpecError
 
 # status keys written by others (the autoscaler; the adapter watcher), never by a reconcile
@@ -179,8 +181,10 @@ class Reconciler:
         post_event: PostEvent,
         metrics: ReconcileMetrics | None = None,
         clock: Callable[[], datetime.datetime] = _utc_now,
+        jobs_queue: JobsQueue | None = None,
     ) -> None:
         self._kube = kube
+        self._jobs_queue = jobs_queue
         self.indexes = indexes
         self._settings = settings
         self._post_event = post_event
@@ -238,6 +242,7 @@ class Reconciler:
 
             client = self._kube()
             await self._ensure_admin_key(ep, endpoint, client, logger)
+            await self._ensure_queue_creds(ep, endpoint, client, logger)
             children = manifests.build_children(ep, self._settings)
             kopf.adopt(children, owner=endpoint)
             for child in children:
@@ -257,6 +262,7 @@ class Reconciler:
                             "Deleted %s %s: the spec no longer asks for it", ref.kind, ref.name
                         )
 
+            await self._ensure_queue_consumers(ep, logger)
             if created:
                 kinds = ", ".join(f"{c['kind']} {c['metadata']['name']}" for c in children)
                 self._post_event(
@@ -288,6 +294,44 @@ class Reconciler:
         except kube.Conflict:
             return
         logger.info("Created Secret %s (the endpoint's admin key)", secret["metadata"]["name"])
+
+    async def _ensure_queue_creds(
+        self, ep: Endpoint, owner: Mapping[str, Any], client: KubeApi, logger: logging.Logger
+    ) -> None:
+        """Create the endpoint's queue credential Secret unless it exists, before the
+        Deployment whose pods read it: a creds file minted for this endpoint alone (with the
+        queue's keys), else the password URL (kept out of the pod spec). Created once, like the
+        admin key, and never read back: a Secret of that name that the operator did not make
+        is refused by the pods (they check whom a creds file was minted for)."""
+        if self._jobs_queue is None:
+            return
+        if self._jobs_queue.per_endpoint_credentials:
+            ref = EndpointRef(ep.namespace, ep.name)
+            secret = manifests.build_queue_creds_secret(
+                ep, creds=self._jobs_queue.endpoint_creds(ref)
+            )
+        else:
+            secret = manifests.build_queue_creds_secret(ep, url=self._jobs_queue.url)
+        kopf.adopt(secret, owner=owner)
+        try:
+            await client.create(secret)
+        except kube.Conflict:
+            return
+        logger.info(
+            "Created Secret %s (the endpoint's queue credential)", secret["metadata"]["name"]
+        )
+
+    async def _ensure_queue_consumers(self, ep: Endpoint, logger: logging.Logger) -> None:
+        """The endpoint's worker consumers in the shared queue (the pods' credential may not
+        create them). Best effort: NATS down does not fail the reconcile; the autoscaler's next
+        read of the endpoint, or the next resync, creates them."""
+        if self._jobs_queue is None:
+            return
+        ref = EndpointRef(ep.namespace, ep.name)
+        try:
+            await asyncio.wait_for(self._jobs_queue.ensure_endpoint(ref), 5.0)
+        except Exception as exc:
+            logger.warning("Queue consumers of %s not created yet: %s", ref.id, exc or type(exc))
 
     async def _reconcile_inference_pool(
         self, ep: Endpoint, owner: Mapping[str, Any], client: KubeApi, logger: logging.Logger

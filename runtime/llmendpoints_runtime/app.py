@@ -30,7 +30,6 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 from llmendpoints_common.errors import (
     APIError,
-    ContentTooLargeError,
     InternalServerError,
     RateLimitError,
     ServiceUnavailableError,
@@ -40,28 +39,19 @@ from llmendpoints_common.fair_use import (
     may_ask_for_more_than_one,
     request_sequences,
 )
+from llmendpoints_edge.asgi import ASGIApp, Receive, Scope, Send, send_error
+from llmendpoints_edge.body import read_before
 from starlette.routing import Mount
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmendpoints_runtime.admission import AdmissionQueue, default_max_concurrency
 from llmendpoints_runtime.auth import APIKeyMiddleware, KeyStore, caller_is_admin
 from llmendpoints_runtime.config import RuntimeConfig
 from llmendpoints_runtime.control_routes import control_denied, is_control_path
 from llmendpoints_runtime.engine import Engine
-from llmendpoints_runtime.errors import (
-    OpenAIShapedErrors,
-    install_exception_handlers,
-    send_error,
-)
+from llmendpoints_runtime.errors import OpenAIShapedErrors, install_exception_handlers
 from llmendpoints_runtime.health import EngineState, Health
 from llmendpoints_runtime.metrics import CONTENT_TYPE, RuntimeMetrics
-from llmendpoints_runtime.middleware import (
-    TOO_LARGE,
-    BodyGuard,
-    RequestContext,
-    read_body,
-    replay,
-)
+from llmendpoints_runtime.middleware import BodyGuard, RequestContext
 from llmendpoints_runtime.openapi import openapi_builder
 
 logger = logging.getLogger("llmendpoints.app")
@@ -99,6 +89,14 @@ class Runtime:
     # Ends the process as SIGTERM would (the engine watcher calls it when the engine dies).
     request_stop: Callable[[], None] = field(default=lambda: os.kill(os.getpid(), signal.SIGTERM))
 
+    # -- what the edge's server asks on SIGTERM (llmendpoints_edge.server.Drainable) --
+
+    def start_draining(self) -> None:
+        self.health.start_draining()
+
+    def set_drain_deadline(self, deadline: float) -> None:
+        self.drain_deadline = deadline  # the lifespan's shutdown keeps to it too
+
     def busy(self) -> int:
         active = self.context.active if self.context is not None else 0
         return active + sum(source() for source in self.busy_sources)
@@ -111,8 +109,8 @@ class EngineDelegate:
     admin key -- with no admin key configured, to everyone.
 
     Generation requests take as many admission slots as they run sequences (``n`` x prompts,
-    ``llmendpoints_common.fair_use``), after the ``MAX_N`` check: the body is read here once
-    (within the body limit) and replayed to vLLM.
+    ``llmendpoints_common.fair_use``), after the ``MAX_N`` check, on the body the edge already
+    read (``scope[BODY]``: read once, within the limits, replayed to vLLM).
     """
 
     def __init__(self, runtime: Runtime):
@@ -134,19 +132,14 @@ class EngineDelegate:
             await inner(scope, receive, send)
             return
         weight = 1
-        if scope["path"] in SEQUENCE_ROUTES:
-            settings = runtime.config.settings
+        body = read_before(scope)
+        if scope["path"] in SEQUENCE_ROUTES and body is not None:
             try:
-                body = await _read_body(receive, settings.max_request_body_bytes)
-                if body is None:
-                    return  # the client left
-                weight = await _sequences(scope["path"], body, settings.max_n)
-            except APIError as exc:  # 413, or n / best_of above MAX_N
-                reason = "body_too_large" if exc.status_code == 413 else "max_n"
-                runtime.metrics.rejected.labels(reason=reason).inc()
+                weight = await _sequences(scope["path"], body, runtime.config.settings.max_n)
+            except APIError as exc:  # n / best_of above MAX_N
+                runtime.metrics.rejected.labels(reason="max_n").inc()
                 await send_error(send, exc)
                 return
-            receive = replay(body, then=receive)
         try:
             slots = await runtime.admission.acquire(weight)
         except RateLimitError as exc:
@@ -161,16 +154,6 @@ class EngineDelegate:
 
 # Bodies larger than this are parsed off the event loop (a parse of megabytes stalls it).
 _PARSE_IN_THREAD_BYTES = 256 * 1024
-
-
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole request body (None if the client disconnected), 413 beyond ``limit``."""
-    body = await read_body(receive, limit)
-    if body is TOO_LARGE:
-        raise ContentTooLargeError(
-            f"request body is larger than the limit of {limit} bytes (MAX_REQUEST_BODY_BYTES)"
-        )
-    return body
 
 
 async def _sequences(route: str, body: bytes, max_n: int) -> int:

@@ -52,6 +52,7 @@ def build_runtime(config: RuntimeConfig) -> Runtime:
         settings.api_keys_file,
         admin_keys=settings.admin_keys(),
         admin_keys_file=settings.admin_api_keys_file,
+        gateway_token_file=settings.gateway_token_file,
     )
     # Image URLs in requests are fetched only through the destination guard (media_fetch.py).
     try:
@@ -107,9 +108,7 @@ def create_app(runtime: Runtime, *, start_engine: bool = True) -> ASGIApp:
     runtime.busy_sources.append(jobs.busy)
     runtime.drainers.append(jobs.drain)
 
-    sagemaker = build_sagemaker_router(
-        engine, max_body_bytes=job_settings.max_body_bytes, target=_same_app
-    )
+    sagemaker = build_sagemaker_router(engine, target=_same_app)
     routers: list[APIRouter] = [*jobs.routers(openai_target=_same_app), sagemaker]
     return app.create_app(runtime, routers, start_engine=start_engine)
 
@@ -150,8 +149,6 @@ def job_settings_from(settings: RuntimeSettings, max_concurrency: int) -> JobSet
         default_ttl_ms=min(DEFAULT_TTL_MS, settings.max_job_ttl_ms),
         run_retention_seconds=settings.jobs_run_retention_seconds,
         runsync_retention_seconds=settings.jobs_runsync_retention_seconds,
-        max_body_bytes=settings.max_request_body_bytes,
-        max_runsync_body_bytes=settings.max_runsync_body_bytes,
         webhook_timeout_seconds=settings.webhook_timeout_seconds,
         webhook_max_concurrency=settings.webhook_max_concurrency,
     )

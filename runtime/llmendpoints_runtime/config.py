@@ -22,11 +22,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from llmendpoints_common.destinations import DestinationPolicy
 from llmendpoints_common.fair_use import DEFAULT_MAX_N
+from llmendpoints_common.identity import EndpointRef
 from llmendpoints_common.jobs.models import MAX_POLICY_MS, MIN_EXECUTION_TIMEOUT_MS, MIN_TTL_MS
+from llmendpoints_common.queue.connect import read_creds
+from llmendpoints_common.queue.natsjwt import CredentialsError
+from llmendpoints_common.queue.trust import check_runtime_creds
+from llmendpoints_edge.settings import EdgeSettings
+from llmendpoints_edge.settings import settings_variables as edge_settings_variables
 from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llmendpoints_runtime import engine as engine_module
 
@@ -42,13 +46,11 @@ class ConfigError(Exception):
         self.message = message
 
 
-class RuntimeSettings(BaseSettings):
-    """Our own settings (not vLLM flags). Field aliases are the environment variable names."""
+class RuntimeSettings(EdgeSettings):
+    """Our own settings (not vLLM flags). Field aliases are the environment variable names;
+    the ones the gateway shares (HOST, PORT, keys, body limits, logs, drain, webhooks,
+    JOBS_QUEUE_URL) are the edge's (``llmendpoints_edge.settings.EdgeSettings``)."""
 
-    model_config = SettingsConfigDict(populate_by_name=False, extra="ignore", frozen=True)
-
-    host: str = Field("0.0.0.0", validation_alias="HOST", description="Interface to listen on.")
-    port: int = Field(8000, ge=1, le=65535, validation_alias="PORT", description="HTTP port.")
     base_path: str | None = Field(
         None,
         validation_alias="BASE_PATH",
@@ -59,20 +61,10 @@ class RuntimeSettings(BaseSettings):
         validation_alias="HF_TOKEN",
         description="Hugging Face token for gated or private models.",
     )
-    api_keys: str | None = Field(
-        None,
-        validation_alias="API_KEYS",
-        description="Comma-separated API keys. Clients send `Authorization: Bearer <key>` or `x-api-key`.",
-    )
     api_key: SecretStr | None = Field(
         None,
         validation_alias="API_KEY",
         description="One API key (vLLM's --api-key spelling); merged with API_KEYS.",
-    )
-    api_keys_file: str | None = Field(
-        None,
-        validation_alias="API_KEYS_FILE",
-        description="File with one API key per line (a mounted Secret); re-read when it changes.",
     )
     admin_api_keys: SecretStr | None = Field(
         None,
@@ -87,6 +79,13 @@ class RuntimeSettings(BaseSettings):
         validation_alias="ADMIN_API_KEYS_FILE",
         description="File with admin keys, one per line (the operator mounts the endpoint's "
         "generated admin key here); re-read when it changes.",
+    )
+    gateway_token_file: str | None = Field(
+        None,
+        validation_alias="GATEWAY_TOKEN_FILE",
+        description="File with this endpoint's gateway token (the operator mounts it): a "
+        "request bearing it comes from the gateway, which names its caller in "
+        "`x-llmep-caller` (believed from no one else); re-read when it changes.",
     )
     unauthenticated_paths: str = Field(
         "/health,/ready,/ping,/metrics",
@@ -115,30 +114,6 @@ class RuntimeSettings(BaseSettings):
         description="Largest n (and best_of) of one request, on every contract (OpenAI routes, "
         "jobs, /invocations); more is a 400 naming the field.",
     )
-    max_request_body_bytes: int = Field(
-        10 * 1024 * 1024,
-        ge=1024,
-        validation_alias="MAX_REQUEST_BODY_BYTES",
-        description="Larger request bodies get 413 (all paths but /runsync).",
-    )
-    max_runsync_body_bytes: int = Field(
-        20 * 1024 * 1024,
-        ge=1024,
-        validation_alias="MAX_RUNSYNC_BODY_BYTES",
-        description="Larger /runsync bodies get 413 (RunPod: 10 MB for /run, 20 MB for /runsync).",
-    )
-    request_read_timeout_seconds: float = Field(
-        30.0,
-        gt=0,
-        validation_alias="REQUEST_READ_TIMEOUT_SECONDS",
-        description="Request headers not complete this long after the request began, or a body not complete this long after its headers, get 408 and the connection is closed.",
-    )
-    drain_timeout_seconds: float = Field(
-        30.0,
-        ge=0,
-        validation_alias="DRAIN_TIMEOUT_SECONDS",
-        description="After SIGTERM, how long in-flight requests and streams may take to finish.",
-    )
     engine_death_exit_delay_seconds: float = Field(
         5.0,
         ge=0,
@@ -147,14 +122,6 @@ class RuntimeSettings(BaseSettings):
         description="After the engine core dies: how long the process answers 503 everywhere (load "
         "balancers polling /ping see it; jobs fail naming the cause) before it drains and exits "
         "with status 1 so that it is restarted.",
-    )
-    log_format: Literal["text", "json"] = Field(
-        "text", validation_alias="LOG_FORMAT", description="`text` or `json` (one object per line)."
-    )
-    log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info",
-        validation_alias="LLMEP_LOG_LEVEL",
-        description="Log level of the runtime's own logs.",
     )
     startup_log_interval_seconds: float = Field(
         10.0,
@@ -226,18 +193,19 @@ class RuntimeSettings(BaseSettings):
     )
     # The shared job queue (NATS JetStream): with it, every replica and the gateway serve every
     # job of the endpoint, and this pod is one of the endpoint's workers.
-    jobs_queue_url: SecretStr | None = Field(
-        None,
-        validation_alias="JOBS_QUEUE_URL",
-        description="NATS URL of the shared job queue (`nats://user:pass@host:4222`); unset: "
-        "jobs live in this pod (the in-pod store). Needs ENDPOINT_ID.",
-    )
     endpoint_id: str | None = Field(
         None,
         pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
         validation_alias="ENDPOINT_ID",
         description="The endpoint this pod serves (the LLMEndpoint's name): whose queued jobs "
         "it takes, the `{id}` of `/v2/{id}/...`.",
+    )
+    endpoint_namespace: str = Field(
+        "default",
+        pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$",
+        validation_alias="ENDPOINT_NAMESPACE",
+        description="The namespace of the endpoint this pod serves (the LLMEndpoint's): with "
+        "ENDPOINT_ID, the endpoint's identity in the shared queue.",
     )
     jobs_max_attempts: int = Field(
         3,
@@ -284,25 +252,6 @@ class RuntimeSettings(BaseSettings):
         description="Shared queue: replicas of each JetStream stream when this pod creates them "
         "(3 on the chart's NATS cluster).",
     )
-    webhook_destinations: str = Field(
-        "",
-        validation_alias="LLMEP_WEBHOOK_DESTINATIONS",
-        description="Comma-separated hosts (exact or *.suffix) and CIDRs job webhooks may reach; "
-        "empty: any but link-local/metadata/multicast (see docs/jobs.md).",
-    )
-    webhook_timeout_seconds: float = Field(
-        10.0,
-        gt=0,
-        validation_alias="WEBHOOK_TIMEOUT_SECONDS",
-        description="One webhook attempt's deadline, from connecting to the answer's status "
-        "line (nothing after it is read); then the attempt has failed.",
-    )
-    webhook_max_concurrency: int = Field(
-        64,
-        ge=1,
-        validation_alias="WEBHOOK_MAX_CONCURRENCY",
-        description="Webhook attempts under way at once; more wait for a slot (never dropped).",
-    )
 
     # -- LoRA adapters declared in the endpoint (see docs/operator.md, "LoRA adapters") -------
     adapters_file: str | None = Field(
@@ -326,21 +275,6 @@ class RuntimeSettings(BaseSettings):
             raise ValueError(f"must not exceed DEFAULT_BATCH_SIZE ({largest})")
         return value
 
-    @field_validator("webhook_destinations")
-    @classmethod
-    def _destinations_parse(cls, value: str) -> str:
-        DestinationPolicy.parse(value)  # ValueError names the entry that is wrong
-        return value
-
-    @property
-    def webhook_policy(self) -> DestinationPolicy:
-        return DestinationPolicy.parse(self.webhook_destinations)
-
-    @field_validator("log_format", "log_level", mode="before")
-    @classmethod
-    def _lower(cls, value: object) -> object:
-        return value.lower() if isinstance(value, str) else value
-
     @property
     def unauthenticated_path_set(self) -> frozenset[str]:
         return frozenset(p.strip() for p in self.unauthenticated_paths.split(",") if p.strip())
@@ -350,7 +284,8 @@ class RuntimeSettings(BaseSettings):
         return tuple(dict.fromkeys(k.strip() for k in raw.split(",") if k.strip()))
 
     def static_api_keys(self) -> tuple[str, ...]:
-        keys = [k.strip() for k in (self.api_keys or "").split(",") if k.strip()]
+        """API_KEYS, and vLLM's one-key spelling API_KEY."""
+        keys = list(super().static_api_keys())
         if self.api_key is not None and self.api_key.get_secret_value().strip():
             keys.append(self.api_key.get_secret_value().strip())
         return tuple(dict.fromkeys(keys))
@@ -358,10 +293,7 @@ class RuntimeSettings(BaseSettings):
 
 def settings_variables() -> dict[str, str]:
     """Environment variable name -> description, for every RuntimeSettings field."""
-    return {
-        str(info.validation_alias): info.description or ""
-        for info in RuntimeSettings.model_fields.values()
-    }
+    return edge_settings_variables(RuntimeSettings)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -667,7 +599,6 @@ class RuntimeConfig:
     vllm_argv: list[str]
     engine_args: Namespace
     # vLLM flag -> the environment variable it came from (to name it in later errors)
-    flag_sources: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     # Variables the runtime exports to its own process (and so to vLLM's workers).
     process_env: dict[str, str] = field(default_factory=dict)
@@ -690,6 +621,18 @@ def _load_settings(env: Mapping[str, str]) -> RuntimeSettings:
             "ENDPOINT_ID",
             "required with JOBS_QUEUE_URL: it names the endpoint whose jobs this pod takes",
         )
+    if settings.jobs_queue_creds_file is not None:
+        if settings.jobs_queue_url is None:
+            raise ConfigError(
+                "JOBS_QUEUE_CREDS_FILE", "set without JOBS_QUEUE_URL: which queue is it for?"
+            )
+        try:
+            check_runtime_creds(
+                read_creds(settings.jobs_queue_creds_file),
+                EndpointRef(settings.endpoint_namespace, settings.endpoint_id),
+            )
+        except CredentialsError as exc:
+            raise ConfigError("JOBS_QUEUE_CREDS_FILE", str(exc)) from None
     return settings
 
 
@@ -810,7 +753,6 @@ def load_config(env: Mapping[str, str]) -> RuntimeConfig:
         settings=settings,
         vllm_argv=argv,
         engine_args=engine_args,
-        flag_sources=sources,
         warnings=warnings,
         process_env=process_env,
     )

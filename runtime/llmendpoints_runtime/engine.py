@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import threading
 import time
 import types
@@ -28,6 +29,7 @@ from typing import Any
 
 from llmendpoints_runtime.download import download_model, is_local_model
 from llmendpoints_runtime.health import EngineState, Health
+from llmendpoints_runtime.media_fetch import MediaFetchError, MediaFetchLimits
 from llmendpoints_runtime.metrics import PHASES, RuntimeMetrics
 from llmendpoints_runtime.proctree import become_subreaper, terminate_descendants
 
@@ -111,14 +113,10 @@ def install_media_fetcher(fetcher) -> None:
     422 (a 4xx from the image host), 500 (file: without ALLOWED_LOCAL_MEDIA_PATH) or 501
     (a data: URL that is not base64).
     """
-    import os
-
     from vllm import envs
     from vllm.connections import HTTPConnection
     from vllm.exceptions import VLLMValidationError
     from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY, MediaConnector
-
-    from llmendpoints_runtime.media_fetch import MediaFetchError, MediaFetchLimits
 
     def refused(message: str) -> VLLMValidationError:
         return VLLMValidationError(message, parameter="image_url")

@@ -4,7 +4,8 @@ The error types and their bodies are ``llmendpoints_common.errors`` (shared with
 this module only puts them on the wire. Routes raise, the handler answers: OpenAI's
 ``{"error": {"message", "type", "param", "code"}}`` everywhere, and on job routes (tagged
 ``JOBS_TAG``) the job envelope, the same error object with the ``id`` of the job the request
-named. ASGI middleware that runs before any framework answers with ``send_error``, and
+named. ASGI middleware that runs before any framework answers with the edge's ``send_error``
+(``llmendpoints_edge.asgi``), and
 ``OpenAIShapedErrors`` brings the error answers of vLLM's own app (an unknown /v1 path: 404
 ``{"type": "Not Found"}``) to the same shape.
 """
@@ -89,18 +90,6 @@ def error_response(exc: APIError, request: Request | None = None) -> JSONRespons
     return JSONResponse(
         error_body(exc, request), status_code=exc.status_code, headers=exc.headers or None
     )
-
-
-async def send_error(send: Send, exc: APIError) -> None:
-    """Answer at the ASGI level (middleware that runs before any framework)."""
-    payload = exc.body_bytes()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(payload)).encode()),
-    ]
-    headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
-    await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
 
 
 def install_exception_handlers(app: FastAPI) -> None:

@@ -8,6 +8,7 @@ FastAPI's generated 422 is dropped, because validation errors are answered with 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fastapi import FastAPI
@@ -78,8 +79,6 @@ def merge_openapi(
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("llmendpoints")
     except PackageNotFoundError:

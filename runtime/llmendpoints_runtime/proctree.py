@@ -13,6 +13,7 @@ parent dies, its children are re-parented to init and can no longer be found fro
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import time
@@ -118,8 +119,6 @@ def become_subreaper() -> bool:
     vLLM's workers are the engine core's children: if the engine core dies first, they would be
     re-parented out of our reach. As a subreaper we keep them as descendants, so shutdown still
     stops them. False where the kernel does not offer it (nothing else changes then)."""
-    import ctypes
-
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0

@@ -23,13 +23,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from llmendpoints_common.errors import BadRequestError
+from llmendpoints_edge.body import read_before
 
 from llmendpoints_runtime import text_generation
 from llmendpoints_runtime.errors import error_responses
 from llmendpoints_runtime.jobs.asgi import ForwardedRequest
 from llmendpoints_runtime.jobs.models import parse_json_object, refuse_images_for_text_only
 from llmendpoints_runtime.jobs.port import ASGIApp, JobEngine, ServedModels
-from llmendpoints_runtime.jobs.routes import read_body
 
 
 def invocation_route(payload: dict[str, Any]) -> str:
@@ -94,17 +94,16 @@ def check_modalities(payload: dict[str, Any], served: ServedModels) -> None:
 
 
 def build_sagemaker_router(
-    engine: JobEngine,
-    *,
-    max_body_bytes: int,
-    target: Callable[[Request], ASGIApp] | None = None,
+    engine: JobEngine, *, target: Callable[[Request], ASGIApp] | None = None
 ) -> APIRouter:
-    """``target`` is the app that serves ``/v1/...`` (default: vLLM's app itself)."""
+    """``target`` is the app that serves ``/v1/...`` (default: vLLM's app itself). The body was
+    read at the edge, within MAX_REQUEST_BODY_BYTES."""
     router = APIRouter(tags=["sagemaker"])
 
     @router.post("/invocations", responses=error_responses(400, 401, 413, 429, 503))
     async def invocations(request: Request) -> Response:
-        payload = parse_json_object(await read_body(request, max_body_bytes))
+        body = read_before(request.scope)
+        payload = parse_json_object(await request.body() if body is None else body)
         app = target(request) if target is not None else engine.openai_app()
         if text_generation.is_text_generation(payload):  # TGI / LMI containers' payload
             await engine.wait_ready()

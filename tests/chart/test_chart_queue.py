@@ -3,6 +3,7 @@ one (queue.url / queue.existingSecret), and the operator's LLMEP_OPERATOR_JOBS_Q
 
 from __future__ import annotations
 
+import base64
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import yaml
 
 from .helm_kit import CHART, only, pod_specs, render, run_helm
+from .nats_chart_kit import lay_out
 
 NATS_SERVER = Path(sys.executable).parent / "nats-server"
 QUEUE = {"queue": {"enabled": True}}
@@ -57,12 +59,30 @@ def test_enabled_queue_is_a_replicated_durable_nats_cluster(helm: Path, tmp_path
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     secret = only(docs, "Secret")
-    assert set(secret["data"]) == {"username", "password", "url"}
+    keys = {"operator", "system-account", "account", "account-signing"}
+    assert set(secret["data"]) == keys | {"cluster-password"}
+    for key in keys:  # 32 random bytes each, in base64 (the init container makes nkeys of them)
+        assert len(base64.b64decode(base64.b64decode(secret["data"][key]))) == 32
     env = operator_env(docs)
-    assert env["LLMEP_OPERATOR_JOBS_QUEUE_URL"] == {
-        "secretKeyRef": {"name": secret["metadata"]["name"], "key": "url"}
-    }
+    # No password in any URL: every client has its own creds file.
+    assert env["LLMEP_OPERATOR_JOBS_QUEUE_URL"] == "nats://llmendpoints-nats.llm-system.svc:4222"
+    assert env["LLMEP_OPERATOR_JOBS_QUEUE_KEYS_DIR"] == "/etc/llmendpoints/queue-keys"
     assert env["LLMEP_OPERATOR_JOBS_QUEUE_REPLICAS"] == "3"
+    operator_pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    (keys_volume,) = [v for v in operator_pod["volumes"] if v["name"] == "queue-keys"]
+    # The operator gets the signing half only, never the operator key that signs accounts.
+    assert keys_volume["secret"] == {
+        "secretName": secret["metadata"]["name"],
+        "items": [
+            {"key": "account", "path": "account"},
+            {"key": "account-signing", "path": "account-signing"},
+        ],
+    }
+    # Monitoring is not reachable from outside the pod: bound to 127.0.0.1, no port declared.
+    assert "http: 127.0.0.1:8222" in only(docs, "ConfigMap")["data"]["nats.conf"]
+    assert {p["name"] for p in container["ports"]} == {"client", "cluster"}
+    for service in (d for d in docs if d["kind"] == "Service"):
+        assert 8222 not in {p["port"] for p in service["spec"]["ports"]}
 
 
 def test_hard_anti_affinity_requires_distinct_nodes(helm: Path, tmp_path: Path) -> None:
@@ -76,18 +96,26 @@ def test_rendered_nats_configuration_is_accepted_by_nats_server(
     helm: Path, tmp_path: Path, replicas: int
 ) -> None:
     values = {"queue": {"enabled": True, "nats": {"replicas": replicas}}}
-    config = only(render(helm, tmp_path, values), "ConfigMap")["data"]["nats.conf"]
-    path = tmp_path / "nats.conf"
-    path.write_text(config.replace("/data/jetstream", str(tmp_path / "js")))
+    docs = render(helm, tmp_path, values)
+    # The pod's files: the ConfigMap, the keys Secret, and what the init container writes.
+    nats, _ = lay_out(docs, tmp_path / "pod")
     result = subprocess.run(
-        [str(NATS_SERVER), "-c", str(path), "-t"],
+        [str(NATS_SERVER), "-c", str(nats.config), "-t"],
         capture_output=True,
         text=True,
-        env={"POD_NAME": "llmendpoints-nats-0", "NATS_PASSWORD": "secret"},
+        env={"POD_NAME": "llmendpoints-nats-0"},
         timeout=30,
     )
     assert result.returncode == 0, result.stderr + result.stdout
+    config = nats.config.read_text()
     assert "max_payload: 33554432" in config
+    routes = tmp_path / "pod" / "auth" / "routes.conf"
+    if replicas > 1:
+        # Every route carries the cluster password; a server without it cannot join.
+        password = (nats.keys / "cluster-password").read_text()
+        assert routes.read_text().count(f"route:{password}@") == replicas
+    else:
+        assert "cluster" not in config.split("jetstream")[1] and not routes.exists()
 
 
 def test_existing_nats_by_url_or_secret(helm: Path, tmp_path: Path) -> None:

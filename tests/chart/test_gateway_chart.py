@@ -222,7 +222,8 @@ def _env(docs: list[dict[str, Any]], name: str) -> dict[str, dict[str, Any]]:
 @pytest.mark.parametrize(
     ("queue", "expected"),
     [
-        ({"enabled": True}, {"secretKeyRef": {"name": "llmendpoints-nats", "key": "url"}}),
+        # The release's NATS: no password in the URL (each has its own creds file).
+        ({"enabled": True}, "nats://llmendpoints-nats.llm-system.svc:4222"),
         (
             {"existingSecret": "nats-creds", "existingSecretKey": "uri"},
             {"secretKeyRef": {"name": "nats-creds", "key": "uri"}},
@@ -242,6 +243,11 @@ def test_the_gateway_and_the_operator_read_the_same_queue(
         value = entry.get("valueFrom", entry.get("value"))
         assert value == expected
     assert "LLMEP_OPERATOR_GATEWAY_URL" in _env(docs, "llmendpoints")
+    # With the release's NATS, each has its own credential: the gateway a creds file its init
+    # container mints, the operator the signing key it mints with.
+    has_keys = bool(queue.get("enabled"))
+    assert ("JOBS_QUEUE_CREDS_FILE" in _env(docs, "llmendpoints-gateway")) is has_keys
+    assert ("LLMEP_OPERATOR_JOBS_QUEUE_KEYS_DIR" in _env(docs, "llmendpoints")) is has_keys
 
 
 def test_without_a_queue_the_gateway_has_none(helm: Path, tmp_path: Path) -> None:

@@ -26,10 +26,16 @@ SECRETS = {
 }
 
 
-def _pod_environment(spec: dict[str, Any], root: pathlib.Path) -> dict[str, str]:
+def _pod_environment(
+    spec: dict[str, Any],
+    root: pathlib.Path,
+    settings: OperatorSettings | None = None,
+    secrets: dict[tuple[str, str], str] | None = None,
+) -> dict[str, str]:
     """The environment of the runtime container, with its config files materialised under root."""
+    SECRETS.update(secrets or {})
     ep = parse("demo", "team", spec)
-    deployment = manifests.build_deployment(ep, OperatorSettings(), replicas=1)
+    deployment = manifests.build_deployment(ep, settings or OperatorSettings(), replicas=1)
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
     configmaps = {
@@ -146,6 +152,53 @@ def test_an_engine_arg_vllm_rejects_is_caught_at_startup_naming_the_variable(
     with pytest.raises(config.ConfigError) as caught:
         config.load_config(_pod_environment(spec, tmp_path))
     assert caught.value.variable == "MAX_NUM_SEQS"
+
+
+QUEUE_KEYS = OperatorSettings(
+    jobs_queue_url="nats://llmendpoints-nats.llm-system.svc:4222", jobs_queue_keys_dir="/k"
+)
+
+
+def _minted(endpoint: str) -> str:
+    from llmendpoints_common.queue.trust import Installation, mint
+
+    return mint(Installation.generate().signer, "runtime", endpoint, issued_at=0)
+
+
+def test_the_queue_identity_and_the_endpoints_own_credential_reach_the_runtime(
+    tmp_path: pathlib.Path,
+) -> None:
+    creds = {("demo-queue-creds", "queue.creds"): _minted("team/demo")}
+    env = _pod_environment({"model": {"name": "org/model"}}, tmp_path, QUEUE_KEYS, creds)
+    settings = config.load_config(env).settings
+    assert (settings.endpoint_namespace, settings.endpoint_id) == ("team", "demo")
+    assert settings.jobs_queue_url.get_secret_value() == QUEUE_KEYS.jobs_queue_url
+    assert (
+        pathlib.Path(settings.jobs_queue_creds_file).read_text()
+        == creds[("demo-queue-creds", "queue.creds")]
+    )
+
+
+def test_a_planted_credential_of_another_endpoint_stops_the_pod(tmp_path: pathlib.Path) -> None:
+    """A Secret named <endpoint>-queue-creds that someone made before the operator could, with
+    a credential minted for another endpoint (theirs): the pod refuses to start with it."""
+    planted = {("demo-queue-creds", "queue.creds"): _minted("other-team/demo")}
+    env = _pod_environment({"model": {"name": "org/model"}}, tmp_path, QUEUE_KEYS, planted)
+    with pytest.raises(config.ConfigError) as caught:
+        config.load_config(env)
+    assert caught.value.variable == "JOBS_QUEUE_CREDS_FILE"
+    assert "runtime:other-team/demo" in str(caught.value)
+
+
+def test_a_password_url_reaches_the_pod_from_the_endpoints_secret(tmp_path: pathlib.Path) -> None:
+    url = "nats://llmep:secret@nats.infra:4222"
+    queued = OperatorSettings(jobs_queue_url=url)
+    env = _pod_environment(
+        {"model": {"name": "org/model"}}, tmp_path, queued, {("demo-queue-creds", "url"): url}
+    )
+    settings = config.load_config(env).settings
+    assert settings.jobs_queue_url.get_secret_value() == url
+    assert settings.jobs_queue_creds_file is None
 
 
 def test_declared_adapters_reach_the_runtime_as_its_adapter_list(tmp_path: pathlib.Path) -> None:

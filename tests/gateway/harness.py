@@ -5,6 +5,7 @@ a real engine cannot be made to have on cue (a crash before the first byte, a cu
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import socket
@@ -21,6 +22,17 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 STANDIN = REPO / "bench" / "gateway_standin.py"
+
+
+def load_kit(name: str):
+    """A helper module of tests/runtime (``proc_kit``: the engine's processes), loaded by path:
+    neither test folder is a package."""
+    path = REPO / "tests" / "runtime" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:
@@ -45,10 +57,15 @@ class Process:
     process: subprocess.Popen
     port: int
     log_path: Path
+    metrics_port: int | None = None  # the gateway's /metrics (GATEWAY_METRICS_PORT)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port or self.port}/metrics"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -96,16 +113,22 @@ def write_endpoints(path: Path, endpoints: list[dict]) -> Path:
 
 def launch_gateway(log_dir: Path, port: int | None = None, **settings: str) -> Process:
     port = port or free_port()
+    metrics_port = free_port()
     env = clean_env(
-        HOST="127.0.0.1",
-        PORT=str(port),
-        LOG_FORMAT="json",
-        GATEWAY_PROBE_INTERVAL_SECONDS="0.2",
-        **settings,
+        **{
+            "HOST": "127.0.0.1",
+            "PORT": str(port),
+            "GATEWAY_METRICS_PORT": str(metrics_port),
+            "LOG_FORMAT": "json",
+            "GATEWAY_PROBE_INTERVAL_SECONDS": "0.2",
+            **settings,
+        }
     )
-    return _spawn(
+    gateway = _spawn(
         [PYTHON, "-m", "llmendpoints_gateway", "serve"], env, port, log_dir / f"gateway-{port}.log"
     )
+    gateway.metrics_port = metrics_port
+    return gateway
 
 
 @contextlib.contextmanager

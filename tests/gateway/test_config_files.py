@@ -26,6 +26,10 @@ def test_endpoints_file():
         "endpoints: [{name: a, models: [a], backends: [], routing: round-robin}]"
     )
     assert rr.routing is Strategy.ROUND_ROBIN
+    # The queue's identity is namespace + name: "default" unless the entry says.
+    assert ep.namespace == "default"
+    (other,) = parse_endpoints("endpoints: [{name: a, namespace: team-a, backends: []}]")
+    assert other.namespace == "team-a"
 
 
 @pytest.mark.parametrize(
@@ -37,6 +41,8 @@ def test_endpoints_file():
         ("endpoints: [{name: a, backends: ['127.0.0.1:80']}]", "endpoints[0].backends"),
         ("endpoints: [{name: a, routing: random}]", "endpoints[0].routing"),
         ("endpoints: [{name: a}, {name: a}]", "unique"),
+        ("endpoints: [{name: a, namespace: Team.A}]", "endpoints[0].namespace"),
+        ("endpoints: [{name: a, namespace: 7}]", "endpoints[0].namespace"),
         ("endpoints: [", "not valid YAML"),
     ],
 )

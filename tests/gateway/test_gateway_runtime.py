@@ -19,9 +19,10 @@ import openai
 import pytest
 from integration.nats_kit import nats_server
 
-from .harness import Process, launch_runtime, running_gateway, write_endpoints
+from .harness import Process, launch_runtime, load_kit, running_gateway, write_endpoints
 
 pytestmark = pytest.mark.engine
+proc_kit = load_kit("proc_kit")
 
 SYSTEM = "You are a helpful assistant who answers briefly and in plain words. " * 3
 
@@ -73,6 +74,7 @@ def gateway(logs, replicas, queue_url):
         GATEWAY_ENDPOINTS_FILE=str(endpoints),
         GATEWAY_HOLD_TIMEOUT_SECONDS="900",
         JOBS_QUEUE_URL=queue_url,
+        GATEWAY_REQUIRE_KEYS="false",  # the replicas and the endpoints are open here
     ) as gw:
         yield gw
 
@@ -196,9 +198,25 @@ def test_a_client_disconnect_aborts_the_request_in_the_engine(gateway, replicas)
         "ignore_eos": True,
         "stream": True,
     }
+    pids = [r.process.pid for r in replicas.values()]
     with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         assert next(response.iter_lines()).startswith("data: ")
+        # The demo model ends 2,000 tokens in a second or two: the engines wait while the
+        # client leaves, so the request is surely mid-way when the abort reaches them.
+        frozen = proc_kit.engines_frozen(*pids)
+        frozen.__enter__()
+    try:
+        # The runtimes' API processes (not frozen) see the disconnect and let the request go.
+        proc_kit.wait_until(
+            lambda: not any(
+                _metric_sum(r.url, "llmendpoints_requests_in_flight") for r in replicas.values()
+            ),
+            20,
+            "the runtimes still count the request in flight after the client left",
+        )
+    finally:
+        frozen.__exit__(None, None, None)
     deadline = time.monotonic() + 20
     while any(_metric_sum(r.url, "vllm:num_requests_running") for r in replicas.values()):
         assert time.monotonic() < deadline, "the engine kept running the request"

@@ -18,6 +18,7 @@ import nats
 import pytest
 import yaml
 from integration.nats_kit import nats_server
+from llmendpoints_common.identity import EndpointRef
 from llmendpoints_common.queue.signals import subscribe_nudges
 
 from .harness import free_port, running_gateway, write_endpoints
@@ -150,7 +151,10 @@ def test_a_draining_gateway_waits_for_its_webhook_deliveries(tmp_path, queue_url
     with (
         webhook_receiver(answer_after=2.0) as (url, received),
         running_gateway(
-            tmp_path, GATEWAY_ENDPOINTS_FILE=str(endpoints), JOBS_QUEUE_URL=queue_url
+            tmp_path,
+            GATEWAY_ENDPOINTS_FILE=str(endpoints),
+            JOBS_QUEUE_URL=queue_url,
+            GATEWAY_REQUIRE_KEYS="false",
         ) as gw,
         httpx.Client(base_url=gw.url + "/v2/drain", timeout=30) as client,
     ):
@@ -230,7 +234,7 @@ async def test_a_job_for_an_endpoint_with_no_ready_replica_nudges_the_autoscaler
     gateway, queue_url
 ):
     nc = await nats.connect(queue_url)
-    nudged: list[str] = []
+    nudged: list[EndpointRef] = []
     await subscribe_nudges(nc, nudged.append)
     await nc.flush()
     # Nudges are at most one a second per endpoint, and earlier tests sent some.
@@ -241,5 +245,5 @@ async def test_a_job_for_an_endpoint_with_no_ready_replica_nudges_the_autoscaler
         if nudged:
             break
         await asyncio.sleep(0.1)
-    assert nudged == ["work"]
+    assert nudged == [EndpointRef("default", "work")]
     await nc.close()

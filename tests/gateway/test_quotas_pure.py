@@ -10,7 +10,7 @@ import json
 import os
 
 import pytest
-from llmendpoints_common.errors import RateLimitError
+from llmendpoints_common.errors import BadRequestError, RateLimitError
 from llmendpoints_gateway.keys import (
     Key,
     KeyFileError,
@@ -21,13 +21,15 @@ from llmendpoints_gateway.keys import (
 )
 from llmendpoints_gateway.limiter import Limiter
 from llmendpoints_gateway.metering import (
+    BodyUsage,
     StreamUsage,
     Usage,
     UsageRecord,
-    prepare_stream_request,
+    metered_request,
     summarize,
     usage_of_body,
     usage_of_job_output,
+    usage_of_tail,
     with_usage_option,
 )
 from llmendpoints_gateway.quotas import (
@@ -281,15 +283,110 @@ def test_usage_of_answers_and_jobs():
     assert usage_of_job_output("text") is None
 
 
+def _asks(path: str, payload: dict) -> tuple[bool, bool]:
+    metered = metered_request(path, payload, len(json.dumps(payload)), 16)
+    return metered.ask_usage, metered.strip
+
+
 def test_usage_is_asked_for_streams_of_chat_and_completions_only():
-    assert prepare_stream_request("/v1/chat/completions", {"stream": True}) == (True, True)
-    assert prepare_stream_request("/v1/completions?x=1", {"stream": True}) == (True, True)
+    assert _asks("/v1/chat/completions", {"stream": True}) == (True, True)
+    assert _asks("/v1/completions?x=1", {"stream": True}) == (True, True)
     asked = {"stream": True, "stream_options": {"include_usage": True}}
-    assert prepare_stream_request("/v1/chat/completions", asked) == (False, False)
-    assert prepare_stream_request("/v1/chat/completions", {"stream": False}) == (False, False)
-    assert prepare_stream_request("/v1/embeddings", {"stream": True}) == (False, False)
-    body = json.loads(with_usage_option({"stream": True, "stream_options": {"x": 1}}))
+    assert _asks("/v1/chat/completions", asked) == (False, False)
+    assert _asks("/v1/chat/completions", {"stream": False}) == (False, False)
+    assert _asks("/v1/embeddings", {"stream": True}) == (False, False)
+    payload = {"stream": True, "stream_options": {"x": 1}}
+    body = json.loads(with_usage_option(json.dumps(payload).encode(), payload))
     assert body["stream_options"] == {"x": 1, "include_usage": True}
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b'{"stream": true, "model": "m"}', b'  {\n "stream":true}', b"{}", b"{ }"],
+)
+def test_the_usage_option_is_spliced_into_the_bytes(raw):
+    payload = json.loads(raw)
+    spliced = with_usage_option(raw, payload)
+    assert json.loads(spliced) == {**payload, "stream_options": {"include_usage": True}}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("stream", "true"),
+        ("stream", 1),
+        ("stream", "yes"),
+        ("n", "4"),
+        ("n", 2.0),
+        ("n", True),
+        ("max_tokens", "100"),
+        ("max_tokens", -1),
+        ("best_of", [2]),
+        ("max_completion_tokens", "9"),
+    ],
+)
+def test_fields_that_change_the_bill_take_only_one_reading(field, value):
+    """vLLM would coerce these ("true" -> True, "4" -> 4) while the gateway read them otherwise:
+    a stream billed as no stream, n=4 reserved as n=1. Refused, naming the field."""
+    with pytest.raises(BadRequestError) as error:
+        metered_request("/v1/chat/completions", {"model": "m", field: value}, 40, 16)
+    assert error.value.param == field
+
+
+def test_stream_options_must_be_an_object_of_booleans():
+    for options, param in (
+        ("yes", "stream_options"),
+        ({"include_usage": "true"}, "stream_options.include_usage"),
+        ({"continuous_usage_stats": 1}, "stream_options.continuous_usage_stats"),
+    ):
+        with pytest.raises(BadRequestError) as error:
+            metered_request("/v1/chat/completions", {"stream_options": options}, 40, 16)
+        assert error.value.param == param
+
+
+def test_a_request_reserves_n_times_max_tokens_and_its_prompt():
+    messages = [{"role": "system", "content": "x" * 40}, {"role": "user", "content": "hi"}]
+    payload = {"messages": messages, "n": 3, "max_tokens": 100}
+    metered = metered_request("/v1/chat/completions", payload, 400, 16)
+    assert metered.prompt_estimate == 11 + 2 * 4  # 42 characters, and 2 messages' template
+    assert metered.reserve_tokens == 19 + 3 * 100
+    # no max_tokens: the default; a list of prompts multiplies
+    metered = metered_request("/v1/completions", {"prompt": ["abcd", "efgh"]}, 8, 16)
+    assert metered.reserve_tokens == 2 + 2 * 16
+    # token ids are one prompt, a token each
+    metered = metered_request("/v1/completions", {"prompt": [1, 2, 3]}, 8, 16)
+    assert metered.reserve_tokens == 3 + 16
+    # multi-part content: its text parts
+    parts = [{"type": "text", "text": "abcdefgh"}, {"type": "image_url", "image_url": {}}]
+    metered = metered_request("/v1/chat/completions", {"messages": [{"content": parts}]}, 9, 16)
+    assert metered.prompt_estimate == 2 + 4
+
+
+def test_a_stream_cut_before_its_usage_chunk_is_billed_an_estimate():
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    stream = _sse(role, TOKEN, TOKEN, TOKEN)  # cut: no usage chunk, no [DONE]
+    reader = StreamUsage(strip=True, prompt_estimate=11)
+    reader.feed(stream)
+    assert reader.usage == Usage(11, 3) and reader.estimated
+    reader = StreamUsage(strip=False)
+    reader.feed(_sse(USAGE_CHUNK))
+    assert reader.usage == Usage(7, 3) and not reader.estimated
+
+
+def test_a_large_answer_is_billed_from_its_tail():
+    embedding = {"object": "embedding", "embedding": [0.125] * 1000, "index": 0}
+    body = json.dumps(
+        {"data": [embedding] * 400, "usage": {"prompt_tokens": 800, "total_tokens": 800}}
+    ).encode()
+    assert len(body) > 2 * 1024 * 1024
+    reader = BodyUsage()
+    for i in range(0, len(body), 65_536):
+        reader.feed(body[i : i + 65_536])
+    assert reader.usage == Usage(800, 0)
+    assert usage_of_tail(
+        b'..., "usage": {"prompt_tokens": 1, "x": {"y": 2}, "completion_tokens": 2}}'
+    ) == Usage(1, 2)
+    assert usage_of_tail(b'"usage": {"prompt_tokens": 1') is None
 
 
 def test_export_rows_per_key_endpoint_model_with_duplicates_once():

@@ -289,7 +289,7 @@ def test_the_export_lists_what_was_served(gateways, queue_url):
     (meter,) = [r for r in rows() if r["key"] == "meter"]
     assert meter == {
         "key": "meter",
-        "endpoint": "demo",
+        "endpoint": "default/demo",  # usage is the endpoint's: namespace and name
         "model": "demo",
         "requests": 5,  # 4 OpenAI requests and 1 job
         "prompt_tokens": prompt,

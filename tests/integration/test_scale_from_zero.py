@@ -243,7 +243,7 @@ async def test_held_request_scales_from_zero_in_a_tick_and_idle_goes_back_to_zer
         assert _status(cluster, name)["phase"] == "ScaledToZero"
 
         # The gateway holds a request for it (no nudge: the tick alone must find it).
-        await signals.publish_held(js.jetstream(), name, "gw-a", 1)
+        await signals.publish_held(js.jetstream(), f"{NS}/{name}", "gw-a", 1)
         await _until(
             op,
             lambda: _replicas(cluster, name) == 1,
@@ -269,7 +269,7 @@ async def test_held_request_scales_from_zero_in_a_tick_and_idle_goes_back_to_zer
 
         # The gateway answered it (its count goes to 0): idle for IDLE_AFTER s -> back to 0.
         answered = time.time()
-        await signals.publish_held(js.jetstream(), name, "gw-a", 0)
+        await signals.publish_held(js.jetstream(), f"{NS}/{name}", "gw-a", 0)
         await _until(op, lambda: _replicas(cluster, name) == 0, "back to zero", timeout=20)
         assert time.time() - answered >= IDLE_AFTER - 1
         await _until(op, lambda: _status(cluster, name).get("phase") == "ScaledToZero", "phase")
@@ -298,8 +298,8 @@ async def test_a_nudge_scales_from_zero_without_waiting_for_the_tick(cluster, op
             "a first tick at zero",
         )
         # The next tick is a minute away: only the nudge can make this happen within 10 s.
-        await signals.publish_held(js.jetstream(), name, "gw-b", 2)
-        await signals.nudge(js, name)
+        await signals.publish_held(js.jetstream(), f"{NS}/{name}", "gw-b", 2)
+        await signals.nudge(js, f"{NS}/{name}")
         await _until(op, lambda: _replicas(cluster, name) == 1, "0 -> 1 on the nudge", timeout=10)
 
 
@@ -312,7 +312,7 @@ async def test_a_queued_job_scales_from_zero_and_keeps_the_replica_while_it_wait
     op, _ = operator
     name = "batch"
     connection = await QueueConnection.connect(nats_url, name="test-client")
-    jobs = QueueJobService(connection, name)
+    jobs = QueueJobService(connection, f"{NS}/{name}")
     try:
         async with slow_pods(cluster, name, subnet=12):
             await cluster.create(
@@ -431,7 +431,7 @@ async def test_a_request_held_by_the_gateway_is_answered_after_the_scale_from_ze
         # (the first test follows that path; this stand-in backend serves no /metrics, and an
         # unreadable replica is never taken for idle).
         async with await nats.connect(nats_url) as client:
-            assert await signals.read_held(client.jetstream(), name) == 0
+            assert await signals.read_held(client.jetstream(), f"{NS}/{name}") == 0
         await cluster.delete(SLICES, NS, f"{name}-1")
     finally:
         gateway.stop()

@@ -37,7 +37,7 @@ async def connection(nats_server):
 def service(connection, request):
     # One endpoint per test: each starts with an empty queue.
     name = f"{ENDPOINT}-{request.node.name.replace('_', '-')}"[:60].lower()
-    return QueueJobService(connection, name)
+    return QueueJobService(connection, f"tests/{name}")
 
 
 async def test_depth_with_no_consumer_counts_stream_messages(service):
@@ -147,7 +147,7 @@ async def test_unreachable_queue_is_503_with_retry_after(tmp_path):
     server = NatsServer(store_dir=tmp_path, port=free_port(), log_path=tmp_path / "log")
     server.start()
     connection = await QueueConnection.connect(server.url, name="t", request_timeout=1.0)
-    service = QueueJobService(connection, "gone")
+    service = QueueJobService(connection, "tests/gone")
     server.stop()
     try:
         with pytest.raises(ServiceUnavailableError) as caught:

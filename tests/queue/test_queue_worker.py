@@ -111,7 +111,7 @@ class Pair:
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def pair(connections, request):
-    endpoint = request.node.name.replace("_", "-")[:50].strip("-")
+    endpoint = "tests/" + request.node.name.replace("_", "-")[:50].strip("-")
     made = Pair(connections, endpoint)
     yield made
     await made.worker.stop(0)
@@ -206,7 +206,7 @@ async def test_execution_timeout_is_timed_out(pair):
 async def test_silent_worker_loses_its_job_and_attempts_are_bounded(connections):
     # A worker that never reports progress looks dead after the heartbeat timeout (1 s): the
     # job is delivered again; after 3 attempts it ends FAILED saying so.
-    endpoint = "silent-worker"
+    endpoint = "tests/silent-worker"
     pair = Pair(
         connections,
         endpoint,

@@ -106,10 +106,12 @@ def test_policy_views_and_status_body() -> None:
 
 
 def test_names_are_one_to_one_and_refuse_what_would_break_subjects() -> None:
-    assert names.job_key("a.b", "j-1") == "a_b.j-1"
-    assert names.kv_subject(names.JOB_STATE_BUCKET, "a_b.j-1") == "$KV.LLMEP_JOB_STATE.a_b.j-1"
-    assert names.jobs_filter("ep") == "llmep.jobs.ep.*"
+    assert names.job_key("ns/a.b", "j-1") == "ns.a_b.j-1"
+    assert (
+        names.kv_subject(names.JOB_STATE_BUCKET, "ns.a_b.j-1") == "$KV.LLMEP_JOB_STATE.ns.a_b.j-1"
+    )
+    assert names.jobs_filter("ns/ep") == "llmep.jobs.ns.ep.*"
     with pytest.raises(ValueError):
-        names.idempotency_key("ep", "not-hex")
+        names.idempotency_key("ns/ep", "not-hex")
     with pytest.raises(ValueError):
-        names.job_key("ep", "a.b")  # a '.' would split the key
+        names.job_key("ns/ep", "a.b")  # a '.' would split the key

@@ -1,4 +1,5 @@
-"""Fixtures that run the real runtime on the demo model (the launcher is runtime_process.py).
+"""Fixtures that run the real runtime on the demo model (the launcher is runtime_process.py,
+which test modules import by that name: a module named ``conftest`` is not theirs to import).
 
 An engine takes ~25 s to start on two cores, so each test module shares one server (a
 module-scoped fixture) and only modules that need a different configuration start their own.
@@ -10,15 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from runtime_process import (  # noqa: F401 -- re-exported for the test modules
-    RUNTIME_BIN,
-    RuntimeServer,
-    check_model_server,
-    free_port,
-    launch_runtime,
-    running_runtime,
-    runtime_env,
-)
+from runtime_process import RuntimeServer, running_runtime
 
 
 @pytest.fixture(scope="session")

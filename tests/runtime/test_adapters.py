@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import RUNTIME_BIN, RuntimeServer, check_model_server, running_runtime
 from fake_hub import FakeHub
+from runtime_process import RUNTIME_BIN, RuntimeServer, check_model_server, running_runtime
 
 pytestmark = pytest.mark.engine
 

@@ -10,8 +10,8 @@ import signal
 
 import httpx
 import pytest
-from conftest import running_runtime
 from proc_kit import engine_core_pids, group_members, wait_until
+from runtime_process import running_runtime
 
 pytestmark = pytest.mark.engine
 

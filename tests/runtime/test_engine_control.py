@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import running_runtime
 from llmendpoints_runtime.control_routes import CONTROL_ROUTES
+from runtime_process import running_runtime
 
 pytestmark = pytest.mark.engine
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import RuntimeServer, running_runtime
+from runtime_process import RuntimeServer, running_runtime
 
 pytestmark = pytest.mark.engine
 

@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from conftest import running_runtime
+from runtime_process import running_runtime
 
 pytestmark = pytest.mark.engine
 

@@ -26,13 +26,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import (
-    RUNTIME_BIN,
-    RuntimeServer,
-    free_port,
-    launch_runtime,
-    runtime_env,
-)
 from llmendpoints_runtime.demo_vision import IMAGE_TOKENS_PER_IMAGE
 from netns import (
     METADATA_ADDRESS,
@@ -43,6 +36,13 @@ from netns import (
     unavailable_reason,
 )
 from PIL import Image
+from runtime_process import (
+    RUNTIME_BIN,
+    RuntimeServer,
+    free_port,
+    launch_runtime,
+    runtime_env,
+)
 
 pytestmark = pytest.mark.engine
 

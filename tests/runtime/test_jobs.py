@@ -19,8 +19,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from conftest import RuntimeServer, running_runtime
 from proc_kit import engines_frozen
+from runtime_process import RuntimeServer, running_runtime
 
 pytestmark = pytest.mark.engine
 

@@ -9,7 +9,7 @@ import sys
 import httpx
 import openai
 import pytest
-from conftest import check_model_server, free_port, runtime_env
+from runtime_process import check_model_server, free_port, runtime_env
 
 pytestmark = pytest.mark.engine
 

@@ -6,8 +6,8 @@ import re
 
 import httpx
 import pytest
-from conftest import launch_runtime
 from fake_hub import FakeHub
+from runtime_process import launch_runtime
 
 pytestmark = pytest.mark.engine
 

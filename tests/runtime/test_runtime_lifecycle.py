@@ -9,8 +9,8 @@ import time
 
 import httpx
 import pytest
-from conftest import RUNTIME_BIN, free_port, launch_runtime, runtime_env
 from held_stream import HeldStream
+from runtime_process import RUNTIME_BIN, free_port, launch_runtime, runtime_env
 
 pytestmark = pytest.mark.engine
 

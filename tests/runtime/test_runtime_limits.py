@@ -10,8 +10,8 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import running_runtime
 from held_stream import HeldStream
+from runtime_process import running_runtime
 
 pytestmark = pytest.mark.engine
 

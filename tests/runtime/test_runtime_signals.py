@@ -2,7 +2,7 @@
 
 MAX_NUM_SEQS=2 and 24 concurrent completions: vLLM runs 2 and its scheduler holds 22. The pod
 must report in flight 2 and queue 22 (the engine's waiting requests are queue, not in flight),
-and their sum is the outstanding work (DESIGN.md "Across replicas").
+and their sum is the outstanding work (docs/contracts.md, "Runtime -> operator").
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import RuntimeServer, running_runtime
 from proc_kit import engines_frozen
+from runtime_process import RuntimeServer, running_runtime
 
 pytestmark = pytest.mark.engine
 

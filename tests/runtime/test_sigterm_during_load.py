@@ -9,8 +9,8 @@ import time
 
 import httpx
 import pytest
-from conftest import launch_runtime
 from proc_kit import engine_core_pids, group_members, wait_until
+from runtime_process import launch_runtime
 
 pytestmark = pytest.mark.engine
 

@@ -186,18 +186,33 @@ app.kubernetes.io/part-of: llmendpoints
 {{- end }}
 
 {{/*
+The Secret holding the shared job queue's keys (per-role NATS credentials; files operator,
+system-account, account, account-signing, cluster-password), or nothing: queue.auth.existingSecret,
+else the one the chart generates for its own NATS (queue.enabled). With keys, no password is in
+any URL: every role connects with its own creds file (docs/security.md).
+*/}}
+{{- define "llmendpoints.queue.keysSecret" -}}
+{{- if .Values.queue.auth.existingSecret }}{{ .Values.queue.auth.existingSecret }}
+{{- else if .Values.queue.enabled }}{{ include "llmendpoints.nats.fullname" . }}-keys
+{{- end }}
+{{- end }}
+
+{{/* The chart's NATS URL (no credentials in it). */}}
+{{- define "llmendpoints.nats.url" -}}
+{{- printf "nats://%s.%s.svc:4222" (include "llmendpoints.nats.fullname" .) .Release.Namespace }}
+{{- end }}
+
+{{/*
 The shared job queue's URL as one env entry named `name` (value or secretKeyRef), or nothing:
-the chart's own NATS (queue.enabled), an existing Secret, or a plain queue.url. The operator
-and the gateway read the same queue. Call with (dict "root" $ "name" "JOBS_QUEUE_URL").
+the chart's own NATS (queue.enabled: a plain URL, credentials are creds files), an existing
+Secret, or a plain queue.url. The operator and the gateway read the same queue. Call with
+(dict "root" $ "name" "JOBS_QUEUE_URL").
 */}}
 {{- define "llmendpoints.queueUrlEnv" -}}
 {{- $v := .root.Values.queue }}
 {{- if $v.enabled }}
 - name: {{ .name }}
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "llmendpoints.nats.fullname" .root }}
-      key: url
+  value: {{ include "llmendpoints.nats.url" .root | quote }}
 {{- else if $v.existingSecret }}
 - name: {{ .name }}
   valueFrom:
@@ -208,6 +223,47 @@ and the gateway read the same queue. Call with (dict "root" $ "name" "JOBS_QUEUE
 - name: {{ .name }}
   value: {{ $v.url | quote }}
 {{- end }}
+{{- end }}
+
+{{/*
+An init container that mints a role's creds file into the volume `queue-creds` (mounted at
+/etc/llmendpoints/queue) from the keys Secret's `account` and `account-signing` (volume
+`queue-keys`, mounted in this container only): the pod's main container gets its own
+credential and never the key that signs credentials. Runs the operator image (it carries
+`llmendpoints-operator queue-auth`). Call with (dict "root" $ "role" "gateway" "securityContext" ...).
+*/}}
+{{- define "llmendpoints.queue.credsInitContainer" -}}
+- name: queue-creds
+  image: {{ include "llmendpoints.image" .root | quote }}
+  imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+  command: ["llmendpoints-operator", "queue-auth", "creds", "--keys-dir", "/etc/llmendpoints/queue-keys", "--role", {{ .role | quote }}, "--out", "/etc/llmendpoints/queue/queue.creds"]
+  resources:
+    requests:
+      cpu: 10m
+      memory: 32Mi
+    limits:
+      cpu: 200m
+      memory: 128Mi
+  securityContext:
+    {{- toYaml .securityContext | nindent 4 }}
+  volumeMounts:
+    - name: queue-keys
+      mountPath: /etc/llmendpoints/queue-keys
+      readOnly: true
+    - name: queue-creds
+      mountPath: /etc/llmendpoints/queue
+{{- end }}
+
+{{/* The keys Secret's signing half, for queue-creds init containers and the operator. */}}
+{{- define "llmendpoints.queue.signingKeysVolume" -}}
+- name: queue-keys
+  secret:
+    secretName: {{ include "llmendpoints.queue.keysSecret" . }}
+    items:
+      - key: account
+        path: account
+      - key: account-signing
+        path: account-signing
 {{- end }}
 
 {{/* Whether the release has a shared job queue ("true" or nothing). */}}

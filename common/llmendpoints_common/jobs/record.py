@@ -1,6 +1,6 @@
 """A job as the shared queue keeps it, and the pure rules for how its state may change.
 
-One record per job (the value of ``<endpoint>.<job id>`` in ``LLMEP_JOB_STATE``). Every writer
+One record per job (the value of ``<ns>.<name>.<job id>`` in ``LLMEP_JOB_STATE``). Every writer
 -- the pod or gateway that accepted the job, the worker running it, whoever cancels, retries or
 reads its stream -- reads the record, applies one of the functions below, and writes the result
 back only if nobody wrote in between (compare-and-set on the key's revision). So each change is
@@ -26,6 +26,7 @@ class JobRecord(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     id: str
+    # The endpoint's id, "<namespace>/<name>".
     endpoint: str
     # The name of the API key that submitted the job (never the key); "" with no keys.
     owner: str
@@ -50,7 +51,8 @@ class JobRecord(BaseModel):
     # Attempts in the current run (bounded by the queue's max attempts); /retry starts a new run.
     tries: int = 0
     runs: int = 1
-    # The chunk stream's sequence up to which /stream has handed chunks out.
+    # How many chunks of the current attempt /stream has handed out (a new attempt starts at 0:
+    # its chunks are its own subjects, llmep.chunks.<ns>.<name>.<id>.<attempt>.<n>).
     stream_cursor: int = 0
     worker: str | None = None
     output: Any = None
@@ -123,6 +125,7 @@ def claim(record: JobRecord, *, now: float, worker: str) -> JobRecord:
             "attempt": record.attempt + 1,
             "tries": record.tries + 1,
             "worker": worker,
+            "stream_cursor": 0,
         }
     )
 

@@ -7,9 +7,11 @@ not running the job, and the gateway with no runtime pod at all, answer with.
 - ``wait``: subscribes to the record's key and returns when the job ends or the wait runs out.
 - ``take_stream``: chunks of the current attempt after the job's shared cursor, in order; the
   cursor moves by compare-and-set, so two readers never get the same chunk.
-- ``cancel``: a queued job's message is deleted; a running job's worker is told on
-  ``llmep.cancel.<endpoint>.<id>`` and aborts the engine request (it also notices the record at
-  its next heartbeat, should the message be missed).
+- ``cancel``: a queued job's message is deleted (by a credential that may delete queue
+  messages: the gateway's, a password user's; with a runtime pod's, the worker that reaches the
+  message acknowledges it); a running job's worker is told on ``llmep.cancel.<ns>.<name>.<id>``
+  and aborts the engine request (it also notices the record at its next heartbeat, should the
+  message be missed).
 - Ownership: every verb but ``health`` takes the caller's ``owner`` (the API key's name; None for
   an admin, who sees every job). Another owner's job is answered exactly like an unknown one.
 """
@@ -27,10 +29,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import nats
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError, NotFoundError
 
 from llmendpoints_common.errors import (
@@ -45,6 +47,7 @@ from llmendpoints_common.errors import (
 from llmendpoints_common.errors import (
     NotFoundError as JobNotFoundError,
 )
+from llmendpoints_common.identity import EndpointRef, as_ref
 from llmendpoints_common.jobs.models import (
     DEFAULT_TTL_MS,
     FINAL_STATUSES,
@@ -59,8 +62,10 @@ from llmendpoints_common.jobs.record import (
     requeue_for_retry,
 )
 from llmendpoints_common.queue import names
+from llmendpoints_common.queue.connect import connect
 from llmendpoints_common.queue.depth import endpoint_depth
-from llmendpoints_common.queue.state import JobStates, StaleRevision
+from llmendpoints_common.queue.natsjwt import Permissions
+from llmendpoints_common.queue.state import JobStates, StaleRevision, purge_marker
 from llmendpoints_common.queue.topology import QueueLayout, ensure_streams
 
 log = logging.getLogger(__name__)
@@ -87,16 +92,20 @@ class QueueJobSettings:
     default_ttl_seconds: float = DEFAULT_TTL_MS / 1000
     # A /run repeated with the same Idempotency-Key within this window gets the first job's id.
     idempotency_window_seconds: float = 600.0
-    # How long a call to the queue may take before the caller gets 503.
-    request_timeout_seconds: float = 5.0
 
 
 class QueueConnection:
-    """One connection to NATS, reconnecting forever; the job API answers 503 while it is down."""
+    """One connection to NATS, reconnecting forever; the job API answers 503 while it is down.
 
-    def __init__(self, nc: NATS, js: JetStreamContext) -> None:
+    ``permissions``: what the connection's credential permits (None: a password user, whose
+    permissions this process cannot see; it is assumed to have what it needs)."""
+
+    def __init__(
+        self, nc: NATS, js: JetStreamContext, permissions: Permissions | None = None
+    ) -> None:
         self.nc = nc
         self.js = js
+        self.permissions = permissions
 
     @classmethod
     async def connect(
@@ -104,25 +113,33 @@ class QueueConnection:
         url: str,
         *,
         name: str,
+        creds_file: str | None = None,
+        creds: str | None = None,
         layout: QueueLayout | None = None,
         request_timeout: float = 5.0,
         connect_timeout: float = 5.0,
     ) -> QueueConnection:
-        nc = await nats.connect(
-            url,
-            name=name,
-            connect_timeout=connect_timeout,
-            # Keep trying while the queue restarts: workers must come back on their own.
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=1,
-            allow_reconnect=True,
-            error_cb=_log_error,
-            disconnected_cb=_log_event("disconnected from the job queue"),
-            reconnected_cb=_log_event("reconnected to the job queue"),
+        """Connect (keep trying while the queue restarts: workers must come back on their
+        own), and create the streams that are missing when the credential may."""
+        nc, permissions = await connect(
+            url, name=name, creds_file=creds_file, creds=creds, connect_timeout=connect_timeout
         )
-        js = nc.jetstream(timeout=request_timeout)
-        await ensure_streams(js, layout or QueueLayout())
-        return cls(nc, js)
+        connection = cls(nc, nc.jetstream(timeout=request_timeout), permissions)
+        if connection.may(f"$JS.API.STREAM.CREATE.{names.JOBS_STREAM}"):
+            await ensure_streams(connection.js, layout or QueueLayout())
+        return connection
+
+    def may(self, subject: str) -> bool:
+        """Whether the credential may publish to ``subject`` (a JetStream API call is one):
+        asked before calls that would otherwise wait out their timeout on a refusal."""
+        return self.permissions is None or self.permissions.may_publish(subject)
+
+    @property
+    def may_unqueue(self) -> bool:
+        """Whether queued messages can be deleted by sequence (the gateway's and a password
+        user's credentials; not a runtime pod's: no permission can scope that to one
+        endpoint)."""
+        return self.may(f"$JS.API.STREAM.MSG.DELETE.{names.JOBS_STREAM}")
 
     @property
     def connected(self) -> bool:
@@ -134,17 +151,6 @@ class QueueConnection:
             await self.nc.flush(timeout=2)
         with contextlib.suppress(Exception):
             await self.nc.close()
-
-
-async def _log_error(exc: Exception) -> None:
-    log.warning("job queue connection: %s: %s", type(exc).__name__, exc)
-
-
-def _log_event(text: str) -> Callable[[], Any]:
-    async def callback() -> None:
-        log.warning(text)
-
-    return callback
 
 
 @contextlib.asynccontextmanager
@@ -178,17 +184,19 @@ class QueueJobService:
     def __init__(
         self,
         connection: QueueConnection,
-        endpoint: str,
+        endpoint: EndpointRef | str,
         settings: QueueJobSettings | None = None,
         *,
         clock: Callable[[], float] = time.time,
         on_final: Callable[[JobRecord], None] | None = None,
     ) -> None:
-        names.token(endpoint)  # refuse a bad endpoint id now, not at the first job
+        # An EndpointRef or "ns/name": a bad one is refused now, not at the first job.
+        self.ref = as_ref(endpoint)
+        names.jobs_consumer(self.ref)
         self.connection = connection
-        self.endpoint = endpoint
+        self.endpoint = self.ref.id  # what job records carry
         self.settings = settings or QueueJobSettings()
-        self.states = JobStates(connection.js, endpoint)
+        self.states = JobStates(connection.js, self.ref)
         self._clock = clock
         # Whoever moves a job into a final state calls this once (the runtime sends webhooks).
         self._on_final = on_final
@@ -279,7 +287,7 @@ class QueueJobService:
         priority = "low" if record.low_priority else "normal"
         try:
             ack = await self.js.publish(
-                names.jobs_subject(self.endpoint, priority),
+                names.jobs_subject(self.ref, priority),
                 record.id.encode(),
                 # The queue drops a second copy of the same run (a publish retried after a
                 # lost acknowledgement).
@@ -297,27 +305,37 @@ class QueueJobService:
     def _idempotency_subject(self, owner: str, key: str) -> str:
         return names.kv_subject(
             names.IDEMPOTENCY_BUCKET,
-            names.idempotency_key(self.endpoint, owner_digest(owner, key)),
+            names.idempotency_key(self.ref, owner_digest(owner, key)),
         )
 
     async def _claim_idempotency_key(self, owner: str, key: str, job_id: str) -> JobRecord | None:
         """None when this request is the first with the key; else the first job."""
         subject = self._idempotency_subject(owner, key)
-        try:
-            await self.js.publish(
-                subject,
-                job_id.encode(),
-                headers={"Nats-Expected-Last-Subject-Sequence": "0"},
-                msg_ttl=max(1, round(self.settings.idempotency_window_seconds)),
-            )
-            return None
-        except APIError as exc:
-            if exc.err_code != 10071:
-                raise
-        raw = await self.js.get_msg(
-            names.kv_stream(names.IDEMPOTENCY_BUCKET), subject=subject, direct=True
-        )
-        first_id = (raw.data or b"").decode()
+        expected = 0
+        while True:
+            try:
+                await self.js.publish(
+                    subject,
+                    job_id.encode(),
+                    headers={"Nats-Expected-Last-Subject-Sequence": str(expected)},
+                    msg_ttl=max(1, round(self.settings.idempotency_window_seconds)),
+                )
+                return None
+            except APIError as exc:
+                if exc.err_code != 10071:
+                    raise
+            try:
+                raw = await self.js.get_msg(
+                    names.kv_stream(names.IDEMPOTENCY_BUCKET), subject=subject, direct=True
+                )
+            except NotFoundError:
+                expected = 0  # the released key's marker expired meanwhile
+                continue
+            if raw.data:
+                break
+            # A key released by a submission that failed (an empty marker): claim it anew.
+            expected = raw.seq
+        first_id = raw.data.decode()
         current = await self.states.read(first_id)
         if current is None:
             # The first request is between storing its key and its record (or its result
@@ -334,10 +352,9 @@ class QueueJobService:
         return current[0]
 
     async def _release_idempotency_key(self, owner: str, key: str) -> None:
-        await self.js.purge_stream(
-            names.kv_stream(names.IDEMPOTENCY_BUCKET),
-            subject=self._idempotency_subject(owner, key),
-        )
+        # A marker that rolls up (removes) the key's value, not a purge of the stream: a purge
+        # request names its subject only in its body, which no permission can scope.
+        await purge_marker(self.js, self._idempotency_subject(owner, key))
 
     # ---- reading -----------------------------------------------------------------------
 
@@ -410,22 +427,21 @@ class QueueJobService:
                 return moved, chunks
 
     async def _chunks_after(self, record: JobRecord) -> tuple[list[Any], int]:
-        subject = names.chunks_subject(self.endpoint, record.id)
-        attempt = str(record.attempt)
+        """The current attempt's chunks after the cursor (the count handed out so far), each
+        read by its own subject. Chunks of an attempt that was abandoned (its worker died) are
+        never read: the current attempt starts the output again from its first chunk."""
         chunks: list[Any] = []
         cursor = record.stream_cursor
         while True:
+            subject = names.chunk_subject(self.ref, record.id, record.attempt, cursor + 1)
             try:
-                raw = await self.js.get_msg(
-                    names.CHUNKS_STREAM, seq=cursor + 1, subject=subject, direct=True, next=True
-                )
+                raw = await self.js.get_msg(names.CHUNKS_STREAM, subject=subject, direct=True)
             except NotFoundError:
                 return chunks, cursor
-            cursor = raw.seq
-            # Chunks of an attempt that was abandoned (its worker died) are skipped: the
-            # current attempt starts the output again from its first chunk.
-            if (raw.headers or {}).get(ATTEMPT_HEADER) == attempt and raw.data is not None:
-                chunks.append(json.loads(raw.data))
+            if raw.data is None:
+                return chunks, cursor
+            cursor += 1
+            chunks.append(json.loads(raw.data))
 
     # ---- changing a job ----------------------------------------------------------------
 
@@ -442,9 +458,10 @@ class QueueJobService:
                 raise _not_found(job_id)
             before, after = result
             if before.status is JobStatus.IN_QUEUE:
-                await self._unqueue(job_id)
+                if self.connection.may_unqueue:
+                    await self._unqueue(job_id)
             else:
-                await self.connection.nc.publish(names.cancel_subject(self.endpoint, job_id))
+                await self.connection.nc.publish(names.cancel_subject(self.ref, job_id))
             self.ended(after)
             return after
 
@@ -458,10 +475,8 @@ class QueueJobService:
             if result is None:
                 raise _not_found(job_id)
             before, record = result
-            with contextlib.suppress(Exception):
-                await self.js.purge_stream(
-                    names.CHUNKS_STREAM, subject=names.chunks_subject(self.endpoint, job_id)
-                )
+            # The earlier attempts' chunks stay until they expire: the new run's attempt has
+            # its own chunk subjects.
             try:
                 await self._enqueue(record)
             except BaseException:
@@ -481,7 +496,13 @@ class QueueJobService:
         self._require_connection("/purge-queue")
         removed = 0
         async with queue_call("the queue was not purged"):
-            for seq, job_id in await self._queued_messages():
+            if self.connection.may_unqueue:
+                queued: list[tuple[int | None, str]] = list(await self._queued_messages())
+            else:
+                # A runtime pod's credential reads the endpoint's records instead; the
+                # cancelled jobs' messages are acknowledged by the worker that reaches them.
+                queued = [(None, job_id) for job_id in await self._queued_records()]
+            for seq, job_id in queued:
                 now = self._clock()
                 try:
                     result = await self.states.update(
@@ -494,18 +515,56 @@ class QueueJobService:
                 if result is None:
                     continue
                 _, after = result
-                with contextlib.suppress(NotFoundError, APIError):
-                    await self.js.delete_msg(names.JOBS_STREAM, seq)
+                if seq is not None:
+                    with contextlib.suppress(NotFoundError, APIError):
+                        await self.js.delete_msg(names.JOBS_STREAM, seq)
                 self.ended(after)
                 removed += 1
         return removed
+
+    async def _queued_records(self) -> list[str]:
+        """Ids of the endpoint's IN_QUEUE jobs, from their records: a short-lived consumer on
+        the endpoint's own keys (its filter is in the request's subject, so a per-endpoint
+        permission allows it), each key's latest value, oldest first."""
+        state_stream = names.kv_stream(names.JOB_STATE_BUCKET)
+        keys = names.kv_subject(names.JOB_STATE_BUCKET, f"{names.tokens(self.ref)}.*")
+        sub = await self.js.pull_subscribe(
+            keys,
+            stream=state_stream,
+            config=ConsumerConfig(
+                name=f"purge-{uuid.uuid4().hex}",
+                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+                ack_policy=AckPolicy.NONE,
+                inactive_threshold=30.0,
+                mem_storage=True,
+                num_replicas=1,
+            ),
+        )
+        found: list[str] = []
+        try:
+            while True:
+                try:
+                    messages = await sub.fetch(256, timeout=0.5)
+                except nats.errors.TimeoutError:
+                    return found
+                for message in messages:
+                    if not message.data:
+                        continue
+                    record = JobRecord.decode(message.data)
+                    if record.status is JobStatus.IN_QUEUE:
+                        found.append(record.id)
+                if not messages or messages[-1].metadata.num_pending == 0:
+                    return found
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     async def _queued_messages(self) -> list[tuple[int, str]]:
         """(sequence, job id) of the endpoint's queue messages (queued and running), oldest
         first. Read one by one: only /purge-queue and the cancel of a queued job need them."""
         found: list[tuple[int, str]] = []
         seq = 0
-        subject = names.jobs_filter(self.endpoint)
+        subject = names.jobs_filter(self.ref)
         while True:
             try:
                 raw = await self.js.get_msg(
@@ -531,7 +590,11 @@ class QueueJobService:
         (all pods); the final-state counts are the jobs that ended through this process."""
         self._require_connection("/health")
         async with queue_call("the queue's depth could not be read"):
-            depth = await endpoint_depth(self.js, self.endpoint)
+            depth = await endpoint_depth(
+                self.js,
+                self.ref,
+                stream_fallback=self.connection.may(f"$JS.API.STREAM.INFO.{names.JOBS_STREAM}"),
+            )
         return {
             "jobs": {
                 "inQueue": depth.queued,

@@ -1,10 +1,17 @@
 """How much work an endpoint has in the shared queue, readable with no runtime pod running.
 
 The autoscaler scales an endpoint from zero on this, so it must not need a worker to have
-connected: the stream's per-subject message counts are always there (a queued job is one
-message on ``llmep.jobs.<endpoint>.<priority>`` until a worker acknowledges it). When the
-workers' durable consumer exists, its count of delivered-but-unacknowledged messages says how
-many of those are running.
+connected. The endpoint's worker consumers (``workers-<ns>_<name>-<priority>``, which the
+operator creates with the endpoint) count it: ``num_pending`` is what matches their filter and
+was never delivered (queued), ``num_ack_pending`` what was delivered and not acknowledged
+(running; a job whose worker vanished counts here until it is delivered again). On a
+work-queue stream the two add up to the endpoint's messages. Reading a consumer's info names
+the endpoint in the request's subject, so a runtime pod's credential reads its own endpoint's
+depth and no other's.
+
+When a consumer does not exist yet, the stream's per-subject message counts say the same
+(everything is still queued); that read names the endpoint only in its body, so it is for the
+operator's and the gateway's credentials (``stream_fallback``).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from dataclasses import dataclass
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from llmendpoints_common.identity import EndpointRef
 from llmendpoints_common.queue import names
 
 
@@ -32,29 +40,38 @@ class QueueDepth:
         return self.queued - self.queued_low_priority
 
 
-async def endpoint_depth(js: JetStreamContext, endpoint: str) -> QueueDepth:
-    """The endpoint's queued and running jobs. Raises NotFoundError-free: a queue that was never
-    used (no stream yet) is empty."""
-    try:
-        info = await js.stream_info(names.JOBS_STREAM, subjects_filter=names.jobs_filter(endpoint))
-    except NotFoundError:
-        return QueueDepth(queued=0, queued_low_priority=0, running=0)
-    counts = info.state.subjects or {}
+async def endpoint_depth(
+    js: JetStreamContext, endpoint: EndpointRef | str, *, stream_fallback: bool = True
+) -> QueueDepth:
+    """The endpoint's queued and running jobs. A queue that was never used (no stream yet) is
+    empty."""
     queued: dict[str, int] = {}
     running: dict[str, int] = {}
+    missing: list[str] = []
     for priority in names.PRIORITIES:
-        in_stream = counts.get(names.jobs_subject(endpoint, priority), 0)
-        taken = 0
-        if in_stream:
+        try:
+            info = await js.consumer_info(
+                names.JOBS_STREAM, names.jobs_consumer(endpoint, priority)
+            )
+        except NotFoundError:
+            missing.append(priority)
+            continue
+        queued[priority] = info.num_pending or 0
+        running[priority] = info.num_ack_pending or 0
+    if missing:
+        counts: dict[str, int] = {}
+        if stream_fallback:
             try:
-                consumer = await js.consumer_info(
-                    names.JOBS_STREAM, names.jobs_consumer(endpoint, priority)
+                info = await js.stream_info(
+                    names.JOBS_STREAM, subjects_filter=names.jobs_filter(endpoint)
                 )
-                taken = min(in_stream, consumer.num_ack_pending or 0)
+                counts = info.state.subjects or {}
             except NotFoundError:
-                taken = 0  # no worker ever connected: everything is still queued
-        queued[priority] = in_stream - taken
-        running[priority] = taken
+                counts = {}
+        for priority in missing:
+            # No worker consumer yet: everything is still queued.
+            queued[priority] = counts.get(names.jobs_subject(endpoint, priority), 0)
+            running[priority] = 0
     return QueueDepth(
         queued=queued["normal"] + queued["low"],
         queued_low_priority=queued["low"],

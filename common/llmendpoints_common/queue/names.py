@@ -1,37 +1,48 @@
 """Names in NATS that the runtime, the gateway and the operator share. Keep them stable: a
 rolling upgrade runs old and new pods against the same streams.
 
-Layout (one set for all endpoints; the endpoint is a subject token):
+An endpoint is its namespace and its name (``identity.EndpointRef``); both are subject tokens,
+the namespace before the name, so every name below reaches one endpoint only and a NATS
+permission for one endpoint is ``<prefix>.<namespace>.<name>.>`` (queue/roles.py).
 
-- stream ``LLMEP_JOBS`` (work-queue retention): subjects ``llmep.jobs.<endpoint>.<priority>``,
+Layout (one set for all endpoints):
+
+- stream ``LLMEP_JOBS`` (work-queue retention): subjects ``llmep.jobs.<ns>.<name>.<priority>``,
   ``priority`` is ``normal`` or ``low`` (RunPod's ``policy.lowPriority``). One message per
-  queued attempt. Workers pull through the durable consumers ``workers-<endpoint>-<priority>``.
-- key-value bucket ``LLMEP_JOB_STATE``: key ``<endpoint>.<job id>`` -> the job's record (status,
+  queued attempt. Workers pull through the durable consumers
+  ``workers-<ns>_<name>-<priority>`` (a namespace never holds ``_``, so the first ``_`` ends
+  it).
+- key-value bucket ``LLMEP_JOB_STATE``: key ``<ns>.<name>.<job id>`` -> the job's record (status,
   owner, times, output or error).
-- stream ``LLMEP_JOB_CHUNKS``: subjects ``llmep.chunks.<endpoint>.<job id>``, the job's stream
-  output in order.
-- subject ``llmep.cancel.<endpoint>.<job id>`` (core NATS): a cancel reaches the worker running it.
+- stream ``LLMEP_JOB_CHUNKS``: subjects ``llmep.chunks.<ns>.<name>.<job id>.<attempt>.<n>``, the
+  n-th stream chunk (from 1) of the job's attempt: one subject per chunk, so a reader fetches it
+  by name (a direct get whose subject is in the request's own subject, which a per-endpoint
+  permission can scope) rather than by stream sequence (which no permission can).
+- subject ``llmep.cancel.<ns>.<name>.<job id>`` (core NATS): a cancel reaches the worker running
+  it.
 - key-value bucket ``LLMEP_JOB_IDEMPOTENCY`` (entries expire after the idempotency window): key
-  ``<endpoint>.<hash of owner and Idempotency-Key>`` -> the job id the first ``/run`` got.
-- key-value bucket ``LLMEP_SIGNALS`` (entries expire): key ``held.<endpoint>.<gateway id>`` ->
-  requests that gateway holds for the endpoint; subject ``llmep.nudge.<endpoint>`` (core NATS):
+  ``<ns>.<name>.<hash of owner and Idempotency-Key>`` -> the job id the first ``/run`` got.
+- key-value bucket ``LLMEP_SIGNALS`` (entries expire): key ``held.<ns>.<name>.<gateway id>`` ->
+  requests that gateway holds for the endpoint; subject ``llmep.nudge.<ns>.<name>`` (core NATS):
   "work arrived for an endpoint with no ready replica", so the autoscaler need not wait a tick.
 - key-value bucket ``LLMEP_QUOTAS`` (entries expire when idle): key ``<tenant token>`` -> one
   API key name's (tenant's) limiter state: the current minute window's request and token counts
   and its concurrency leases, changed only by compare-and-set (the gateway's limiter).
 - stream ``LLMEP_USAGE`` (limits retention, kept ``usage_max_age``): subjects
-  ``llmep.usage.<endpoint>.<tenant token>``, one usage record per request or job served
+  ``llmep.usage.<ns>.<name>.<tenant token>``, one usage record per request or job served
   (key name, endpoint, model, prompt and completion tokens), de-duplicated by request id.
 
-Endpoint ids are Kubernetes object names (lowercase alphanumerics, ``-`` and ``.``); ``.``
-separates subject tokens, so it is written ``_`` (which Kubernetes names never contain: the
-mapping is one to one).
+Names are Kubernetes object names (lowercase alphanumerics, ``-`` and ``.``); ``.`` separates
+subject tokens, so it is written ``_`` (which Kubernetes names never contain: the mapping is one
+to one). Namespaces have neither.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+
+from llmendpoints_common.identity import EndpointRef, as_ref
 
 JOBS_STREAM = "LLMEP_JOBS"
 JOB_STATE_BUCKET = "LLMEP_JOB_STATE"
@@ -43,18 +54,20 @@ USAGE_STREAM = "LLMEP_USAGE"
 
 PRIORITIES = ("normal", "low")
 
-_ENDPOINT = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+# JetStream's limit on stream and consumer names.
+_MAX_NAME = 255
 _JOB_ID = re.compile(r"[A-Za-z0-9-]{1,128}")
 
 
-def token(endpoint: str) -> str:
-    """The endpoint id as one subject token / key segment."""
-    if not _ENDPOINT.fullmatch(endpoint):
-        raise ValueError(
-            f"endpoint id {endpoint!r} is not a Kubernetes object name "
-            "(lowercase letters, digits, '-' and '.')"
-        )
-    return endpoint.replace(".", "_")
+def name_token(endpoint: EndpointRef | str) -> str:
+    """The endpoint's name as one subject token."""
+    return as_ref(endpoint).name.replace(".", "_")
+
+
+def tokens(endpoint: EndpointRef | str) -> str:
+    """``<ns>.<name>``: the endpoint as two subject tokens / key segments."""
+    ref = as_ref(endpoint)
+    return f"{ref.namespace}.{name_token(ref)}"
 
 
 def check_job_id(job_id: str) -> str:
@@ -63,41 +76,75 @@ def check_job_id(job_id: str) -> str:
     return job_id
 
 
-def jobs_subject(endpoint: str, priority: str = "normal") -> str:
+def _check_priority(priority: str) -> str:
     if priority not in PRIORITIES:
         raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
-    return f"llmep.jobs.{token(endpoint)}.{priority}"
+    return priority
 
 
-def jobs_consumer(endpoint: str, priority: str = "normal") -> str:
-    if priority not in PRIORITIES:
-        raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
-    return f"workers-{token(endpoint)}-{priority}"
+def jobs_subject(endpoint: EndpointRef | str, priority: str = "normal") -> str:
+    return f"llmep.jobs.{tokens(endpoint)}.{_check_priority(priority)}"
 
 
-def job_key(endpoint: str, job_id: str) -> str:
-    return f"{token(endpoint)}.{check_job_id(job_id)}"
+def jobs_consumer(endpoint: EndpointRef | str, priority: str = "normal") -> str:
+    ref = as_ref(endpoint)
+    durable = f"workers-{ref.namespace}_{name_token(ref)}-{_check_priority(priority)}"
+    if len(durable) > _MAX_NAME:
+        raise ValueError(
+            f"endpoint {ref.id!r}: namespace and name together are too long for a JetStream "
+            f"consumer name ({len(durable)} > {_MAX_NAME} characters)"
+        )
+    return durable
 
 
-def chunks_subject(endpoint: str, job_id: str) -> str:
-    return f"llmep.chunks.{token(endpoint)}.{check_job_id(job_id)}"
+def jobs_filter(endpoint: EndpointRef | str) -> str:
+    """Every priority of one endpoint's queue (``llmep.jobs.<ns>.<name>.*``)."""
+    return f"llmep.jobs.{tokens(endpoint)}.*"
 
 
-def cancel_subject(endpoint: str, job_id: str = "*") -> str:
-    return f"llmep.cancel.{token(endpoint)}.{job_id if job_id == '*' else check_job_id(job_id)}"
+def job_key(endpoint: EndpointRef | str, job_id: str) -> str:
+    return f"{tokens(endpoint)}.{check_job_id(job_id)}"
 
 
-def held_key(endpoint: str, gateway_id: str) -> str:
-    return f"held.{token(endpoint)}.{gateway_id}"
+def chunk_subject(endpoint: EndpointRef | str, job_id: str, attempt: int, index: int) -> str:
+    """The ``index``-th chunk (from 1) of attempt ``attempt`` of the job's stream output."""
+    if attempt < 0 or index < 1:
+        raise ValueError(f"chunk {index} of attempt {attempt}: attempt >= 0 and index >= 1")
+    return f"llmep.chunks.{tokens(endpoint)}.{check_job_id(job_id)}.{attempt}.{index}"
 
 
-def nudge_subject(endpoint: str = "*") -> str:
-    return f"llmep.nudge.{endpoint if endpoint == '*' else token(endpoint)}"
+def chunks_filter(endpoint: EndpointRef | str, job_id: str) -> str:
+    """Every chunk of every attempt of one job."""
+    return f"llmep.chunks.{tokens(endpoint)}.{check_job_id(job_id)}.>"
 
 
-def jobs_filter(endpoint: str) -> str:
-    """Every priority of one endpoint's queue (``llmep.jobs.<endpoint>.*``)."""
-    return f"llmep.jobs.{token(endpoint)}.*"
+def cancel_subject(endpoint: EndpointRef | str, job_id: str = "*") -> str:
+    job = job_id if job_id == "*" else check_job_id(job_id)
+    return f"llmep.cancel.{tokens(endpoint)}.{job}"
+
+
+def held_key(endpoint: EndpointRef | str, gateway_id: str) -> str:
+    return f"held.{tokens(endpoint)}.{gateway_id}"
+
+
+def held_filter(endpoint: EndpointRef | str) -> str:
+    """Every gateway's held count for one endpoint."""
+    return f"held.{tokens(endpoint)}.*"
+
+
+NUDGE_WILDCARD = "llmep.nudge.*.*"
+
+
+def nudge_subject(endpoint: EndpointRef | str) -> str:
+    return f"llmep.nudge.{tokens(endpoint)}"
+
+
+def endpoint_of_nudge(subject: str) -> EndpointRef:
+    """The endpoint a nudge subject names (inverse of ``nudge_subject``)."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[:2] != ["llmep", "nudge"]:
+        raise ValueError(f"{subject!r} is not a nudge subject")
+    return EndpointRef(parts[2], parts[3].replace("_", "."))
 
 
 def kv_stream(bucket: str) -> str:
@@ -111,10 +158,10 @@ def kv_subject(bucket: str, key: str) -> str:
     return f"$KV.{bucket}.{key}"
 
 
-def idempotency_key(endpoint: str, digest: str) -> str:
+def idempotency_key(endpoint: EndpointRef | str, digest: str) -> str:
     if not re.fullmatch(r"[0-9a-f]{16,64}", digest):
         raise ValueError("idempotency digest must be 16-64 lowercase hex digits")
-    return f"{token(endpoint)}.{digest}"
+    return f"{tokens(endpoint)}.{digest}"
 
 
 def tenant_token(name: str) -> str:
@@ -127,5 +174,5 @@ def quota_key(name: str) -> str:
     return tenant_token(name)
 
 
-def usage_subject(endpoint: str, key_name: str) -> str:
-    return f"llmep.usage.{token(endpoint)}.{tenant_token(key_name)}"
+def usage_subject(endpoint: EndpointRef | str, key_name: str) -> str:
+    return f"llmep.usage.{tokens(endpoint)}.{tenant_token(key_name)}"

@@ -5,11 +5,11 @@ holds OpenAI requests until a replica is ready, and jobs wait in the shared queu
 publishes how many requests it holds here; the operator's autoscaler reads the sum over every
 live gateway replica and adds it to the endpoint's queue.
 
-- ``publish_held`` writes ``held.<endpoint>.<gateway id>`` in the key-value bucket
+- ``publish_held`` writes ``held.<ns>.<name>.<gateway id>`` in the key-value bucket
   ``LLMEP_SIGNALS``. Entries expire ``HELD_TTL_SECONDS`` after their last write, so a gateway
   replica that dies stops counting on its own; a live one re-publishes its count at least every
   ``HELD_REFRESH_SECONDS`` (also when it is 0, which the reader treats like no entry).
-- ``nudge`` publishes on core NATS ``llmep.nudge.<endpoint>``: "work arrived for an endpoint with
+- ``nudge`` publishes on core NATS ``llmep.nudge.<ns>.<name>``: "work arrived for an endpoint with
   no ready replica". Core NATS has no delivery guarantee, which is fine: the nudge only makes
   the autoscaler act before its next tick, and the tick reads the held count anyway.
 """
@@ -22,37 +22,51 @@ from collections.abc import Awaitable, Callable
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
-from llmendpoints_common.queue.names import SIGNALS_BUCKET, held_key, nudge_subject, token
+from llmendpoints_common.identity import EndpointRef
+from llmendpoints_common.queue.names import (
+    NUDGE_WILDCARD,
+    SIGNALS_BUCKET,
+    endpoint_of_nudge,
+    held_filter,
+    held_key,
+    nudge_subject,
+)
+from llmendpoints_common.queue.topology import HELD_TTL_SECONDS, signals_config
 
-# A held count older than this is from a gateway replica that is gone.
-HELD_TTL_SECONDS = 30.0
 # How often a live gateway re-publishes its counts (well inside the TTL).
 HELD_REFRESH_SECONDS = 10.0
 
 _GATEWAY_ID_FORBIDDEN = set(".*> \t\r\n")
 
-NudgeCallback = Callable[[str], Awaitable[None] | None]
+NudgeCallback = Callable[[EndpointRef], Awaitable[None] | None]
+__all__ = [
+    "HELD_REFRESH_SECONDS",
+    "HELD_TTL_SECONDS",
+    "endpoint_of_nudge",
+    "nudge",
+    "publish_held",
+    "read_held",
+    "signals_bucket",
+    "subscribe_nudges",
+]
 
 
 async def signals_bucket(js: JetStreamContext) -> KeyValue:
-    """The ``LLMEP_SIGNALS`` bucket, created on first use (by whichever side comes first:
-    creating it again with the same configuration is a no-op on the server)."""
+    """The ``LLMEP_SIGNALS`` bucket, created on first use when it is missing (the operator
+    creates it with the other streams; creating it again with the same configuration is a
+    no-op on the server)."""
     try:
         return await js.key_value(SIGNALS_BUCKET)
     except (BucketNotFoundError, NotFoundError):
-        return await js.create_key_value(
-            KeyValueConfig(
-                bucket=SIGNALS_BUCKET,
-                description="LLM Endpoints scaling signals (held requests per gateway)",
-                history=1,
-                ttl=HELD_TTL_SECONDS,
-                storage=StorageType.MEMORY,
-            )
-        )
+        try:
+            await js.add_stream(signals_config())
+        except BadRequestError as exc:
+            if exc.err_code != 10058:  # created meanwhile by someone else
+                raise
+        return await js.key_value(SIGNALS_BUCKET)
 
 
 def _check_gateway_id(gateway_id: str) -> str:
@@ -64,7 +78,9 @@ def _check_gateway_id(gateway_id: str) -> str:
     return gateway_id
 
 
-async def publish_held(js: JetStreamContext, endpoint: str, gateway_id: str, count: int) -> None:
+async def publish_held(
+    js: JetStreamContext, endpoint: EndpointRef | str, gateway_id: str, count: int
+) -> None:
     """Record that gateway ``gateway_id`` holds ``count`` requests for ``endpoint`` now."""
     if count < 0:
         raise ValueError(f"held count must be >= 0, got {count}")
@@ -72,12 +88,12 @@ async def publish_held(js: JetStreamContext, endpoint: str, gateway_id: str, cou
     await kv.put(held_key(endpoint, _check_gateway_id(gateway_id)), str(count).encode())
 
 
-async def read_held(js: JetStreamContext, endpoint: str) -> int:
+async def read_held(js: JetStreamContext, endpoint: EndpointRef | str) -> int:
     """Requests held for ``endpoint`` by all live gateway replicas (expired entries are gone)."""
     kv = await signals_bucket(js)
     # A watcher on the wildcard delivers each key's current value, then a None marker.
     # (KeyValue.keys(filters=...) matches substrings, which would mix "a" with "a-b".)
-    watcher = await kv.watch(f"held.{token(endpoint)}.*", ignore_deletes=True)
+    watcher = await kv.watch(held_filter(endpoint), ignore_deletes=True)
     total = 0
     try:
         async for entry in watcher:
@@ -97,21 +113,14 @@ def _parse_count(raw: bytes | None) -> int:
         return 0
 
 
-async def nudge(nc: NATS, endpoint: str) -> None:
+async def nudge(nc: NATS, endpoint: EndpointRef | str) -> None:
     """Tell the autoscaler work arrived for ``endpoint`` (best effort, no reply)."""
     await nc.publish(nudge_subject(endpoint), b"")
 
 
-def endpoint_of_nudge(subject: str) -> str:
-    """The endpoint id a nudge subject names (inverse of ``nudge_subject``)."""
-    prefix = nudge_subject("*")[:-1]
-    if not subject.startswith(prefix) or "." in subject[len(prefix) :]:
-        raise ValueError(f"{subject!r} is not a nudge subject")
-    return subject[len(prefix) :].replace("_", ".")
-
-
 async def subscribe_nudges(nc: NATS, callback: NudgeCallback) -> Subscription:
-    """Call ``callback(endpoint)`` for every nudge (a coroutine function or a plain one).
+    """Call ``callback(endpoint)`` (an EndpointRef) for every nudge (a coroutine function or a
+    plain one).
     Returns the subscription; ``await sub.unsubscribe()`` stops it."""
 
     async def on_message(msg) -> None:
@@ -123,4 +132,4 @@ async def subscribe_nudges(nc: NATS, callback: NudgeCallback) -> Subscription:
         if inspect.isawaitable(result):
             await result
 
-    return await nc.subscribe(nudge_subject("*"), cb=on_message)
+    return await nc.subscribe(NUDGE_WILDCARD, cb=on_message)

@@ -5,7 +5,9 @@ carry both the expected revision (``Nats-Expected-Last-Subject-Sequence``: nobod
 between) and a time to live (``Nats-TTL``: a record disappears when its retention ends, or at
 its ``policy.ttl`` whatever its state, so ``/status`` then answers 404 with no sweeper). Every
 write carries it: the latest write's TTL is the one that counts. Reads are direct gets of the
-key's last value (answered by any replica of the stream).
+key's last value (answered by any replica of the stream), with the key in the request's subject
+(``$JS.API.DIRECT.GET.KV_LLMEP_JOB_STATE.$KV.LLMEP_JOB_STATE.<ns>.<name>.<id>``), which is what
+lets a runtime pod's credential read its own endpoint's records and no other's.
 """
 
 from __future__ import annotations
@@ -16,12 +18,27 @@ from collections.abc import Callable
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 
+from llmendpoints_common.identity import EndpointRef, as_ref
 from llmendpoints_common.jobs.record import JobRecord, record_ttl
 from llmendpoints_common.queue import names
 
 # JetStream's error code for "wrong last sequence" (someone else wrote the key first).
 _WRONG_LAST_SEQUENCE = 10071
 _EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
+# How long a purge marker stays (it is an empty value: a read finds no record).
+_MARKER_TTL_SECONDS = 60
+
+
+async def purge_marker(js: JetStreamContext, subject: str) -> None:
+    """Remove a key's value: publish an empty PURGE marker that rolls up (deletes) the key's
+    earlier messages and expires itself. Not a purge request: that names the key only in its
+    body, and a permission cannot scope a body (so no role but admin may purge)."""
+    await js.publish(
+        subject,
+        b"",
+        headers={"KV-Operation": "PURGE", "Nats-Rollup": "sub"},
+        msg_ttl=_MARKER_TTL_SECONDS,
+    )
 
 
 class StaleRevision(Exception):
@@ -31,9 +48,9 @@ class StaleRevision(Exception):
 class JobStates:
     """The records of one endpoint's jobs."""
 
-    def __init__(self, js: JetStreamContext, endpoint: str) -> None:
+    def __init__(self, js: JetStreamContext, endpoint: EndpointRef | str) -> None:
         self._js = js
-        self.endpoint = endpoint
+        self.endpoint = as_ref(endpoint)
         self._stream = names.kv_stream(names.JOB_STATE_BUCKET)
 
     def subject(self, job_id: str) -> str:
@@ -97,4 +114,4 @@ class JobStates:
 
     async def remove(self, job_id: str) -> None:
         """Forget a record (a submission that could not be queued)."""
-        await self._js.purge_stream(self._stream, subject=self.subject(job_id))
+        await purge_marker(self._js, self.subject(job_id))

@@ -1,7 +1,10 @@
-"""Creating the queue's streams, buckets and consumers (idempotent; whoever connects first).
+"""Creating the queue's streams, buckets and consumers (idempotent).
 
-Every process that uses the queue calls :func:`ensure_streams` on connect and
-:func:`ensure_consumers` for each endpoint it works for. Existing streams are left as they are
+Who creates them: with per-role credentials (the chart's NATS), the llmendpoints operator, at
+start-up (streams) and for each endpoint it reconciles (the endpoint's worker consumers); a
+runtime pod's credential may not create anything, so its worker waits until they exist. With a
+password in the URL (a NATS you bring, local runs), every process that uses the queue creates
+what is missing on connect, as before. Existing streams and consumers are left as they are
 (their configuration is whatever the first creator chose, or what an operator set by hand), so
 a rolling upgrade never fights over configuration.
 
@@ -16,6 +19,8 @@ a rolling upgrade never fights over configuration.
   TTL: an idle key's state goes away on its own).
 - ``LLMEP_USAGE``: usage records for chargeback, kept ``usage_max_age``, de-duplicated by
   request id over ``usage_duplicate_window``.
+- ``KV_LLMEP_SIGNALS``: held-request counts, in memory, each expiring ``HELD_TTL_SECONDS``
+  after its last write (queue/signals.py).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import BadRequestError, NotFoundError
 
+from llmendpoints_common.identity import EndpointRef
 from llmendpoints_common.queue import names
 
 # JetStream's error code for "stream name already in use" (two processes created it at once).
@@ -101,10 +107,38 @@ def stream_configs(layout: QueueLayout) -> list[js_api.StreamConfig]:
             duplicate_window=layout.usage_duplicate_window_seconds,
             num_replicas=layout.replicas,
         ),
+        signals_config(),
     ]
 
 
+# A held count older than this is from a gateway replica that is gone (queue/signals.py).
+HELD_TTL_SECONDS = 30.0
+
+
+def signals_config() -> js_api.StreamConfig:
+    """The ``LLMEP_SIGNALS`` bucket as nats-py's create_key_value makes it (history 1, TTL),
+    in memory: a count is worth nothing after a restart, and expires within seconds anyway."""
+    return js_api.StreamConfig(
+        name=names.kv_stream(names.SIGNALS_BUCKET),
+        description="LLM Endpoints scaling signals (held requests per gateway)",
+        subjects=[f"$KV.{names.SIGNALS_BUCKET}.>"],
+        max_msgs_per_subject=1,
+        max_age=HELD_TTL_SECONDS,
+        discard=js_api.DiscardPolicy.NEW,
+        allow_rollup_hdrs=True,
+        deny_delete=True,
+        allow_direct=True,
+        storage=js_api.StorageType.MEMORY,
+        num_replicas=1,
+    )
+
+
+class NotCreatedYet(Exception):
+    """A stream or consumer this credential may not create does not exist yet."""
+
+
 async def ensure_streams(js: JetStreamContext, layout: QueueLayout) -> None:
+    """Create the streams that do not exist (the operator's credential, or a password user)."""
     for config in stream_configs(layout):
         try:
             await js.stream_info(config.name)
@@ -118,9 +152,15 @@ async def ensure_streams(js: JetStreamContext, layout: QueueLayout) -> None:
                 raise
 
 
-def consumer_config(endpoint: str, priority: str, layout: QueueLayout) -> js_api.ConsumerConfig:
+def consumer_config(
+    endpoint: EndpointRef | str, priority: str, layout: QueueLayout
+) -> js_api.ConsumerConfig:
+    durable = names.jobs_consumer(endpoint, priority)
     return js_api.ConsumerConfig(
-        durable_name=names.jobs_consumer(endpoint, priority),
+        # A name and a filter: created through $JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>,
+        # a subject a per-endpoint permission can scope.
+        name=durable,
+        durable_name=durable,
         filter_subject=names.jobs_subject(endpoint, priority),
         deliver_policy=js_api.DeliverPolicy.ALL,
         ack_policy=js_api.AckPolicy.EXPLICIT,
@@ -132,16 +172,28 @@ def consumer_config(endpoint: str, priority: str, layout: QueueLayout) -> js_api
     )
 
 
-async def ensure_consumers(js: JetStreamContext, endpoint: str, layout: QueueLayout) -> None:
+async def ensure_consumers(
+    js: JetStreamContext, endpoint: EndpointRef | str, layout: QueueLayout, *, create: bool = True
+) -> float:
+    """Make sure the endpoint's worker consumers exist; returns their ack wait (the heartbeat
+    timeout whoever created them chose). ``create=False`` (a runtime pod's credential): raise
+    NotCreatedYet instead of creating a missing one."""
+    ack_wait = layout.heartbeat_timeout_seconds
     for priority in names.PRIORITIES:
         durable = names.jobs_consumer(endpoint, priority)
         try:
-            await js.consumer_info(names.JOBS_STREAM, durable)
+            info = await js.consumer_info(names.JOBS_STREAM, durable)
+            ack_wait = min(ack_wait, info.config.ack_wait or ack_wait)
             continue
         except NotFoundError:
-            pass
+            if not create:
+                raise NotCreatedYet(
+                    f"the worker consumer {durable} of stream {names.JOBS_STREAM} does not "
+                    "exist yet (the llmendpoints operator creates it)"
+                ) from None
         try:
             await js.add_consumer(names.JOBS_STREAM, consumer_config(endpoint, priority, layout))
         except BadRequestError as exc:
             if exc.err_code != _CONSUMER_EXISTS:
                 raise
+    return ack_wait

@@ -14,9 +14,12 @@ Guarantees (see docs/jobs.md, "Shared queue"):
   starts the job again; ``max_attempts`` bound how often (then ``FAILED``, saying so).
 - **One outcome per job:** every state change is a compare-and-set on the job's record; an
   attempt that was superseded (cancelled, or taken over after it looked dead) changes nothing.
-- **Cancel from anywhere:** a cancel published on ``llmep.cancel.<endpoint>.<id>`` aborts the
+- **Cancel from anywhere:** a cancel published on ``llmep.cancel.<ns>.<name>.<id>`` aborts the
   engine request at once; the heartbeat also checks the record, so a missed message delays
   the abort by at most one heartbeat.
+- **Consumers it is given:** with a runtime pod's credential the endpoint's worker consumers
+  are the operator's to create; the worker waits for them (and reports progress well within
+  the ack wait they were created with).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from llmendpoints_common.jobs.record import (
 from llmendpoints_common.queue import names
 from llmendpoints_common.queue.client import ATTEMPT_HEADER, QueueJobService, record_ttl
 from llmendpoints_common.queue.state import StaleRevision
-from llmendpoints_common.queue.topology import QueueLayout, ensure_consumers
+from llmendpoints_common.queue.topology import NotCreatedYet, QueueLayout, ensure_consumers
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +79,6 @@ class _Attempt:
     cancelled: bool = False
 
 
-class _Superseded(Exception):
-    """This attempt is no longer the job's current one."""
-
-
 class QueueWorker:
     def __init__(
         self,
@@ -107,6 +106,8 @@ class QueueWorker:
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
         self._subscriptions: dict[str, Any] = {}
+        self._heartbeat_seconds = self.settings.heartbeat_interval_seconds
+        self._waiting_logged = False
 
     @property
     def running(self) -> int:
@@ -142,14 +143,27 @@ class QueueWorker:
 
     async def _connect_consumers(self) -> None:
         js = self.service.js
-        await ensure_consumers(js, self.endpoint, self._layout)
+        ref = self.service.ref
+        connection = self.service.connection
+        create = connection.may(
+            f"$JS.API.CONSUMER.CREATE.{names.JOBS_STREAM}.{names.jobs_consumer(ref)}."
+            f"{names.jobs_subject(ref)}"
+        )
+        ack_wait = await ensure_consumers(js, ref, self._layout, create=create)
+        # Whoever created the consumers chose their ack wait (the heartbeat timeout); when it is
+        # shorter than this worker was configured for, its heartbeat shrinks in proportion, so
+        # a live worker is never taken for dead.
+        self._heartbeat_seconds = self.settings.heartbeat_interval_seconds * min(
+            1.0, ack_wait / self._layout.heartbeat_timeout_seconds
+        )
         for priority in names.PRIORITIES:
             self._subscriptions[priority] = await js.pull_subscribe_bind(
-                durable=names.jobs_consumer(self.endpoint, priority), stream=names.JOBS_STREAM
+                durable=names.jobs_consumer(ref, priority), stream=names.JOBS_STREAM
             )
-        self._subscriptions["cancel"] = await self.service.connection.nc.subscribe(
-            names.cancel_subject(self.endpoint), cb=self._on_cancel_message
+        self._subscriptions["cancel"] = await connection.nc.subscribe(
+            names.cancel_subject(ref), cb=self._on_cancel_message
         )
+        self._waiting_logged = False
 
     # ---- taking jobs ---------------------------------------------------------------------
 
@@ -178,6 +192,11 @@ class QueueWorker:
                     self._spawn(message)
             except asyncio.CancelledError:
                 raise
+            except NotCreatedYet as exc:
+                if not self._waiting_logged:
+                    log.warning("job queue worker: %s; waiting for it", exc)
+                    self._waiting_logged = True
+                await asyncio.sleep(1.0)
             except Exception as exc:  # the queue is unreachable: keep serving, try again
                 log.warning("job queue worker: %s: %s; retrying in 1 s", type(exc).__name__, exc)
                 for sub in self._subscriptions.values():
@@ -363,7 +382,7 @@ class QueueWorker:
 
     async def _heartbeat(self, message: Msg, attempt: _Attempt) -> None:
         while True:
-            await asyncio.sleep(self.settings.heartbeat_interval_seconds)
+            await asyncio.sleep(self._heartbeat_seconds)
             with contextlib.suppress(Exception):
                 await message.in_progress()
             with contextlib.suppress(Exception):
@@ -416,7 +435,7 @@ class _ChunkPublisher:
 
     def __init__(self, service: QueueJobService, record: JobRecord, *, ttl: float) -> None:
         self._js = service.js
-        self._subject = names.chunks_subject(service.endpoint, record.id)
+        self._ref = service.ref
         self._record = record
         self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._count = 0
@@ -433,9 +452,12 @@ class _ChunkPublisher:
                 ATTEMPT_HEADER: str(self._record.attempt),
                 "Nats-Msg-Id": f"{self._record.id}.{self._record.attempt}.{self._count}",
             }
+            subject = names.chunk_subject(
+                self._ref, self._record.id, self._record.attempt, self._count
+            )
             while True:
                 try:
-                    await self._js.publish(self._subject, data, headers=headers, msg_ttl=self._ttl)
+                    await self._js.publish(subject, data, headers=headers, msg_ttl=self._ttl)
                     break
                 except (nats.errors.Error, OSError) as exc:
                     log.warning("job %s: chunk not stored yet (%s)", self._record.id, exc)

@@ -35,13 +35,13 @@ from typing import Any
 
 import aiohttp
 import yaml
+from llmendpoints_edge.keys import parse_key_list
 
 from llmendpoints_gateway.keys import (
     KEY_SECRET_LABEL,
     Key,
     KeyFileError,
     KeyRing,
-    parse_plain_keys,
     secret_api_key,
 )
 from llmendpoints_gateway.registry import Registry
@@ -252,6 +252,8 @@ class KubeDiscovery:
                     await handler("DELETED", {"metadata": {"namespace": key[0], "name": key[1]}})
                 for item in items:
                     await handler("ADDED", item)
+                if handler == self._on_key_secret:
+                    self._publish_keys()  # listed: even none is now known to be none
                 version = (listing.get("metadata") or {}).get("resourceVersion")
                 watch_params = {**params, "watch": "true", "allowWatchBookmarks": "true"}
                 if version:
@@ -291,6 +293,9 @@ class KubeDiscovery:
                 # A malformed Secret is no key (its old value neither): fail closed, say why.
                 logger.error("ignoring API key %s", exc)
                 self._key_secrets[key] = None
+        self._publish_keys()
+
+    def _publish_keys(self) -> None:
         keys = dict(v for v in self._key_secrets.values() if v is not None)
         self.keys.set_secret_keys(keys if self._key_secrets else None)
 
@@ -313,7 +318,7 @@ class KubeDiscovery:
                 view.namespace,
             )
         self._endpoints[key] = view
-        self.registry.upsert(view.name, view.models, view.routing)
+        self.registry.upsert(view.name, view.models, view.routing, view.namespace or "default")
         await self._load_keys(view)
         self._publish_ready(view.name)
 
@@ -355,7 +360,7 @@ class KubeDiscovery:
             encoded = (secret.get("data") or {}).get(data_key)
             if encoded is None:
                 raise RuntimeError(f"the Secret has no key {data_key!r}")
-            secrets = parse_plain_keys(base64.b64decode(encoded).decode("utf-8"))
+            secrets = parse_key_list(base64.b64decode(encoded).decode("utf-8"))
         except Exception as exc:
             # Fail closed: an endpoint whose keys cannot be read accepts no key but the
             # gateway's own -- and needs one (a placeholder nobody can present).

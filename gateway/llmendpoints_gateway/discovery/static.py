@@ -2,6 +2,8 @@
 
     endpoints:
       - name: demo                   # endpoint id: /v2/demo/... ; jobs for it
+        namespace: default           # optional (default "default"): the queue's identity is
+                                     # namespace + name, as the runtime pods' ENDPOINT_NAMESPACE
         models: [demo]               # OpenAI "model" values routed here
         backends: ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
         routing: prefix-aware        # optional: prefix-aware (default), least-loaded, round-robin
@@ -21,6 +23,7 @@ from typing import Any
 
 import aiohttp
 import yaml
+from llmendpoints_common.identity import DEFAULT_NAMESPACE, check_namespace
 
 from llmendpoints_gateway.registry import Registry
 from llmendpoints_gateway.routing import Strategy
@@ -34,6 +37,7 @@ class StaticEndpoint:
     models: tuple[str, ...]
     backends: tuple[str, ...]
     routing: Strategy = Strategy.PREFIX_AWARE
+    namespace: str = DEFAULT_NAMESPACE
 
 
 class EndpointsFileError(ValueError):
@@ -56,6 +60,11 @@ def parse_endpoints(text: str) -> list[StaticEndpoint]:
         name = entry.get("name")
         if not isinstance(name, str) or not name:
             raise EndpointsFileError(f"{where}.name: a non-empty string is required")
+        namespace = entry.get("namespace", DEFAULT_NAMESPACE)
+        try:
+            check_namespace(namespace, field=f"{where}.namespace")
+        except ValueError as exc:
+            raise EndpointsFileError(str(exc)) from None
         models = _strings(entry.get("models", [name]), f"{where}.models")
         backends = tuple(
             b.rstrip("/") for b in _strings(entry.get("backends", []), f"{where}.backends")
@@ -69,7 +78,7 @@ def parse_endpoints(text: str) -> list[StaticEndpoint]:
             raise EndpointsFileError(
                 f"{where}.routing: must be one of {[s.value for s in Strategy]}"
             ) from None
-        result.append(StaticEndpoint(name, models, backends, routing))
+        result.append(StaticEndpoint(name, models, backends, routing, namespace))
     names = [e.name for e in result]
     if len(set(names)) != len(names):
         raise EndpointsFileError("endpoint names must be unique")
@@ -96,7 +105,7 @@ class StaticDiscovery:
         session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
         self._session = session
         for ep in endpoints:
-            self.registry.upsert(ep.name, ep.models, ep.routing)
+            self.registry.upsert(ep.name, ep.models, ep.routing, ep.namespace)
             self._ready[ep.name] = set()
             for backend in ep.backends:
                 self._tasks.append(asyncio.create_task(self._probe(ep.name, backend)))

@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from llmendpoints_common.identity import EndpointRef
+
 from .decision import Current, Decision, History, Observation, Outside, decide
 from .metrics import AutoscalerMetrics
 from .outside import OutsideReader
@@ -147,11 +149,11 @@ class Autoscaler:
         if self._outside is not None:
             await self._outside.close()
 
-    def nudge(self, endpoint: str) -> None:
-        """Work arrived for `endpoint` (a name; any namespace): tick it now, not at its time."""
-        for key, memory in self._memory.items():
-            if key[1] == endpoint:
-                memory.next_due = 0.0
+    def nudge(self, endpoint: EndpointRef) -> None:
+        """Work arrived for `endpoint` (namespace and name): tick it now, not at its time."""
+        memory = self._memory.get((endpoint.namespace, endpoint.name))
+        if memory is not None:
+            memory.next_due = 0.0
         self._wake.set()
 
     async def run(self, subjects: Callable[[], Iterable[Subject]]) -> None:
@@ -293,7 +295,7 @@ class Autoscaler:
             return None
         namespace, name = subject.key
         try:
-            outside = await self._outside.read(name)
+            outside = await self._outside.read(EndpointRef(namespace, name))
         except Exception as error:
             self._metrics.outside_failed(namespace, name)
             logger.warning(

@@ -3,9 +3,10 @@
 gateway's nudges ("work arrived for an endpoint with no ready replica"), so that a scale-up from
 zero does not wait for the next tick.
 
-The only module of the operator that talks to NATS. One connection per operator; nats-py
-reconnects on its own, and a read that fails makes that tick's outside work unknown (the
-decision then neither scales from zero nor to zero on it).
+Reads go through the operator's one queue connection (jobs_queue.py: its own credential). An
+endpoint is its namespace and name: two same-named endpoints in two namespaces are read apart.
+A read that fails makes that tick's outside work unknown (the decision then neither scales
+from zero nor to zero on it).
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-import nats
+from llmendpoints_common.identity import EndpointRef
 from llmendpoints_common.queue import signals
 from llmendpoints_common.queue.depth import endpoint_depth
-from nats.aio.client import Client as NATS
 
+from ..jobs_queue import JobsQueue
 from .decision import Outside
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ READ_TIMEOUT_SECONDS = 2.0
 
 
 class OutsideReader(Protocol):
-    async def read(self, endpoint: str) -> Outside: ...
+    async def read(self, endpoint: EndpointRef) -> Outside: ...
 
     async def close(self) -> None: ...
 
@@ -39,41 +40,38 @@ class NatsOutside:
 
     def __init__(
         self,
-        url: str,
-        on_nudge: Callable[[str], Awaitable[None] | None] | None = None,
+        queue: JobsQueue,
+        on_nudge: Callable[[EndpointRef], Awaitable[None] | None] | None = None,
         *,
         jobs: bool = True,
     ) -> None:
-        self._url = url
+        self._queue = queue
         self._on_nudge = on_nudge
         self._jobs = jobs  # False: no shared job queue to read (held requests only)
-        self._nc: NATS | None = None
+        self._subscribed = None
         self._lock = asyncio.Lock()
 
-    async def _connect(self) -> NATS:
+    async def _connect(self):
+        connection = await self._queue.connection()
         async with self._lock:
-            if self._nc is None or self._nc.is_closed:
-                self._nc = await nats.connect(
-                    self._url,
-                    name="llmendpoints-operator",
-                    connect_timeout=READ_TIMEOUT_SECONDS,
-                    max_reconnect_attempts=-1,
-                )
-                if self._on_nudge is not None:
-                    await signals.subscribe_nudges(self._nc, self._on_nudge)
-            return self._nc
+            if self._on_nudge is not None and self._subscribed is not connection:
+                await signals.subscribe_nudges(connection.nc, self._on_nudge)
+                self._subscribed = connection
+        return connection
 
     async def start(self) -> None:
         """Connect now (and subscribe to nudges) instead of at the first read."""
         await self._connect()
 
-    async def read(self, endpoint: str) -> Outside:
+    async def read(self, endpoint: EndpointRef) -> Outside:
         async with asyncio.timeout(READ_TIMEOUT_SECONDS):
-            js = (await self._connect()).jetstream()
-            held = await signals.read_held(js, endpoint)
+            connection = await self._connect()
+            held = await signals.read_held(connection.js, endpoint)
             if not self._jobs:
                 return Outside(held=held)
-            depth = await endpoint_depth(js, endpoint)  # the shared queue's own accounting
+            # Its worker consumers, should the reconcile not have reached NATS.
+            await self._queue.ensure_endpoint(endpoint)
+            depth = await endpoint_depth(connection.js, endpoint)  # the queue's own accounting
             return Outside(
                 held=held,
                 jobs_queued=depth.for_scaling,  # normal priority (queued counts every one)
@@ -82,6 +80,5 @@ class NatsOutside:
             )
 
     async def close(self) -> None:
-        if self._nc is not None and not self._nc.is_closed:
-            await self._nc.close()
-        self._nc = None
+        await self._queue.close()
+        self._subscribed = None

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmendpoints_runtime.adapters.gate import AdapterGate
 from llmendpoints_runtime.adapters.reconciler import AdapterReconciler
+from llmendpoints_runtime.engine import EngineAdapters
 
 
 def build_reconciler(runtime: Any) -> AdapterReconciler:
-    from llmendpoints_runtime.engine import EngineAdapters
-
     settings = runtime.config.settings
     return AdapterReconciler(
         EngineAdapters(runtime.engine),
@@ -27,8 +27,6 @@ def build_reconciler(runtime: Any) -> AdapterReconciler:
 
 def start(runtime: Any, reconciler: AdapterReconciler) -> None:
     """Once the engine is ready: put the gate in front of vLLM's app, start reconciling."""
-    from llmendpoints_runtime.adapters.gate import AdapterGate
-
     if reconciler.adapters_file is None or runtime.engine.asgi_app is None:
         return
     runtime.engine.asgi_app = AdapterGate(runtime.engine.asgi_app, reconciler)

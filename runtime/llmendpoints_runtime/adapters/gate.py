@@ -18,10 +18,10 @@ import json
 from typing import Any
 
 from llmendpoints_common.errors import ServiceUnavailableError
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from llmendpoints_edge.asgi import ASGIApp, Receive, Scope, Send, send_error
+from llmendpoints_edge.body import read_before
 
 from llmendpoints_runtime.adapters.reconciler import AdapterReconciler, AdapterStatus
-from llmendpoints_runtime.errors import send_error
 
 
 def not_ready_error(
@@ -66,30 +66,13 @@ class AdapterGate:
         if scope["type"] != "http" or scope["method"] != "POST" or not self.reconciler.has_pending:
             await self.app(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        # Every way in read the body before it got here (the edge, or an in-process call).
+        body = read_before(scope) or b""
         status = self._pending_for(body)
         if status is not None:
             await send_error(send, not_ready_error(self.reconciler, status))
             return
-
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, receive, send)
 
     def _pending_for(self, body: bytes) -> AdapterStatus | None:
         pending = [s for s in self.reconciler.statuses.values() if s.state != "ready"]

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from llmendpoints_edge.asgi import Receive, Scope, Send
+from llmendpoints_edge.body import BODY, replay
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from llmendpoints_runtime.jobs.port import ASGIApp
-from llmendpoints_runtime.middleware import replay
 
 
 @dataclass
@@ -47,6 +47,7 @@ def _request_scope(method: str, path: str, body: bytes, headers: dict[str, str])
         "client": ("127.0.0.1", 0),
         "server": ("127.0.0.1", 0),
         "state": {},
+        BODY: body,  # what the edge would have read: the app counts its sequences from it
     }
 
 
@@ -140,6 +141,7 @@ class ForwardedRequest(Response):
             await self._app(scope, receive, send)
             return
         body = self._body
+        scope[BODY] = body
         # The replacement body is JSON whatever the client declared (SageMaker clients often
         # send none, or application/octet-stream).
         headers = [

@@ -1,5 +1,7 @@
 """The job API on the shared queue (``JOBS_QUEUE_URL``): this pod answers every verb for every
-job of its endpoint (``ENDPOINT_ID``), and is one of the endpoint's workers.
+job of its endpoint (``ENDPOINT_NAMESPACE``/``ENDPOINT_ID``), and is one of the endpoint's
+workers. With ``JOBS_QUEUE_CREDS_FILE`` (the operator mounts one per endpoint) it can reach that
+endpoint's subjects, records and consumers and nothing else.
 
 - The verbs are ``llmendpoints_common.queue.client.QueueJobService``'s (the gateway uses the
   same), so a job submitted anywhere is seen, streamed, cancelled from here.
@@ -30,6 +32,7 @@ from typing import Any
 
 from llmendpoints_common.destinations import DestinationPolicy
 from llmendpoints_common.errors import ServiceUnavailableError
+from llmendpoints_common.identity import EndpointRef
 from llmendpoints_common.jobs.models import JobLimits, JobRequest, check_limits, job_sequences
 from llmendpoints_common.jobs.record import JobRecord
 from llmendpoints_common.jobs.service import status_body
@@ -45,7 +48,9 @@ from llmendpoints_common.webhooks import WebhookSender
 
 from llmendpoints_runtime.jobs.executor import produce
 from llmendpoints_runtime.jobs.port import JobEngine
-from llmendpoints_runtime.jobs.settings import JobSettings
+from llmendpoints_runtime.jobs.routes import job_verbs
+from llmendpoints_runtime.jobs.settings import JobSettings, finished_jobs_counter
+from llmendpoints_runtime.jobs.wiring import job_routers
 from llmendpoints_runtime.jobs.work import check_images
 
 log = logging.getLogger("llmendpoints.jobs.queue")
@@ -54,10 +59,11 @@ log = logging.getLogger("llmendpoints.jobs.queue")
 @dataclass(frozen=True)
 class SharedQueueSettings:
     url: str
-    endpoint: str
+    endpoint: EndpointRef
     layout: QueueLayout
     service: QueueJobSettings
     worker: WorkerSettings
+    creds_file: str | None = None
 
 
 def shared_queue_settings(settings: Any) -> SharedQueueSettings:
@@ -65,7 +71,8 @@ def shared_queue_settings(settings: Any) -> SharedQueueSettings:
     timeout = settings.jobs_heartbeat_timeout_seconds
     return SharedQueueSettings(
         url=settings.jobs_queue_url.get_secret_value(),
-        endpoint=settings.endpoint_id,
+        endpoint=EndpointRef(settings.endpoint_namespace, settings.endpoint_id),
+        creds_file=settings.jobs_queue_creds_file,
         layout=QueueLayout(
             replicas=settings.jobs_queue_replicas,
             max_queue_length=settings.max_queue_length,
@@ -151,6 +158,7 @@ class SharedQueueJobs:
                 connection = await QueueConnection.connect(
                     self.settings.url,
                     name=f"llmep-runtime-{self.name}",
+                    creds_file=self.settings.creds_file,
                     layout=self.settings.layout,
                 )
                 break
@@ -176,7 +184,7 @@ class SharedQueueJobs:
             layout=self.settings.layout,
         )
         await self._worker.start()
-        log.info("job queue connected: working for endpoint %r", self.settings.endpoint)
+        log.info("job queue connected: working for endpoint %s", self.settings.endpoint.id)
 
     async def stop(self, timeout: float) -> None:
         if self._connecting is not None and not self._connecting.done():
@@ -303,14 +311,7 @@ def build_queue_feature(
     webhook_policy: DestinationPolicy,
 ) -> QueueJobFeature:
     """The job API on the shared queue, as a feature of the runtime (``compose.py``)."""
-    from prometheus_client import Counter
-
-    finished = Counter(
-        "llmendpoints_jobs_finished",
-        "Jobs that reached a final state, by that state (COMPLETED, FAILED, CANCELLED, TIMED_OUT).",
-        ["status"],
-        registry=registry,
-    )
+    finished = finished_jobs_counter(registry)
     jobs = SharedQueueJobs(
         engine,
         job_settings,
@@ -333,12 +334,8 @@ class QueueJobFeature:
         job_settings: JobSettings,
         webhook_policy: DestinationPolicy,
     ) -> None:
-        from llmendpoints_runtime.jobs.routes import JobAPI
-
         self.jobs = jobs
-        self.api = JobAPI(
-            executor=jobs, engine=engine, settings=job_settings, webhook_policy=webhook_policy
-        )
+        self.verbs = job_verbs(jobs, engine, job_settings, webhook_policy)
 
     def busy(self) -> int:
         return self.jobs.busy()
@@ -347,10 +344,6 @@ class QueueJobFeature:
         await self.jobs.drain(timeout)
 
     def routers(self, openai_target: Callable[[Any], Any]) -> list[Any]:
-        from fastapi import APIRouter
-
-        from llmendpoints_runtime.jobs.routes import build_job_router
-
         jobs = self.jobs
 
         @contextlib.asynccontextmanager
@@ -361,8 +354,6 @@ class QueueJobFeature:
             finally:
                 await jobs.stop(timeout=0)  # after the drain: what still runs goes back
 
-        root = build_job_router(self.api, include_health=False)
-        root.lifespan_context = lifespan
-        v2 = APIRouter(prefix="/v2/{endpoint_id}")
-        v2.include_router(build_job_router(self.api, openai_target=openai_target))
-        return [root, v2]
+        routers = job_routers(self.verbs, openai_target)
+        routers[0].lifespan_context = lifespan  # the root router's
+        return routers

@@ -14,6 +14,7 @@ from llmendpoints_common.jobs.models import (
     MAX_POLICY_MS,
     JobLimits,
 )
+from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
@@ -53,10 +54,6 @@ class JobSettings(BaseModel):
     max_runsync_wait_ms: int = Field(default=300_000, ge=0)
     # A /run repeated with the same Idempotency-Key within this window gets the first job.
     idempotency_window_seconds: float = Field(default=600.0, gt=0)
-    # Request bodies larger than this are refused with 413.
-    max_body_bytes: int = Field(default=10 * 1024 * 1024, ge=1)
-    # ... and /runsync bodies larger than this (RunPod's limits: 10 MB /run, 20 MB /runsync).
-    max_runsync_body_bytes: int = Field(default=20 * 1024 * 1024, ge=1)
     # Webhook: 1 attempt + this many retries, this far apart.
     webhook_retries: int = Field(default=2, ge=0)
     webhook_retry_delay_seconds: float = Field(default=10.0, ge=0)
@@ -81,3 +78,14 @@ class JobSettings(BaseModel):
                 f"DEFAULT_BATCH_SIZE ({self.default_batch_size})"
             )
         return self
+
+
+def finished_jobs_counter(registry: CollectorRegistry) -> Counter:
+    """``llmendpoints_jobs_finished_total{status}``: the jobs this pod moved into a final state,
+    whichever store keeps them (in-pod or the shared queue)."""
+    return Counter(
+        "llmendpoints_jobs_finished",
+        "Jobs that reached a final state, by that state (COMPLETED, FAILED, CANCELLED, TIMED_OUT).",
+        ["status"],
+        registry=registry,
+    )

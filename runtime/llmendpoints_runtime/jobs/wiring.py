@@ -15,20 +15,21 @@ from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from llmendpoints_common.destinations import DestinationPolicy
+from llmendpoints_common.jobs.api import JobVerbs
 from llmendpoints_common.webhooks import WebhookSender
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Gauge
 
 from llmendpoints_runtime.jobs.executor import JobExecutor
 from llmendpoints_runtime.jobs.port import ASGIApp, JobEngine
-from llmendpoints_runtime.jobs.routes import JobAPI, build_job_router
-from llmendpoints_runtime.jobs.settings import JobSettings
+from llmendpoints_runtime.jobs.routes import build_job_router, job_verbs
+from llmendpoints_runtime.jobs.settings import JobSettings, finished_jobs_counter
 
 
 @dataclass
 class JobFeature:
     executor: JobExecutor
     webhooks: WebhookSender
-    api: JobAPI
+    verbs: JobVerbs
 
     def busy(self) -> int:
         """Work a draining pod waits for: queued and running jobs, webhooks being delivered."""
@@ -39,11 +40,15 @@ class JobFeature:
         await self.executor.drain(timeout)
 
     def routers(self, openai_target: Callable[[Request], ASGIApp]) -> list[APIRouter]:
-        """At the root, and under ``/v2/{endpoint_id}`` with the ``/openai/v1/...`` alias
-        (``openai_target``: the app that serves ``/v1/...``)."""
-        v2 = APIRouter(prefix="/v2/{endpoint_id}")
-        v2.include_router(build_job_router(self.api, openai_target=openai_target))
-        return [build_job_router(self.api, include_health=False), v2]
+        return job_routers(self.verbs, openai_target)
+
+
+def job_routers(verbs: JobVerbs, openai_target: Callable[[Request], ASGIApp]) -> list[APIRouter]:
+    """At the root, and under ``/v2/{endpoint_id}`` with the ``/openai/v1/...`` alias
+    (``openai_target``: the app that serves ``/v1/...``)."""
+    v2 = APIRouter(prefix="/v2/{endpoint_id}")
+    v2.include_router(build_job_router(verbs, openai_target=openai_target))
+    return [build_job_router(verbs, include_health=False), v2]
 
 
 def build_job_feature(
@@ -54,12 +59,7 @@ def build_job_feature(
     concurrency_limit: Callable[[], int],
     webhook_policy: DestinationPolicy,
 ) -> JobFeature:
-    finished = Counter(
-        "llmendpoints_jobs_finished",
-        "Jobs that reached a final state, by that state (COMPLETED, FAILED, CANCELLED, TIMED_OUT).",
-        ["status"],
-        registry=registry,
-    )
+    finished = finished_jobs_counter(registry)
     webhooks = WebhookSender(
         retries=settings.webhook_retries,
         delay_seconds=settings.webhook_retry_delay_seconds,
@@ -81,5 +81,5 @@ def build_job_feature(
         registry=registry,
     )
     stored.set_function(lambda: getattr(executor.store, "bytes", 0))
-    api = JobAPI(executor=executor, engine=engine, settings=settings, webhook_policy=webhook_policy)
-    return JobFeature(executor=executor, webhooks=webhooks, api=api)
+    verbs = job_verbs(executor, engine, settings, webhook_policy)
+    return JobFeature(executor=executor, webhooks=webhooks, verbs=verbs)

@@ -82,6 +82,14 @@ def test_parse_names_the_bad_entry() -> None:
         ("http://0.0.0.0:9000/", "unspecified"),
         ("http://exa mple.com/", "not a valid host name"),
         ("http://example.com:99999/", "not a valid URL"),
+        # IPv4 as C's inet_aton reads it: still the metadata address, refused at submission
+        ("http://0xa9fea9fe/latest/meta-data/", "metadata"),
+        ("http://2852039166/", "metadata"),
+        ("http://0251.0376.0251.0376/", "metadata"),
+        ("http://169.254.43518/", "metadata"),
+        ("http://169.254.169.254./", "metadata"),
+        ("http://0xA9.0xFE.0xA9.0xFE/", "metadata"),
+        ("http://0/", "unspecified"),
     ],
 )
 def test_check_url_refuses_what_it_can_see_without_dns(url, words) -> None:
@@ -95,6 +103,9 @@ def test_check_url_passes_ordinary_receivers() -> None:
         "http://receiver.default.svc.cluster.local:8080/hook",
         "http://127.0.0.1:9000/",
         "http://10.0.0.7/",
+        "http://0x7f000001:9000/",  # loopback, however written
+        "https://deadbeef.example.com/",  # a name that merely looks like hex
+        "https://cafe/",
     ):
         check_url(url, OPEN)
 

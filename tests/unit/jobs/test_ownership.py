@@ -9,7 +9,7 @@ import pytest
 from fastapi import FastAPI
 from llmendpoints_runtime.auth import APIKeyMiddleware, KeyStore
 from llmendpoints_runtime.errors import install_exception_handlers
-from llmendpoints_runtime.jobs import JobAPI, JobExecutor, JobSettings, build_job_router
+from llmendpoints_runtime.jobs import JobExecutor, JobSettings, build_job_router, job_verbs
 
 from .fakes import FakeEngine
 
@@ -28,7 +28,7 @@ async def client():
     app = FastAPI()
     install_exception_handlers(app)
     app.include_router(
-        build_job_router(JobAPI(executor=executor, engine=engine, settings=settings))
+        build_job_router(job_verbs(executor, engine, settings))
     )
     guarded = APIKeyMiddleware(app, KeyStore(("alice-key", "bob-key"), None), frozenset())
     transport = httpx.ASGITransport(app=guarded)
@@ -82,7 +82,7 @@ async def test_admin_key_reaches_every_job_and_purges_all() -> None:
     app = FastAPI()
     install_exception_handlers(app)
     app.include_router(
-        build_job_router(JobAPI(executor=executor, engine=engine, settings=settings))
+        build_job_router(job_verbs(executor, engine, settings))
     )
     keys = KeyStore(("alice-key", "bob-key"), None, admin_keys=("root-key",))
     guarded = APIKeyMiddleware(app, keys, frozenset())

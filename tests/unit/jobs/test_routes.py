@@ -7,7 +7,9 @@ import pytest
 from fastapi import FastAPI
 from llmendpoints_common.webhooks import WebhookSender
 from llmendpoints_runtime.errors import install_exception_handlers
-from llmendpoints_runtime.jobs import JobAPI, JobExecutor, JobSettings, build_job_router
+from llmendpoints_runtime.jobs import JobExecutor, JobSettings, build_job_router, job_verbs
+from llmendpoints_runtime.metrics import RuntimeMetrics
+from llmendpoints_runtime.middleware import BodyGuard
 
 from .fakes import FakeEngine, fake_openai_app
 
@@ -18,25 +20,22 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 @pytest.fixture
 async def setup():
     engine = FakeEngine(step_delay=0.001)
-    settings = JobSettings(
-        max_body_bytes=2000,
-        max_runsync_body_bytes=2900,
-        max_runsync_wait_ms=5000,
-        default_runsync_wait_ms=5000,
-    )
+    settings = JobSettings(max_runsync_wait_ms=5000, default_runsync_wait_ms=5000)
     executor = JobExecutor(
         engine, settings, webhooks=WebhookSender(retries=0, delay_seconds=0, timeout_seconds=1)
     )
     executor.start()
-    api = JobAPI(executor=executor, engine=engine, settings=settings)
+    verbs = job_verbs(executor, engine, settings)
     app = FastAPI()
     install_exception_handlers(app)
-    app.include_router(build_job_router(api))
+    app.include_router(build_job_router(verbs))
     app.include_router(
-        build_job_router(api, openai_target=lambda request: engine.openai_app()),
+        build_job_router(verbs, openai_target=lambda request: engine.openai_app()),
         prefix="/v2/{endpoint_id}",
     )
-    transport = httpx.ASGITransport(app=app)
+    # The runtime's edge reads the body (MAX_REQUEST_BODY_BYTES, MAX_RUNSYNC_BODY_BYTES).
+    guarded = BodyGuard(app, 2000, RuntimeMetrics(), runsync_limit=2900)
+    transport = httpx.ASGITransport(app=guarded)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
         yield client, engine
     await executor.drain(1)

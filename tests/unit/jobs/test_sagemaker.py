@@ -4,6 +4,8 @@ from fastapi import FastAPI
 from llmendpoints_common.errors import BadRequestError
 from llmendpoints_runtime.errors import install_exception_handlers
 from llmendpoints_runtime.jobs.port import ServedModels
+from llmendpoints_runtime.metrics import RuntimeMetrics
+from llmendpoints_runtime.middleware import BodyGuard
 from llmendpoints_runtime.sagemaker import (
     build_sagemaker_router,
     check_modalities,
@@ -99,8 +101,12 @@ async def client():
     engine = FakeEngine()
     app = FastAPI()
     install_exception_handlers(app)
-    app.include_router(build_sagemaker_router(engine, max_body_bytes=10_000))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+    app.include_router(build_sagemaker_router(engine))
+    # The runtime's edge reads the body, within MAX_REQUEST_BODY_BYTES.
+    guarded = BodyGuard(app, 10_000, RuntimeMetrics())
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=guarded), base_url="http://t"
+    ) as c:
         yield c, engine
 
 

@@ -7,6 +7,7 @@ review the diff like code.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import pathlib
@@ -415,7 +416,41 @@ def test_pods_get_their_endpoint_id_and_the_shared_queue() -> None:
         jobs_queue_replicas=3,
     )
     deployment = manifests.build_deployment(ep, queued, replicas=1)
-    env = {v["name"]: v["value"] for v in _container(deployment)["env"]}
-    assert env["JOBS_QUEUE_URL"] == "nats://llmep:secret@llmendpoints-nats:4222"
+    env = {v["name"]: v.get("value", v.get("valueFrom")) for v in _container(deployment)["env"]}
+    # The password URL reaches the pod from the endpoint's Secret, never as a plain value.
+    assert env["JOBS_QUEUE_URL"] == {"secretKeyRef": {"name": "chat-a-queue-creds", "key": "url"}}
+    assert "llmep:secret" not in json.dumps(deployment)
     assert env["ENDPOINT_ID"] == "chat-a"
+    assert env["ENDPOINT_NAMESPACE"] == ep.namespace
     assert env["LLMEP_JOBS_QUEUE_REPLICAS"] == "3"
+    secret = manifests.build_queue_creds_secret(ep, url=queued.jobs_queue_url)
+    assert secret["metadata"]["name"] == "chat-a-queue-creds"
+    assert base64.b64decode(secret["data"]["url"]).decode() == queued.jobs_queue_url
+    assert secret["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "llmendpoints-operator"
+
+
+def test_pods_mount_their_own_queue_creds_with_per_endpoint_credentials() -> None:
+    ep = _endpoint({"model": {"name": "org/m"}}, name="chat-a")
+    keyed = OperatorSettings(
+        jobs_queue_url="nats://llmendpoints-nats:4222", jobs_queue_keys_dir="/k"
+    )
+    pod = manifests.build_deployment(ep, keyed, replicas=1)["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = {v["name"]: v["value"] for v in container["env"]}
+    assert env["JOBS_QUEUE_URL"] == "nats://llmendpoints-nats:4222"
+    assert env["JOBS_QUEUE_CREDS_FILE"] == "/etc/llmendpoints/queue/queue.creds"
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "queue-creds"]
+    assert volume["secret"] == {
+        "secretName": "chat-a-queue-creds",
+        "items": [{"key": "queue.creds", "path": "queue.creds"}],
+    }
+    assert {"name": "queue-creds", "mountPath": "/etc/llmendpoints/queue", "readOnly": True} in (
+        container["volumeMounts"]
+    )
+    secret = manifests.build_queue_creds_secret(ep, creds="CREDS")
+    assert base64.b64decode(secret["data"]["queue.creds"]) == b"CREDS"
+
+
+def test_a_password_url_with_per_endpoint_credentials_is_refused() -> None:
+    with pytest.raises(ValueError, match="must not hold one"):
+        OperatorSettings(jobs_queue_url="nats://u:p@nats:4222", jobs_queue_keys_dir="/k")

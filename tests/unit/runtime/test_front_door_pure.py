@@ -11,20 +11,20 @@ import logging
 
 import pytest
 from llmendpoints_common.jobs.models import parse_json_object
-from llmendpoints_runtime.auth import APIKeyMiddleware, KeyStore, declares_body
-from llmendpoints_runtime.errors import OpenAIShapedErrors, reshape_error_body
-from llmendpoints_runtime.logs import TEXT_FORMAT, TextFormatter, escape_log_text
-from llmendpoints_runtime.metrics import RuntimeMetrics
-from llmendpoints_runtime.middleware import (
+from llmendpoints_common.request_ids import valid_request_id
+from llmendpoints_edge.asgi import declares_body
+from llmendpoints_edge.body import (
     MAX_JSON_DEPTH,
-    BodyGuard,
-    RequestContext,
     body_problem,
     json_body_problem,
     json_depth_exceeds,
     large_json_body_problem,
-    valid_request_id,
 )
+from llmendpoints_edge.logs import TEXT_FORMAT, TextFormatter, escape_log_text
+from llmendpoints_runtime.auth import APIKeyMiddleware, KeyStore
+from llmendpoints_runtime.errors import OpenAIShapedErrors, reshape_error_body
+from llmendpoints_runtime.metrics import RuntimeMetrics
+from llmendpoints_runtime.middleware import BodyGuard, RequestContext
 
 MiB = 1024 * 1024
 
@@ -238,7 +238,7 @@ def test_text_lines_escape_every_argument_but_not_the_format():
     ],
 )
 def test_declares_body(headers, declared):
-    assert declares_body(headers) is declared
+    assert declares_body({"headers": headers}) is declared
 
 
 def _never_receive():

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 import uvicorn
-from llmendpoints_runtime.server import MAX_HEADER_BYTES, protocol_class
+from llmendpoints_edge.server import DEFAULT_MAX_HEADER_BYTES as MAX_HEADER_BYTES
+from llmendpoints_edge.server import protocol_class
 
 DEADLINE = 1.0
 WAIT = 30.0  # generous: a condition to wait for, never a timing assertion

@@ -1,4 +1,4 @@
-"""The runtime's two autoscaling gauges count every request once (DESIGN.md "Across replicas")."""
+"""The runtime's two autoscaling gauges count every request once (docs/contracts.md, "Runtime -> operator")."""
 
 from __future__ import annotations
 

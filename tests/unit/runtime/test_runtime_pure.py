@@ -15,11 +15,13 @@ from llmendpoints_common.errors import (
     error_type,
     job_error_body,
 )
+from llmendpoints_edge.body import json_body_problem
+from llmendpoints_edge.keys import key_from_headers
+from llmendpoints_edge.keys import parse_key_list as parse_keys_file
 from llmendpoints_runtime.admission import AdmissionQueue, default_max_concurrency
-from llmendpoints_runtime.auth import KeyStore, key_from_headers, key_matches, parse_keys_file
+from llmendpoints_runtime.auth import KeyStore, key_matches
 from llmendpoints_runtime.download import select_files
 from llmendpoints_runtime.health import EngineState, liveness, readiness
-from llmendpoints_runtime.middleware import json_body_problem
 
 # -- admission ---------------------------------------------------------------------------------
 

@@ -1,0 +1,254 @@
+"""The request body, read once: within a deadline, within a size limit, checked, handed on.
+
+- 408, connection closed: the body has not fully arrived ``timeout`` seconds after the headers
+  (a client that stops sending holds nothing for longer);
+- 413, connection closed: the body is over the limit (declared or counted as it arrives);
+- 400: a JSON body that is not UTF-8, not an object, or nested deeper than ``MAX_JSON_DEPTH``
+  (whatever its content type, forms aside: our routes parse a body whatever the client
+  declares, and a 200,000-deep array would exhaust the parser's recursion).
+
+Large bodies are checked without being parsed: the one parse that matters is the route's own,
+and a parse holds the event loop (the GIL, even in a thread) for about 0.3 s per 10 MB. Small
+ones are parsed here, for errors that name the exact spot.
+
+What was read is kept in the request's scope (``scope[BODY]``) and replayed to the application;
+later ``receive()`` calls go to the server, so a client's disconnect still reaches whoever
+serves the request (vLLM aborts the generation on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+from llmendpoints_common.errors import (
+    APIError,
+    BadRequestError,
+    ContentTooLargeError,
+    RequestTimeoutError,
+)
+
+from llmendpoints_edge.asgi import Message, Receive, Scope, header
+
+# Where the body read at the edge is kept for whoever needs it next (read once, parsed once).
+BODY = "llmep.body"
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was answered."""
+
+
+def read_before(scope: Scope) -> bytes | None:
+    """The body the edge already read for this request, if it did."""
+    return scope.get(BODY)
+
+
+async def read_body(
+    scope: Scope, receive: Receive, *, limit: int, setting: str, timeout: float
+) -> bytes:
+    """The whole body, kept in ``scope[BODY]``; raises 408 / 413 (with ``Connection: close``),
+    400 for a body no route could use, ClientGone if the client left."""
+    declared = header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit, setting, declared)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone()
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit, setting)
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+    except TimeoutError:
+        raise _closing(
+            RequestTimeoutError(
+                f"the request body did not arrive within {timeout:g} s "
+                "(REQUEST_READ_TIMEOUT_SECONDS)"
+            )
+        ) from None
+    body = b"".join(chunks)
+    content_type = (header(scope, b"content-type") or b"").split(b";")[0].strip().lower()
+    problem = body_problem(body, content_type)
+    if problem is not None:
+        raise BadRequestError(problem)
+    scope[BODY] = body
+    return body
+
+
+def _closing(exc: APIError) -> APIError:
+    exc.headers["connection"] = "close"
+    return exc
+
+
+def _too_large(limit: int, setting: str, declared: bytes | None = None) -> APIError:
+    size = f"is {declared.decode()} bytes" if declared is not None else "is larger"
+    return _closing(
+        ContentTooLargeError(f"request body {size}; the limit is {limit} bytes ({setting})")
+    )
+
+
+def replay(body: bytes, *, then: Receive) -> Receive:
+    """A ``receive`` that hands the app ``body`` as the whole request, once, then defers to
+    ``then`` (usually the server's receive, so a client's disconnect still reaches the app)."""
+    sent = False
+
+    async def receive() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await then()
+
+    return receive
+
+
+# Deeper bodies are refused before any parser sees them. Python's parser gives up (RecursionError)
+# near 1,000 levels, and what vLLM does with the parsed value may recurse again; no request
+# body needs more than a few dozen (a JSON schema nests two levels per object level).
+MAX_JSON_DEPTH = 128
+# Bodies up to this size are parsed here, for messages that point at the error; larger ones
+# only get the cheap structural checks (json_depth_exceeds costs ~60 ms per 10 MB at worst).
+FULL_PARSE_MAX_BYTES = 256 * 1024
+_FORM_TYPES = frozenset({b"multipart/form-data", b"application/x-www-form-urlencoded"})
+
+
+def is_json_type(content_type: bytes) -> bool:
+    """Content types that FastAPI (so vLLM) parses as JSON: none, application/json, +json."""
+    return content_type in (b"", b"application/json") or (
+        content_type.startswith(b"application/") and content_type.endswith(b"+json")
+    )
+
+
+def body_problem(body: bytes, content_type: bytes) -> str | None:
+    """Why a request body is refused before any route sees it, or None (pure)."""
+    if not body or content_type in _FORM_TYPES:
+        return None
+    if is_json_type(content_type):
+        if len(body) <= FULL_PARSE_MAX_BYTES:
+            return json_body_problem(body)
+        return large_json_body_problem(body)
+    # Our routes parse a body as JSON whatever its declared type: the depth bound holds too.
+    if json_depth_exceeds(body, MAX_JSON_DEPTH):
+        return _too_deep()
+    return None
+
+
+def _not_utf8(exc: UnicodeDecodeError) -> str:
+    return f"request body is not valid UTF-8 (the bytes from offset {exc.start} are not UTF-8)"
+
+
+def _too_deep() -> str:
+    return f"request body is nested too deeply: more than {MAX_JSON_DEPTH} levels of arrays and objects"
+
+
+def json_body_problem(body: bytes) -> str | None:
+    """Why a JSON request body is unusable, or None (pure; parses the body)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return _not_utf8(exc)
+    if json_depth_exceeds(body, MAX_JSON_DEPTH):
+        return _too_deep()
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return f"request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
+    except RecursionError:  # unreachable after the depth check; never a 500 all the same
+        return _too_deep()
+    if not isinstance(value, dict):
+        return f"request body must be a JSON object, got {_JSON_TYPE_NAMES.get(type(value), 'a value')}"
+    return None
+
+
+def large_json_body_problem(body: bytes) -> str | None:
+    """The checks of ``json_body_problem`` that need no parse: UTF-8, an object, the depth
+    (pure). Malformed JSON further in is left to the route's parser, which answers 400."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return _not_utf8(exc)
+    first = body.lstrip(b" \t\r\n")[:1]
+    if first != b"{":
+        what = _FIRST_BYTE_NAMES.get(first, "a value" if first else "only whitespace")
+        if first[:1].isdigit():
+            what = "a number"
+        return f"request body must be a JSON object, got {what}"
+    if json_depth_exceeds(body, MAX_JSON_DEPTH):
+        return _too_deep()
+    return None
+
+
+_FIRST_BYTE_NAMES = {
+    b"[": "an array",
+    b'"': "a string",
+    b"-": "a number",
+    b"t": "a boolean",
+    b"f": "a boolean",
+    b"n": "null",
+}
+
+_JSON_TYPE_NAMES = {
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
+
+# +1 for [ and {, -1 for ] and }, 0 for every other byte.
+_DEPTH_STEP = np.zeros(256, dtype=np.int8)
+_DEPTH_STEP[[ord("["), ord("{")]] = 1
+_DEPTH_STEP[[ord("]"), ord("}")]] = -1
+_QUOTE = ord('"')
+_SCAN_CHUNK = 1 << 20
+
+
+def json_depth_exceeds(body: bytes, limit: int) -> bool:
+    """Whether ``body``, read as JSON, nests arrays and objects more than ``limit`` deep
+    (pure, no parse: vectorised over the bytes, so a 10 MB body costs tens of milliseconds).
+
+    Brackets inside strings do not count. Escaped backslashes and quotes are dropped first, so
+    every quote left opens or closes a string. On malformed input the count may be off, but
+    never below what a parser would reach before it stops at the first error.
+    """
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    text = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    data = np.frombuffer(text, dtype=np.uint8)
+    depth = quotes = 0
+    for start in range(0, len(data), _SCAN_CHUNK):  # chunks bound the scan's memory
+        chunk = data[start : start + _SCAN_CHUNK]
+        quote_count = np.cumsum(chunk == _QUOTE, dtype=np.int64) + quotes
+        steps = _DEPTH_STEP[chunk].astype(np.int64)
+        steps[(quote_count & 1).astype(bool)] = 0  # inside a string
+        depths = np.cumsum(steps) + depth
+        if int(depths.max()) > limit:
+            return True
+        depth, quotes = int(depths[-1]), int(quote_count[-1])
+    return False
+
+
+def parse_object(body: bytes) -> dict:
+    """A body the edge has checked, as the JSON object it is (400 for malformed JSON, which
+    the edge leaves to this parse for bodies over ``FULL_PARSE_MAX_BYTES``)."""
+    if not body:
+        raise BadRequestError("the request body is empty: send a JSON object")
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        detail = exc.msg if isinstance(exc, json.JSONDecodeError) else type(exc).__name__
+        raise BadRequestError(f"request body is not valid JSON: {detail}") from None
+    if not isinstance(value, dict):
+        raise BadRequestError(
+            f"request body must be a JSON object, got {_JSON_TYPE_NAMES.get(type(value), 'a value')}"
+        )
+    return value

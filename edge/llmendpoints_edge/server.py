@@ -1,0 +1,206 @@
+"""uvicorn with a graceful drain and bounded request headers.
+
+**Drain.** On SIGTERM (or SIGINT) the served component is told at once (readiness turns 503,
+held requests are answered) but the listener stays open: Kubernetes takes a moment to remove
+the pod from its Service, and requests that still arrive are served. The server stops listening
+as soon as the component has nothing in flight, or when DRAIN_TIMEOUT_SECONDS have passed,
+whichever comes first. A second signal exits at once. What "in flight" means is the component's
+(``Drainable.busy``): requests, streams, jobs, webhooks being delivered, limiter updates...
+
+**Headers.** uvicorn bounds neither slow nor huge request headers (measured with uvicorn 0.54: a
+connection that sends nothing, or one header byte a second, is held for as long as the client
+likes, and httptools accepts a 1 MiB header). Here the headers must be complete
+REQUEST_READ_TIMEOUT_SECONDS after the connection opens or the request's first byte arrives
+(408, closed), and end within the first MAX_HEADER_BYTES received (431, closed). The body has the
+same deadline again, counted from the headers (``body.read_body``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any, Protocol
+
+import uvicorn
+from llmendpoints_common.errors import APIError, RequestTimeoutError
+
+try:  # what uvicorn's "auto" picks when httptools is installed (it is, with both components)
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _HTTPProtocol
+except ImportError:  # pragma: no cover
+    from uvicorn.protocols.http.h11_impl import H11Protocol as _HTTPProtocol  # type: ignore[assignment]
+
+logger = logging.getLogger("llmendpoints.edge.server")
+
+
+class Drainable(Protocol):
+    """What the server asks of the component it serves."""
+
+    def start_draining(self) -> None:
+        """SIGTERM arrived: stop being ready, take no new work that can go elsewhere."""
+        ...
+
+    def busy(self) -> int:
+        """Work still in flight; the drain ends when it reaches 0."""
+        ...
+
+    def set_drain_deadline(self, deadline: float) -> None:
+        """Event-loop time by which the component's own shutdown should be over."""
+        ...
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, component: Drainable, drain_timeout: float):
+        super().__init__(config)
+        self.component = component
+        self.drain_timeout = drain_timeout
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._drain_task is not None:
+            logger.warning("second %s: exiting now", signal.Signals(sig).name)
+            self.force_exit = True
+            self.should_exit = True
+            return
+        logger.info("%s received: draining (readiness is now 503)", signal.Signals(sig).name)
+        self.component.start_draining()
+        self._drain_task = asyncio.get_event_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_timeout
+        self.component.set_drain_deadline(deadline)
+        while loop.time() < deadline:
+            if self.component.busy() == 0:
+                logger.info("drained: nothing in flight")
+                break
+            await asyncio.sleep(0.1)
+        else:
+            logger.warning(
+                "drain timeout (%.0f s) reached with %d unit(s) of work still in flight",
+                self.drain_timeout,
+                self.component.busy(),
+            )
+        self.should_exit = True
+
+
+# The request line and headers of one request (nginx's default large buffers hold 32 KiB).
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024
+
+
+class BoundedHeadersProtocol(_HTTPProtocol):  # type: ignore[misc, valid-type]
+    """uvicorn's HTTP protocol with a deadline and a size bound on request headers.
+
+    It relies on what both of uvicorn's protocols do: ``self.cycle`` is replaced when a
+    request's headers are complete, and is None or ``response_complete`` while the connection
+    waits for the next request. Idle time between requests stays uvicorn's keep-alive timeout.
+    """
+
+    header_timeout = 30.0  # set by protocol_class()
+    max_header_bytes = DEFAULT_MAX_HEADER_BYTES
+
+    def connection_made(self, transport) -> None:  # type: ignore[no-untyped-def]
+        super().connection_made(transport)
+        self._header_bytes = 0
+        self._header_tail = b""  # the last bytes seen, for an end of headers split across reads
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        before = self.cycle
+        reading_headers = before is None or before.response_complete
+        if reading_headers:
+            if self._header_timer is None:
+                self._arm_header_timer()
+            # Measured before the parser sees the bytes: headers that end in this read but
+            # are too large never become a request (the application would already be running
+            # by the time the parser had said so).
+            seen = self._header_bytes
+            end = (self._header_tail + data).find(b"\r\n\r\n")
+            size = seen + len(data) if end < 0 else seen - len(self._header_tail) + end + 4
+            if size > self.max_header_bytes:
+                # What the parser holds is bounded by this limit plus one read (asyncio reads
+                # at most 256 KiB at a time).
+                self._refuse(
+                    APIError(431, f"request headers are larger than {self.max_header_bytes} bytes")
+                )
+                return
+            self._header_bytes += len(data)
+            self._header_tail = (self._header_tail + data)[-3:]
+        super().data_received(data)
+        if self.cycle is not before:  # the headers are complete (the rest of data is body)
+            self._header_bytes = 0
+            self._header_tail = b""
+            self._cancel_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        self._header_timer = self.loop.call_later(self.header_timeout, self._headers_late)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self.cycle is None or self.cycle.response_complete:
+            self._refuse(
+                RequestTimeoutError(
+                    f"the request headers did not arrive within {self.header_timeout:g} s "
+                    "(REQUEST_READ_TIMEOUT_SECONDS)"
+                )
+            )
+
+    def _refuse(self, exc: APIError) -> None:
+        """Answer in OpenAI's error shape, outside any request cycle, and close."""
+        self._cancel_header_timer()
+        if self.transport.is_closing():
+            return
+        body = exc.body_bytes()
+        phrase = {408: "Request Timeout", 431: "Request Header Fields Too Large"}[exc.status_code]
+        head = (
+            f"HTTP/1.1 {exc.status_code} {phrase}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        )
+        self.transport.write(head.encode() + body)
+        self.transport.close()
+
+
+def protocol_class(
+    header_timeout: float, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+) -> type[asyncio.Protocol]:
+    return type(
+        "BoundedHeaders",
+        (BoundedHeadersProtocol,),
+        {"header_timeout": header_timeout, "max_header_bytes": max_header_bytes},
+    )
+
+
+def serve(
+    app: Any,
+    component: Drainable,
+    *,
+    host: str,
+    port: int,
+    header_timeout: float,
+    max_header_bytes: int,
+    drain_timeout: float,
+    **uvicorn_options: Any,
+) -> None:
+    """Serve ``app`` until a signal ends the drain of ``component``."""
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_config=None,  # logging is configured by logs.configure
+        http=protocol_class(header_timeout, max_header_bytes),
+        # By the time uvicorn shuts down, the drain has already waited; only stragglers remain.
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+        **uvicorn_options,
+    )
+    DrainingServer(config, component, drain_timeout).run()

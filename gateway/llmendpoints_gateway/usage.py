@@ -1,0 +1,363 @@
+"""Usage on the shared queue: what each answer and each job cost, per key, endpoint and model.
+
+- ``Metering.finish``: when a request ends -- answered, refused, abandoned -- its metrics, its
+  limiter ticket (the lease released, the tokens charged) and its usage record;
+- ``UsagePublisher``: records go to the stream ``LLMEP_USAGE`` in the background (the request
+  path only appends to a bounded buffer), de-duplicated by the record's id;
+- ``JobUsageMeter``: a job's tokens when it completes, whoever ran it;
+- ``read_usage``: the records back, for ``llmendpoints-gateway usage``.
+
+What is metered and how is metering.py's (pure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from llmendpoints_common.jobs.models import JobStatus
+from llmendpoints_common.jobs.record import JobRecord
+from llmendpoints_common.queue import names
+from llmendpoints_common.queue.connect import connect
+from llmendpoints_common.queue.topology import QueueLayout, ensure_streams
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from llmendpoints_gateway.keys import KeyRing
+from llmendpoints_gateway.limiter import Limiter
+from llmendpoints_gateway.metering import Usage, UsageRecord, usage_of_job_output
+from llmendpoints_gateway.metrics import GatewayMetrics
+from llmendpoints_gateway.queue import SharedQueue
+from llmendpoints_gateway.registry import Registry
+from llmendpoints_gateway.request import RequestLog
+
+logger = logging.getLogger("llmendpoints.gateway.usage")
+
+
+class Metering:
+    """What a request or a job cost: counted in metrics, charged to the key's limits, recorded
+    for chargeback (with a shared queue)."""
+
+    def __init__(
+        self,
+        gateway_id: str,
+        metrics: GatewayMetrics,
+        limiter: Limiter,
+        keys: KeyRing,
+        registry: Registry,
+        publisher: UsagePublisher | None = None,
+    ) -> None:
+        self.gateway_id = gateway_id
+        self.metrics = metrics
+        self.limiter = limiter
+        self.keys = keys
+        self.registry = registry
+        self.publisher = publisher
+
+    def finish(self, state: RequestLog) -> None:
+        """Count the answer (metrics, usage record) and end its limiter ticket."""
+        if state.endpoint is None:
+            return
+        key = state.key_name or ""
+        usage = state.usage or (state.meter.usage if state.meter is not None else None) or Usage()
+        self.metrics.requests.labels(key, state.endpoint, str(state.status)).inc()
+        self._count_tokens(key, state.endpoint, usage)
+        self.limiter.finish(state.ticket, usage.total)
+        if self.publisher is not None and state.record_kind is not None:
+            self.publisher.record(
+                UsageRecord(
+                    # Unique per answer (a client may reuse an x-request-id); a job's is its id,
+                    # so a job seen finished through two replicas is stored once.
+                    id=state.record_id or f"{state.request_id}.{uuid.uuid4().hex[:16]}",
+                    time=time.time(),
+                    key=key,
+                    endpoint=state.endpoint_id or state.endpoint,
+                    model=state.model or "",
+                    status=state.status,
+                    prompt_tokens=usage.prompt_tokens,
+                    completion_tokens=usage.completion_tokens,
+                    gateway=self.gateway_id,
+                    kind=state.record_kind,
+                    requests=state.record_requests,
+                )
+            )
+
+    def _count_tokens(self, key: str, endpoint: str, usage: Usage) -> None:
+        for kind, n in (("prompt", usage.prompt_tokens), ("completion", usage.completion_tokens)):
+            if n:
+                self.metrics.tokens.labels(key, endpoint, kind).inc(n)
+
+    def job_usage(self, record: JobRecord, usage: Usage) -> tuple[UsageRecord, Callable[[], None]]:
+        """JobUsageMeter's callback: a completed job's usage record, and what to count once
+        the usage stream stored it for the first time."""
+        ep = self.registry.by_id(record.endpoint)  # a job record names "<namespace>/<name>"
+        label = ep.name if ep is not None else record.endpoint
+        entry = UsageRecord(
+            id=f"job-{record.id}-usage",
+            time=record.finished_at or time.time(),
+            key=record.owner,
+            endpoint=record.endpoint,
+            model=ep.models[0] if ep is not None and ep.models else "",
+            status=200,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            gateway=self.gateway_id,
+            kind="job",
+            requests=0,  # the job was counted when it was accepted
+        )
+
+        def count() -> None:
+            self._count_tokens(record.owner, label, usage)
+            key = self.keys.by_name(record.owner)
+            if key is not None:
+                self.limiter.charge(key, usage.total)
+
+        return entry, count
+
+
+class UsagePublisher:
+    """Publishes usage records to ``LLMEP_USAGE`` in the background: the request path only
+    appends to a bounded buffer. While NATS is unreachable records wait (up to
+    ``buffer_limit``, then the oldest are dropped with a warning) and go out once it is back."""
+
+    def __init__(self, queue: SharedQueue, buffer_limit: int = 100_000):
+        self.queue = queue
+        self._buffer: deque[UsageRecord] = deque()
+        self._limit = buffer_limit
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.dropped = 0
+        self.published = 0
+
+    def record(self, record: UsageRecord) -> None:
+        if len(self._buffer) >= self._limit:
+            self._buffer.popleft()
+            self.dropped += 1
+            if self.dropped in (1, 1000) or self.dropped % 100_000 == 0:
+                logger.warning("usage buffer full: %d record(s) dropped", self.dropped)
+        self._buffer.append(record)
+        self._wake.set()
+
+    @property
+    def pending(self) -> int:
+        return len(self._buffer)
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self, timeout: float = 3.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._buffer and self.queue.connected and loop.time() < deadline:
+            self._wake.set()
+            await asyncio.sleep(0.05)
+        if self._buffer:
+            logger.warning("%d usage record(s) not published at shutdown", len(self._buffer))
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        js = (await self.queue.wait()).js
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._buffer:
+                batch = [self._buffer[i] for i in range(min(256, len(self._buffer)))]
+                acks = await asyncio.gather(
+                    *(
+                        js.publish(
+                            names.usage_subject(r.endpoint, r.key),
+                            r.encode(),
+                            headers={"Nats-Msg-Id": r.id},
+                        )
+                        for r in batch
+                    ),
+                    return_exceptions=True,
+                )
+                done = 0
+                for ack in acks:
+                    if isinstance(ack, BaseException):
+                        break
+                    done += 1
+                for _ in range(done):
+                    self._buffer.popleft()
+                self.published += done
+                if done < len(batch):
+                    failed = next(a for a in acks if isinstance(a, BaseException))
+                    logger.warning("publishing usage records failed (%s); retrying", failed)
+                    await asyncio.sleep(1.0)
+
+
+# The one durable consumer every gateway replica pulls job state changes from: each change is
+# handled by one replica.
+JOB_USAGE_CONSUMER = "gateway-job-usage"
+
+
+class JobUsageMeter:
+    """Meters the tokens of jobs when they complete, whoever ran them and however the client
+    learns the result (``/runsync``, ``/status``, a webhook, never).
+
+    Every gateway replica pulls from one durable consumer on the job records
+    (``KV_LLMEP_JOB_STATE``), so each change is handled by one replica. A COMPLETED record's
+    output usage becomes the usage record ``job-<id>-usage``; the stream drops a second copy
+    (a later write to the finished record, e.g. a ``/stream`` read moving its cursor), and only
+    a record the stream stored for the first time is counted in ``tokens_total`` and charged to
+    the owner's tokensPerMinute."""
+
+    def __init__(
+        self,
+        queue: SharedQueue,
+        on_usage: Callable[[JobRecord, Usage], tuple[UsageRecord, Callable[[], None]]],
+    ) -> None:
+        self.queue = queue
+        self.on_usage = on_usage
+        self._task: asyncio.Task | None = None
+        self.counted = 0
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        js = (await self.queue.wait()).js
+        while True:
+            try:
+                sub = await js.pull_subscribe(
+                    names.kv_subject(names.JOB_STATE_BUCKET, ">"),
+                    durable=JOB_USAGE_CONSUMER,
+                    stream=names.kv_stream(names.JOB_STATE_BUCKET),
+                    config=ConsumerConfig(
+                        deliver_policy=DeliverPolicy.NEW,
+                        ack_policy=AckPolicy.EXPLICIT,
+                        ack_wait=30.0,
+                        max_ack_pending=10_000,
+                    ),
+                )
+                while True:
+                    try:
+                        messages = await sub.fetch(256, timeout=5.0)
+                    except TimeoutError:
+                        continue
+                    for msg in messages:
+                        await self._handle(js, msg.data)
+                        await msg.ack()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.warning("metering job usage: %s; retrying", exc)
+                await asyncio.sleep(2.0)
+
+    async def _handle(self, js: Any, data: bytes | None) -> None:
+        if not data:
+            return
+        try:
+            record = JobRecord.decode(data)
+        except ValueError:
+            return
+        if record.status is not JobStatus.COMPLETED:
+            return
+        usage = usage_of_job_output(record.output)
+        if usage is None:
+            return
+        entry, count = self.on_usage(record, usage)
+        ack = await js.publish(
+            names.usage_subject(entry.endpoint, entry.key),
+            entry.encode(),
+            headers={"Nats-Msg-Id": entry.id},
+        )
+        if not ack.duplicate:
+            self.counted += 1
+            count()
+
+
+CONNECT_TIMEOUT_SECONDS = 10.0
+
+
+async def read_usage(
+    url: str, since: float, until: float | None, creds_file: str | None = None
+) -> list[UsageRecord]:
+    """Every record of ``LLMEP_USAGE`` that ended in [since, until): read from the first
+    message stored at ``since`` (the stream's own time index) up to its last message now."""
+
+    async def quiet(exc: Exception) -> None:
+        pass
+
+    # Bounded, unlike the servers' reconnect-forever (nats-py keeps retrying a first connect
+    # whatever its options say): a CLI says it cannot reach the queue.
+    try:
+        nc, permissions = await asyncio.wait_for(
+            connect(
+                url,
+                name="llmendpoints-gateway-usage",
+                creds_file=creds_file,
+                connect_timeout=5,
+                reconnect=False,
+                error_cb=quiet,
+            ),
+            CONNECT_TIMEOUT_SECONDS,
+        )
+    except TimeoutError:
+        raise ConnectionError(
+            f"no NATS server answered within {CONNECT_TIMEOUT_SECONDS:.0f} s"
+        ) from None
+    try:
+        js = nc.jetstream(timeout=10)
+        if permissions is None or permissions.may_publish(
+            f"$JS.API.STREAM.CREATE.{names.USAGE_STREAM}"
+        ):
+            await ensure_streams(js, QueueLayout())
+        info = await js.stream_info(names.USAGE_STREAM)
+        last = info.state.last_seq
+        records: list[UsageRecord] = []
+        if info.state.messages == 0:
+            return records
+        # Records may be stored a moment after they ended: start a minute early, filter exactly.
+        start = datetime.fromtimestamp(max(0.0, since - 60.0), tz=UTC)
+        sub = await js.pull_subscribe(
+            "llmep.usage.>",
+            stream=names.USAGE_STREAM,
+            config=ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_TIME,
+                ack_policy=AckPolicy.NONE,
+                opt_start_time=start.isoformat().replace("+00:00", "Z"),
+                inactive_threshold=60.0,
+                mem_storage=True,
+            ),
+        )
+        try:
+            while True:
+                try:
+                    messages = await sub.fetch(1000, timeout=1.0)
+                except TimeoutError:
+                    break
+                seq = 0
+                for msg in messages:
+                    seq = msg.metadata.sequence.stream
+                    record = UsageRecord.decode(msg.data)
+                    if (
+                        record is not None
+                        and record.time >= since
+                        and (until is None or record.time < until)
+                    ):
+                        records.append(record)
+                if seq >= last:
+                    break
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        return records
+    finally:
+        await nc.close()
