@@ -115,6 +115,12 @@ class OperatorSettings(BaseSettings):
         "gateway holds requests while an endpoint has no replica, and the autoscaler reads them "
         "in the queue).",
     )
+    inference_pool_default: bool = Field(
+        False,
+        description="Whether endpoints that do not set spec.api.inferencePool.enabled get an "
+        "InferencePool (inference.networking.k8s.io/v1) selecting their pods, for Gateway API "
+        "gateways with an endpoint picker (docs/gateway-api.md).",
+    )
 
     # -- cluster-admin policy (policy.py; docs/security.md). Lists are comma-separated; unset
     # means no restriction, an empty value allows nothing. Globs: `*` any run of characters,

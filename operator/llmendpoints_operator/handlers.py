@@ -267,6 +267,30 @@ async def reconcile_endpoint(
         raise kopf.TemporaryError(str(exc), delay=30) from exc
 
 
+# --- the InferencePool API appearing ----------------------------------------------------------
+
+
+@kopf.on.event(
+    "apiextensions.k8s.io",
+    "v1",
+    "customresourcedefinitions",
+    when=lambda name, **_: name == manifests.INFERENCE_POOL_CRD,
+)
+async def inference_pool_api_changed(
+    type: str, logger: logging.Logger, memo: kopf.Memo, **_: Any
+) -> None:
+    """The InferencePool CRD was installed (or became established): endpoints that asked for a
+    pool while it was missing get it now rather than at their next resync."""
+    if type == "DELETED":
+        return  # the API server deletes the pools with it; the next reconcile reports it
+    reconciler = _running(memo).reconciler
+    for endpoint in reconciler.waiting_for_pool_api():
+        with contextlib.suppress(InvalidSpecError, kube.ApiError):
+            await reconciler.reconcile(
+                endpoint, prune=True, logger=logger, trigger="inference-pool-api"
+            )
+
+
 # --- children's events -> the owner's status --------------------------------------------------
 
 

@@ -36,6 +36,8 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("networking.k8s.io/v1", "Ingress"): "ingresses",
+    # Optional: only when the Gateway API Inference Extension's CRDs are installed.
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
     ("llmendpoints.dev/v1alpha1", "LLMEndpoint"): "llmendpoints",
     ("v1", "Event"): "events",  # posted by events.py
     # Read only: where the autoscaler finds the ready pods to scrape.

@@ -617,6 +617,56 @@ def build_queue_creds_secret(
     }
 
 
+# --- the InferencePool (Gateway API Inference Extension) ----------------------------------------
+
+INFERENCE_POOL_GROUP = "inference.networking.k8s.io"
+INFERENCE_POOL_API_VERSION = f"{INFERENCE_POOL_GROUP}/v1"
+INFERENCE_POOL_KIND = "InferencePool"
+INFERENCE_POOL_PLURAL = "inferencepools"
+INFERENCE_POOL_CRD = f"{INFERENCE_POOL_PLURAL}.{INFERENCE_POOL_GROUP}"
+
+
+def inference_pool_name(endpoint_name: str) -> str:
+    return endpoint_name
+
+
+def wants_inference_pool(ep: Endpoint, settings: OperatorSettings) -> bool:
+    """spec.api.inferencePool.enabled, or the operator's default when the spec leaves it unset."""
+    enabled = ep.spec.api.inference_pool.enabled
+    return settings.inference_pool_default if enabled is None else enabled
+
+
+def build_inference_pool(ep: Endpoint, settings: OperatorSettings) -> dict[str, Any] | None:
+    """One InferencePool selecting the endpoint's pods on the runtime's port, or None when the
+    endpoint does not ask for one.
+
+    The selector is the Deployment's (and the Service's) own: the pool follows the pods through
+    rollouts and scaling, and a gateway's endpoint picker reads their /metrics and sends
+    /v1/completions and /v1/chat/completions to them directly. appProtocol is left out: its
+    default is HTTP/1.1, which the runtime speaks, and CRDs before v1.4 do not know the field."""
+    if not wants_inference_pool(ep, settings):
+        return None
+    spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector_labels(ep.name)},
+        "targetPorts": [{"number": HTTP_PORT}],
+    }
+    ref = ep.spec.api.inference_pool.endpoint_picker_ref
+    if ref is not None:
+        picker: dict[str, Any] = {"name": ref.name, "kind": ref.kind}
+        if ref.group:
+            picker["group"] = ref.group
+        if ref.port is not None:
+            picker["port"] = {"number": ref.port.number}
+        picker["failureMode"] = ref.failure_mode
+        spec["endpointPickerRef"] = picker
+    return {
+        "apiVersion": INFERENCE_POOL_API_VERSION,
+        "kind": INFERENCE_POOL_KIND,
+        "metadata": _metadata(ep, inference_pool_name(ep.name)),
+        "spec": spec,
+    }
+
+
 @dataclass(frozen=True)
 class ChildRef:
     """Enough to address a child in the API: apiVersion, kind, name (namespace is the endpoint's)."""

@@ -13,6 +13,8 @@ it to kopf; tests drive it with a fake client and plain dicts as indexes.
   field), creates nothing, and raises InvalidSpecError; an API refusal raises kube.ApiError.
 - `publish_status` computes the status from the indexes (status.compute, pure) and writes it
   when it changed, posting Events for notable transitions.
+- The InferencePool (manifests.build_inference_pool) is an optional child whose API may be
+  missing: its outcome becomes the status's InferencePool condition, never a failed reconcile.
 - `resync_forever` reconciles every endpoint once per period (drift correction).
 - `autoscaled_subjects` lists what the autoscaler decides the size of now.
 """
@@ -193,6 +195,8 @@ class Reconciler:
         self._status_locks: defaultdict[Key, asyncio.Lock] = defaultdict(asyncio.Lock)
         # The last status written per endpoint: the watch stream may lag behind our own writes.
         self._published: dict[Key, dict[str, Any]] = {}
+        # What the last reconcile did about each endpoint's InferencePool (status reports it).
+        self._pools: dict[Key, status.InferencePoolState] = {}
 
     # --- the reconcile ------------------------------------------------------------------------
 
@@ -247,6 +251,7 @@ class Reconciler:
 
             current = self.indexes.deployment(key)
             created, written = await self._write_deployment(ep, endpoint, current, client)
+            self._pools[key] = await self._reconcile_inference_pool(ep, endpoint, client, logger)
 
             if prune:
                 wanted = {(c["kind"], c["metadata"]["name"]) for c in children}
@@ -328,6 +333,58 @@ class Reconciler:
             await asyncio.wait_for(self._jobs_queue.ensure_endpoint(ref), 5.0)
         except Exception as exc:
             logger.warning("Queue consumers of %s not created yet: %s", ref.id, exc or type(exc))
+
+    async def _reconcile_inference_pool(
+        self, ep: Endpoint, owner: Mapping[str, Any], client: KubeApi, logger: logging.Logger
+    ) -> status.InferencePoolState:
+        """Apply the endpoint's InferencePool, or delete one it no longer asks for.
+
+        Its API is optional in a cluster: a missing API (404 on the apply), a refusal (an older
+        CRD's schema, RBAC) become the status's InferencePool condition, never a failed
+        reconcile: the rest of the endpoint serves regardless, and the next reconcile (or the
+        CRD's installation, handlers.py) tries again."""
+        key = (ep.namespace, ep.name)
+        pool = manifests.build_inference_pool(ep, self._settings)
+        if pool is None:
+            if self._pool_may_exist(key, owner):
+                try:
+                    if await client.delete(
+                        manifests.INFERENCE_POOL_API_VERSION,
+                        manifests.INFERENCE_POOL_KIND,
+                        ep.namespace,
+                        manifests.inference_pool_name(ep.name),
+                    ):
+                        logger.info(
+                            "Deleted InferencePool %s: the spec no longer asks for it", ep.name
+                        )
+                except kube.ApiError as exc:  # API gone, or no permission: nothing to remove
+                    logger.info("InferencePool %s not deleted: %s", ep.name, exc)
+            return status.NO_POOL
+        kopf.adopt(pool, owner=owner)
+        try:
+            await client.apply(pool)
+        except kube.NotFound:
+            return status.pool_api_missing()
+        except kube.ApiError as exc:
+            logger.warning("InferencePool %s refused: %s", ep.name, exc)
+            if exc.status in (401, 403):
+                return status.pool_forbidden(exc.message)
+            if exc.status in (400, 422):
+                return status.pool_rejected(
+                    exc.message, has_picker="endpointPickerRef" in pool["spec"]
+                )
+            raise  # the API server in trouble: retried like any other failed write
+        return status.pool_created(pool)
+
+    def _pool_may_exist(self, key: Key, owner: Mapping[str, Any]) -> bool:
+        """Whether an InferencePool of ours may exist: this process or the stored status says
+        it was created. (Endpoints that never asked for one cost no DELETE per reconcile.)"""
+        if self._pools.get(key, status.NO_POOL).name is not None:
+            return True
+        for stored in (self._published.get(key), owner.get("status")):
+            if stored and stored.get("inferencePool"):
+                return True
+        return False
 
     async def _write_deployment(
         self,
@@ -411,6 +468,7 @@ class Reconciler:
                 observed_generation=observed_generation,
                 cluster_domain=self._settings.cluster_domain,
                 gateway_url=self._settings.gateway_url,
+                inference_pool=self._pools.get(key),
             )
             # Blocks other writers own: the autoscaler's and the adapter watcher's.
             others = {k: v for k, v in previous.items() if k not in _OTHER_WRITERS}
@@ -434,6 +492,15 @@ class Reconciler:
             self._published[key] = new
         for event in status.transition_events(previous, new):
             self._post_event(snapshot, event.type, event.reason, event.message)
+
+    def waiting_for_pool_api(self) -> list[dict[str, Any]]:
+        """Endpoints whose InferencePool could not be created because its API is missing."""
+        waiting = []
+        for key, state in list(self._pools.items()):
+            endpoint = self.indexes.endpoint(key)
+            if state.reason == "CRDNotInstalled" and endpoint is not None:
+                waiting.append(endpoint)
+        return waiting
 
     # --- the resync ---------------------------------------------------------------------------
 
@@ -474,6 +541,8 @@ class Reconciler:
         endpoints = self.indexes.llmendpoints
         for key in [k for k in self._published if k not in endpoints]:
             self._published.pop(key, None)
+        for key in [k for k in self._pools if k not in endpoints]:
+            self._pools.pop(key, None)
         for locks in (self._reconcile_locks, self._status_locks):
             for key in [k for k, lock in locks.items() if k not in endpoints]:
                 if not locks[key].locked():

@@ -385,6 +385,42 @@ class IngressSpec(_Model):
         return self
 
 
+class PickerPort(_Model):
+    number: int = Field(ge=1, le=65535)
+
+
+class EndpointPickerRef(_Model):
+    """The endpoint picker an InferencePool's gateway asks (InferencePool v1's endpointPickerRef,
+    field for field, so a reference copied from the Gateway API Inference Extension's docs works)."""
+
+    name: str = Field(min_length=1, max_length=253)
+    group: str = Field(
+        "",
+        max_length=253,
+        pattern=r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+    )
+    kind: str = Field(
+        "Service", min_length=1, max_length=63, pattern=r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$"
+    )
+    port: PickerPort | None = None
+    failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
+
+    @model_validator(mode="after")
+    def _service_needs_port(self) -> EndpointPickerRef:
+        if self.kind == "Service" and self.port is None:
+            raise ValueError("port: is required when kind is Service (the picker Service's port)")
+        return self
+
+
+class InferencePoolSpec(_Model):
+    """An InferencePool (inference.networking.k8s.io/v1) selecting the endpoint's pods, for
+    Gateway API gateways with an endpoint picker (docs/gateway-api.md)."""
+
+    # None: the operator's default (LLMEP_OPERATOR_INFERENCE_POOL_DEFAULT).
+    enabled: bool | None = None
+    endpoint_picker_ref: EndpointPickerRef | None = None
+
+
 class ApiSpec(_Model):
     api_keys_secret_ref: SecretKeyRef | None = None
     allow_unauthenticated: bool = False
@@ -394,6 +430,7 @@ class ApiSpec(_Model):
     streaming: StreamingSpec | None = None
     service: ServiceSpec = Field(default_factory=ServiceSpec)
     ingress: IngressSpec = Field(default_factory=IngressSpec)
+    inference_pool: InferencePoolSpec = Field(default_factory=InferencePoolSpec)
 
     def published_outside_cluster(self) -> list[str]:
         """How clients outside the cluster reach the endpoint (empty: only from inside it)."""

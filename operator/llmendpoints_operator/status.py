@@ -9,7 +9,9 @@ Conditions, in the order a user reads them:
 - Ready       the endpoint answers requests: the spec is valid and a replica is available;
 - Authenticated  requests need an API key (False, a warning, when anyone who can reach the
               endpoint may use it: in the cluster without keys, or published with
-              spec.api.allowUnauthenticated).
+              spec.api.allowUnauthenticated);
+- InferencePool  only when the endpoint asks for one: created (status.inferencePool names it),
+              or why not (CRDNotInstalled, Rejected, Forbidden).
 
 `phase` summarises them in one word for `kubectl get`: Pending, Starting, Ready, Updating,
 Scaling, Degraded, ScaledToZero, Failed. Transition events come from `transition_events`.
@@ -102,6 +104,96 @@ class CacheState:
 class Observed:
     deployment: DeploymentState | None
     cache: CacheState
+
+
+# --- the InferencePool (optional child; its API may not be installed) ---------------------------
+
+POOL_CONDITION = "InferencePool"
+
+
+@dataclass(frozen=True)
+class InferencePoolState:
+    """What the last reconcile did about the endpoint's InferencePool. `wanted` False: the
+    endpoint does not ask for one (nothing is reported). Build with the functions below."""
+
+    wanted: bool
+    ok: bool = False
+    reason: str = ""
+    message: str = ""
+    name: str | None = None  # the pool's name, once the API server accepted it
+
+
+NO_POOL = InferencePoolState(wanted=False)
+
+
+def pool_created(pool: Mapping[str, Any]) -> InferencePoolState:
+    name = pool["metadata"]["name"]
+    spec = pool["spec"]
+    ports = ", ".join(str(p["number"]) for p in spec["targetPorts"])
+    picker = spec.get("endpointPickerRef")
+    if picker is None:
+        via = "no endpointPickerRef (the gateway picks among the pods itself)"
+    else:
+        port = f":{picker['port']['number']}" if picker.get("port") else ""
+        via = f"endpoint picker {picker['kind']} {picker['name']}{port}"
+    return InferencePoolState(
+        wanted=True,
+        ok=True,
+        reason="Created",
+        message=f"InferencePool {name} selects the endpoint's pods on port {ports}; {via}",
+        name=name,
+    )
+
+
+def pool_api_missing() -> InferencePoolState:
+    return InferencePoolState(
+        wanted=True,
+        reason="CRDNotInstalled",
+        message=f"the InferencePool API ({manifests.INFERENCE_POOL_API_VERSION}) is not installed "
+        "in this cluster: install the Gateway API Inference Extension's CRDs "
+        "(docs/gateway-api.md); the operator creates the pool once they are there",
+    )
+
+
+def pool_rejected(api_message: str, *, has_picker: bool) -> InferencePoolState:
+    hint = (
+        ""
+        if has_picker
+        else "; InferencePool CRDs before v1.6.0 require an endpoint picker: set "
+        "spec.api.inferencePool.endpointPickerRef, or upgrade the CRDs"
+    )
+    return InferencePoolState(
+        wanted=True,
+        reason="Rejected",
+        message=f"the API server refused the InferencePool: {api_message}{hint}",
+    )
+
+
+def pool_forbidden(api_message: str) -> InferencePoolState:
+    return InferencePoolState(
+        wanted=True,
+        reason="Forbidden",
+        message="the operator may not write InferencePools (its RBAC: upgrade the chart, whose "
+        f"role grants them): {api_message}",
+    )
+
+
+def _pool_report(
+    state: InferencePoolState | None, previous: Mapping[str, Any]
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The InferencePool condition and status.inferencePool. Unknown state (an operator that has
+    not reconciled the endpoint since it started): what the status said."""
+    if state is None:
+        kept = _find(previous.get("conditions") or [], POOL_CONDITION)
+        if kept is None:
+            return None, None
+        condition = _condition(
+            POOL_CONDITION, kept["status"] == "True", kept["reason"], kept["message"]
+        )
+        return condition, previous.get("inferencePool")
+    if not state.wanted:
+        return None, None
+    return _condition(POOL_CONDITION, state.ok, state.reason, state.message), state.name
 
 
 def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
@@ -221,6 +313,7 @@ def compute(
     observed_generation: int | None = None,
     cluster_domain: str = "cluster.local",
     gateway_url: str | None = None,
+    inference_pool: InferencePoolState | None = None,
 ) -> dict[str, Any]:
     """The full `.status` (a merge-patch replaces it wholesale, conditions included).
 
@@ -230,6 +323,8 @@ def compute(
     (observedGeneration when not given, url of the last valid spec) carry over from it.
     `gateway_url` (the operator's LLMEP_OPERATOR_GATEWAY_URL): clients reach every endpoint
     through the gateway, so the status URL is the gateway's.
+    `inference_pool`: what the last reconcile did about the InferencePool (None: not known since
+    the operator started; the previous report stays).
     """
     previous = previous or {}
     dep = observed.deployment
@@ -246,6 +341,9 @@ def compute(
     authenticated = _authenticated_condition_or_last(endpoint, previous)
     if authenticated is not None:
         conditions.append(authenticated)
+    pool_condition, pool_name = _pool_report(inference_pool, previous)
+    if pool_condition is not None:
+        conditions.append(pool_condition)
     generation = (
         observed_generation
         if observed_generation is not None
@@ -266,6 +364,8 @@ def compute(
     if generation is not None:
         status["observedGeneration"] = generation
     status.update(_addresses(endpoint, previous, cluster_domain, gateway_url))
+    if pool_name is not None:
+        status["inferencePool"] = pool_name
     return status
 
 
@@ -415,7 +515,22 @@ def transition_events(
     """Kubernetes Events for the notable transitions between two statuses.
 
     Invalid specs are reported by the reconcile itself (it knows when a spec changed)."""
-    return _authentication_events(previous, current) + _phase_events(previous, current)
+    return (
+        _authentication_events(previous, current)
+        + _pool_events(previous, current)
+        + _phase_events(previous, current)
+    )
+
+
+def _pool_events(previous: Mapping[str, Any] | None, current: Mapping[str, Any]) -> list[Event]:
+    """A Warning when the InferencePool cannot be written; a Normal Event when it is."""
+    was = _find((previous or {}).get("conditions") or [], POOL_CONDITION) or {}
+    now = _find(current.get("conditions") or [], POOL_CONDITION)
+    if now is None or (was.get("status"), was.get("reason")) == (now["status"], now["reason"]):
+        return []
+    if now["status"] == "True":
+        return [Event("Normal", "InferencePoolCreated", str(now["message"]))]
+    return [Event("Warning", f"InferencePool{now['reason']}", str(now["message"]))]
 
 
 def _authentication_events(

@@ -1,7 +1,7 @@
-"""`llmendpoints-runtime`: serve | demo-model [--vision] PATH | demo-adapter PATH | download,
-and --version. Settings come from the environment (`serve --help` lists the runtime's own; the
-README's configuration reference has them all). A bad one stops every subcommand with exit
-status 2 and a message naming the variable."""
+"""`llmendpoints-runtime`: serve | demo-model [--vision] PATH | demo-adapter PATH | download |
+check-model-server URL, and --version. Settings come from the environment (`serve --help` lists
+the runtime's own; the README's configuration reference has them all). A bad one stops every
+subcommand with exit status 2 and a message naming the variable."""
 
 from __future__ import annotations
 
@@ -176,6 +176,20 @@ def _settings_help() -> str:
     )
 
 
+def _check_model_server(args: argparse.Namespace) -> int:
+    from llmendpoints_runtime import model_server_check
+
+    checks = model_server_check.run(
+        args.url,
+        model=args.model,
+        api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None,
+        adapters=True if args.adapters else None,
+        timeout=args.timeout,
+    )
+    print(model_server_check.render(args.url, checks))
+    return 0 if model_server_check.passed(checks) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="llmendpoints-runtime",
@@ -209,6 +223,21 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser(
         "download", help="fetch MODEL_NAME (and TOKENIZER_NAME) into the cache under BASE_PATH"
     )
+    check = commands.add_parser(
+        "check-model-server",
+        help="check that a pod at URL serves what a Gateway API endpoint picker reads "
+        "(vLLM's queue, KV-cache and LoRA gauges on /metrics, /v1/completions, "
+        "/v1/chat/completions); exit 1 on a failure",
+    )
+    check.add_argument("url", help="the pod's base URL, e.g. http://10.0.3.7:8000")
+    check.add_argument("--model", help="served model name to send (default: the first listed)")
+    check.add_argument("--api-key", help="API key, if the pod has keys (default: $OPENAI_API_KEY)")
+    check.add_argument(
+        "--adapters",
+        action="store_true",
+        help="require the LoRA metric (default: when /v1/models lists an adapter)",
+    )
+    check.add_argument("--timeout", type=float, default=60.0, help="seconds per request (60)")
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve()
@@ -216,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         return _demo_model(args.path, vision=args.vision)
     if args.command == "demo-adapter":
         return _demo_adapter(args.path, args.seed)
+    if args.command == "check-model-server":
+        return _check_model_server(args)
     return _download()
 
 

@@ -267,6 +267,7 @@ def test_rbac_grants_what_the_operator_does_and_nothing_else(helm: Path, tmp_pat
         ("", "secrets"): {"create"},
         ("policy", "poddisruptionbudgets"): {"create", "patch", "delete"},
         ("networking.k8s.io", "ingresses"): {"create", "patch", "delete"},
+        ("inference.networking.k8s.io", "inferencepools"): {"create", "patch", "delete"},
         ("discovery.k8s.io", "endpointslices"): {"list"},
         ("", "events"): {"create"},
     }
@@ -382,6 +383,7 @@ def test_operator_settings_come_from_values(helm: Path, tmp_path: Path) -> None:
             "gpuResourceName": "amd.com/gpu",
             "podSecurityContext": {"runAsNonRoot": True, "runAsUser": 4242},
             "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True},
+            "inferencePool": True,
         },
         "operator": {"resyncSeconds": 120, "metricsPort": 9090},
         "clusterDomain": "corp.example",
@@ -408,6 +410,7 @@ def test_operator_settings_come_from_values(helm: Path, tmp_path: Path) -> None:
     assert env["LLMEP_OPERATOR_RESYNC_SECONDS"] == "120"
     assert env["LLMEP_OPERATOR_METRICS_PORT"] == "9090"
     assert env["LLMEP_OPERATOR_CLUSTER_DOMAIN"] == "corp.example"
+    assert env["LLMEP_OPERATOR_INFERENCE_POOL_DEFAULT"] == "true"
     assert {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"] == 9090
 
 
@@ -585,6 +588,7 @@ CHILD_RESOURCES = {
     "PersistentVolumeClaim": ("", "persistentvolumeclaims"),
     "PodDisruptionBudget": ("policy", "poddisruptionbudgets"),
     "Ingress": ("networking.k8s.io", "ingresses"),
+    "InferencePool": ("inference.networking.k8s.io", "inferencepools"),
 }
 
 
@@ -622,9 +626,11 @@ def test_rbac_covers_what_the_operator_code_watches_and_writes(
 
     every_child = {**yaml.safe_load((ROOT / "examples" / "ingress.yaml").read_text())["spec"]}
     every_child["scaling"] = {"minReplicas": 2, "maxReplicas": 3}  # a PodDisruptionBudget too
+    every_child["api"] = {**every_child["api"], "inferencePool": {"enabled": True}}
     endpoint = spec.parse("chat", "team-a", every_child)
     children = [*manifests.build_children(endpoint, OperatorSettings())]
     children.append(manifests.build_deployment(endpoint, OperatorSettings(), replicas=2))
+    children.append(manifests.build_inference_pool(endpoint, OperatorSettings()))
     built = {child["kind"] for child in children}
     assert set(CHILD_RESOURCES) >= built, f"unknown child kinds {built - set(CHILD_RESOURCES)}"
     assert built == set(CHILD_RESOURCES), "the example should produce every kind of child"
@@ -632,6 +638,8 @@ def test_rbac_covers_what_the_operator_code_watches_and_writes(
         need(*CHILD_RESOURCES[kind], "create", "patch")
     for ref in manifests.optional_children("chat"):
         need(*CHILD_RESOURCES[ref.kind], "delete")
+    # The InferencePool is optional too: deleted when the spec stops asking for it.
+    need(*CHILD_RESOURCES[manifests.INFERENCE_POOL_KIND], "delete")
     need(manifests.GROUP, f"{manifests.PLURAL}/status", "patch")
     # The endpoint's admin key: created once (POST; a 409 means it exists), never read.
     assert manifests.build_admin_key_secret(endpoint, "k")["kind"] == "Secret"

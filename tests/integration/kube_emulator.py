@@ -144,6 +144,9 @@ class Emulator(kmock.KubernetesEmulator, _FastMatching):
         super().__attrs_post_init__()
         # (namespace, name) of a Deployment -> the owners of its spec.replicas.
         self.replicas_owners: dict[tuple[str | None, str], set[Owner]] = {}
+        # Resources (group/version/plural) whose API is not installed: answered 404, as an API
+        # server answers for a CRD that does not exist (kmock itself accepts any resource).
+        self.uninstalled: set[str] = set()
 
     def _stored(self, request: kmock.Request) -> dict[str, Any] | None:
         key = (request.resource, request.namespace, request.name)
@@ -159,6 +162,14 @@ class Emulator(kmock.KubernetesEmulator, _FastMatching):
             # The API server reads `watch` with Go's strconv.ParseBool; kmock knows only "true"
             # (kubernetes-asyncio, the gateway's client, sends "True").
             request = attrs.evolve(request, action=kmock.action.WATCH)
+        if request.resource is not None and any(
+            request.resource == kmock.resource(missing) for missing in self.uninstalled
+        ):
+            raise kmock.KubernetesError(
+                status=404,
+                reason="NotFound",
+                message="the server could not find the requested resource",
+            )
         if (
             request.resource is not None
             and request.action == kmock.action.UPDATE

@@ -26,6 +26,16 @@ RUNTIME_BIN = Path(sys.executable).parent / "llmendpoints-runtime"
 START_TIMEOUT = 480.0  # engine start on two shared cores under load
 
 
+def check_model_server(url: str) -> dict[str, str]:
+    """`llmendpoints-runtime check-model-server URL`: its table as check -> row; asserts exit 0."""
+    result = subprocess.run(
+        [str(RUNTIME_BIN), "check-model-server", url], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line for line in result.stdout.splitlines()[3:] if line.strip()]
+    return {row.split()[0]: row for row in rows}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

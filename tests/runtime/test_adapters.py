@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 from fake_hub import FakeHub
-from runtime_process import RUNTIME_BIN, RuntimeServer, running_runtime
+from runtime_process import RUNTIME_BIN, RuntimeServer, check_model_server, running_runtime
 
 pytestmark = pytest.mark.engine
 
@@ -295,3 +295,11 @@ def test_a_removed_adapter_answers_404(server, adapter_dirs, adapters_file, clie
     assert job.status_code == 404 and job.json()["error"]["param"] == "input.model"
     assert 'adapter="a2"' not in metrics(server)
     assert text_of(completion(server, "a1"))  # the others stay
+
+
+def test_the_pod_reports_its_adapters_as_an_endpoint_picker_reads_them(server):
+    """With adapters served, `check-model-server` also requires vLLM's LoRA metric."""
+    rows = check_model_server(server.url)
+    assert "adapters a1" in rows["/v1/models"] or "adapters a2" in rows["/v1/models"]
+    assert rows["vllm:lora_requests_info"].split()[1] == "pass"
+    assert "max_lora=4" in rows["vllm:lora_requests_info"]

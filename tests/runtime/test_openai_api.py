@@ -9,7 +9,7 @@ import sys
 import httpx
 import openai
 import pytest
-from runtime_process import free_port, runtime_env
+from runtime_process import check_model_server, free_port, runtime_env
 
 pytestmark = pytest.mark.engine
 
@@ -271,3 +271,19 @@ def test_responses_match_vllms_own_server(runtime, plain_vllm, path, body):
     assert ours.status_code == theirs.status_code
     assert _normalised(ours.json()) == _normalised(theirs.json())
     assert ours.headers["content-type"] == theirs.headers["content-type"]
+
+
+def test_the_pod_serves_what_an_endpoint_picker_reads(runtime):
+    """`llmendpoints-runtime check-model-server` (docs/gateway-api.md) passes on a real pod: the
+    queue and KV-cache gauges a Gateway API endpoint picker scores on, /v1/completions and
+    /v1/chat/completions."""
+    rows = check_model_server(runtime.url)
+    assert {check: row.split()[1] for check, row in rows.items()} == {
+        "/v1/models": "pass",
+        "/v1/completions": "pass",
+        "/v1/chat/completions": "pass",
+        "vllm:num_requests_running": "pass",
+        "vllm:num_requests_waiting": "pass",
+        "vllm:kv_cache_usage_perc": "pass",
+        "vllm:cache_config_info": "pass",
+    }

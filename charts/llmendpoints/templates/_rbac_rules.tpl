@@ -58,6 +58,12 @@ writes, so a new child kind or watch cannot ship without its permission.
 - apiGroups: [networking.k8s.io]
   resources: [ingresses]
   verbs: [create, patch, delete]
+# InferencePools (Gateway API Inference Extension) for endpoints that ask for one
+# (spec.api.inferencePool): created, kept in line with the spec, deleted when the spec stops
+# asking. Harmless where the CRD is not installed (the operator then reports it in the status).
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [create, patch, delete]
 # The autoscaler finds the ready runtime pods and their addresses in the Service's EndpointSlices.
 - apiGroups: [discovery.k8s.io]
   resources: [endpointslices]

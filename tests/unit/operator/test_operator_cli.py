@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -117,3 +118,15 @@ def test_importing_the_handlers_only_registers_them() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["3", "3"]  # startup, login, cleanup; create, update, resume
+
+
+def test_every_setting_is_in_the_documented_table() -> None:
+    """docs/operator.md's "Operator settings" table lists every LLMEP_OPERATOR_* variable."""
+    doc = (pathlib.Path(__file__).resolve().parents[3] / "docs" / "operator.md").read_text()
+    table = doc.split("## Operator settings", 1)[1].split("\n## ", 1)[0]
+    missing = [
+        f"LLMEP_OPERATOR_{name.upper()}"
+        for name in OperatorSettings.model_fields
+        if f"| `LLMEP_OPERATOR_{name.upper()}` |" not in table
+    ]
+    assert missing == []

@@ -280,6 +280,17 @@ def _doc(spec: dict[str, Any], name: str = "demo") -> dict[str, Any]:
             ),
             ".spec",
         ),
+        # An endpoint picker Service without its port (InferencePool v1's own rule).
+        (
+            _doc({"api": {"inferencePool": {"enabled": True, "endpointPickerRef": {"name": "e"}}}}),
+            ".spec.api.inferencePool.endpointPickerRef",
+        ),
+        (
+            _doc(
+                {"api": {"inferencePool": {"endpointPickerRef": {"name": "e", "kind": "Service"}}}}
+            ),
+            ".spec.api.inferencePool.endpointPickerRef",
+        ),
         (_doc({}, name="Upper"), "<root>"),
         (_doc({}, name="a" * 50), "<root>"),
         (
@@ -340,6 +351,17 @@ def test_cel_rules_reject_what_the_operator_rejects(
             }
         ),
         _doc({"api": {"ingress": {"enabled": True}, "allowUnauthenticated": True}}),
+        # A picker of another kind needs no port (only a Service's is required).
+        _doc(
+            {
+                "api": {
+                    "inferencePool": {
+                        "enabled": True,
+                        "endpointPickerRef": {"name": "e", "kind": "Backend", "group": "x.io"},
+                    }
+                }
+            }
+        ),
     ],
 )
 def test_cel_rules_accept_valid_specs(doc: dict[str, Any], schema: dict[str, Any]) -> None:

@@ -41,7 +41,14 @@ def _all(ep: Endpoint) -> list[dict[str, Any]]:
     """What a first reconcile writes."""
     replicas = manifests.replicas_to_write(ep, None)
     deployment = manifests.build_deployment(ep, SETTINGS, replicas=replicas)
-    return [deployment, *manifests.build_children(ep, SETTINGS)]
+    pool = manifests.build_inference_pool(ep, SETTINGS)
+    return [deployment, *manifests.build_children(ep, SETTINGS), *([pool] if pool else [])]
+
+
+def _core(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The objects of Kubernetes' own kinds (an InferencePool is checked against its CRD's
+    schema in test_operator_inference_pool.py)."""
+    return [obj for obj in objs if obj["kind"] != manifests.INFERENCE_POOL_KIND]
 
 
 def _container(deployment: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +76,7 @@ def test_every_built_manifest_passes_the_kubernetes_schemas(
     example: pathlib.Path, version: str
 ) -> None:
     ep = _example(example)
-    for obj in [*_all(ep), manifests.build_deployment(ep, SETTINGS, replicas=None)]:
+    for obj in _core([*_all(ep), manifests.build_deployment(ep, SETTINGS, replicas=None)]):
         kubernetes_validate.validate(obj, version, strict=True)
 
 

@@ -36,11 +36,14 @@ class FakeKube:
         self.objects: dict[Ref, dict[str, Any]] = {}
         self.calls: list[tuple[str, str, str]] = []
         self.refuse: str | None = None  # a verb the "API server" answers with 403
+        self.fail: dict[tuple[str, str], kube.ApiError] = {}  # (verb, kind) -> the answer
 
     def _check(self, verb: str, kind: str, name: str) -> None:
         self.calls.append((verb, kind, name))
         if verb == self.refuse:
             raise kube.ApiError(403, "Forbidden", f"cannot {verb} {kind}")
+        if (verb, kind) in self.fail:
+            raise self.fail[(verb, kind)]
 
     async def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         meta = obj["metadata"]
@@ -325,3 +328,104 @@ async def test_the_status_url_uses_the_clusters_domain() -> None:
     world = World(OperatorSettings(cluster_domain="corp.example"))
     await world.reconcile(world.add("chat", {"model": {"name": "org/m"}}), trigger="create")
     assert world.kube.status_of("chat")["url"] == "http://chat.team.svc.corp.example"
+
+
+# --- the InferencePool: an optional child whose API may be missing ----------------------------
+
+POOL = {"enabled": True, "endpointPickerRef": {"name": "epp", "port": {"number": 9002}}}
+NO_API = kube.NotFound(404, "NotFound", "the server could not find the requested resource")
+
+
+def _pool_condition(world: World, name: str = "chat") -> dict[str, Any] | None:
+    conditions = world.kube.status_of(name)["conditions"]
+    return next((c for c in conditions if c["type"] == "InferencePool"), None)
+
+
+async def test_an_asked_for_pool_is_applied_owned_and_reported() -> None:
+    world = World()
+    await world.reconcile(
+        world.add("chat", {"model": {"name": "org/m"}, "api": {"inferencePool": POOL}}),
+        trigger="create",
+    )
+
+    pool = world.kube.objects[("InferencePool", NS, "chat")]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    [owner] = pool["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"], owner["uid"]) == ("LLMEndpoint", "chat", "uid-chat")
+    assert owner["controller"] is True
+    assert world.kube.status_of("chat")["inferencePool"] == "chat"
+    assert _pool_condition(world)["reason"] == "Created"
+    assert ("Normal", "InferencePoolCreated") in [(t, r) for t, r, _ in world.events]
+
+
+async def test_without_the_pool_api_the_endpoint_is_served_and_the_status_says_why() -> None:
+    world = World()
+    world.kube.fail[("apply", "InferencePool")] = NO_API
+    spec = {"model": {"name": "org/m"}, "api": {"inferencePool": POOL}}
+
+    await world.reconcile(world.add("chat", spec), trigger="create")  # does not raise
+
+    assert {kind for kind, _, _ in world.kube.objects} >= {"Deployment", "Service", "Secret"}
+    condition = _pool_condition(world)
+    assert (condition["status"], condition["reason"]) == ("False", "CRDNotInstalled")
+    assert "inferencePool" not in world.kube.status_of("chat")
+    assert world.count("create", "ok") == 1
+    assert [e for e in world.events if e[1] == "InferencePoolCRDNotInstalled"]
+    assert [e["metadata"]["name"] for e in world.reconciler.waiting_for_pool_api()] == ["chat"]
+
+    # The CRD gets installed: the next reconcile creates the pool (handlers.py triggers it).
+    del world.kube.fail[("apply", "InferencePool")]
+    await world.reconcile(world.indexes.endpoint((NS, "chat")), trigger="inference-pool-api")
+    assert _pool_condition(world)["reason"] == "Created"
+    assert world.reconciler.waiting_for_pool_api() == []
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (kube.ApiError(422, "Invalid", "spec.endpointPickerRef: Required value"), "Rejected"),
+        (kube.ApiError(403, "Forbidden", "inferencepools is forbidden"), "Forbidden"),
+    ],
+)
+async def test_a_refused_pool_is_a_condition_not_a_failed_reconcile(
+    error: kube.ApiError, reason: str
+) -> None:
+    world = World()
+    world.kube.fail[("apply", "InferencePool")] = error
+    spec = {"model": {"name": "org/m"}, "api": {"inferencePool": {"enabled": True}}}
+    await world.reconcile(world.add("chat", spec), trigger="create")
+    condition = _pool_condition(world)
+    assert (condition["status"], condition["reason"]) == ("False", reason)
+    assert error.message in condition["message"]
+
+
+async def test_a_pool_no_longer_asked_for_is_deleted_and_unreported() -> None:
+    world = World()
+    spec = {"model": {"name": "org/m"}, "api": {"inferencePool": POOL}}
+    await world.reconcile(world.add("chat", spec), trigger="create")
+    world.observe_deployment("chat")
+
+    await world.reconcile(world.add("chat", {"model": {"name": "org/m"}}, generation=2))
+
+    assert ("delete", "InferencePool", "chat") in world.kube.calls
+    assert ("InferencePool", NS, "chat") not in world.kube.objects
+    assert _pool_condition(world) is None
+    assert world.kube.status_of("chat")["inferencePool"] is None  # nulled in the merge patch
+
+
+async def test_endpoints_that_never_asked_cost_no_pool_requests() -> None:
+    world = World()
+    await world.reconcile(world.add("chat", {"model": {"name": "org/m"}}), trigger="create")
+    world.observe_deployment("chat")
+    await world.reconcile(world.add("chat", {"model": {"name": "org/m"}}, generation=2))
+    assert [c for c in world.kube.calls if c[1] == "InferencePool"] == []
+    assert _pool_condition(world) is None
+
+
+async def test_the_operator_default_gives_every_endpoint_a_pool_unless_it_says_no() -> None:
+    world = World(OperatorSettings(inference_pool_default=True))
+    await world.reconcile(world.add("yes", {"model": {"name": "org/m"}}), trigger="create")
+    no = {"model": {"name": "org/m"}, "api": {"inferencePool": {"enabled": False}}}
+    await world.reconcile(world.add("no", no), trigger="create")
+    assert ("InferencePool", NS, "yes") in world.kube.objects
+    assert ("InferencePool", NS, "no") not in world.kube.objects

@@ -1,0 +1,469 @@
+"""Routing strategies compared on what the engines report: prefix-cache hit rate and TTFT.
+
+    .venv/bin/python bench/prefix_routing.py            # ~5-8 min on 2 shared cores (mostly start-up)
+    .venv/bin/python bench/prefix_routing.py --rounds 2 --strategies round-robin,prefix-aware
+    # Drive a gateway you run yourself (the replicas' /metrics give the engines' counters):
+    .venv/bin/python bench/prefix_routing.py --gateway http://127.0.0.1:8080 \
+        --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 \
+        --model round-robin=demo-round-robin --model prefix-aware=demo-prefix-aware
+
+The load (issue 23's "Done when"): 40 conversations x 5 turns; every conversation opens with one
+of 8 long system prompts (a RAG or support app: one long instruction, many users) and its own
+first question, and each turn resends the whole history (chat, streamed, 8 tokens out). All 40
+conversations run at once behind a client-side limit of --concurrency requests in flight, so
+the turns of different conversations interleave: by the time a conversation's next turn comes,
+dozens of other prompts have passed through the engines.
+
+The engines (started here unless --gateway is given): two replicas of the demo model with prefix
+caching and a deliberately small KV cache (NUM_GPU_BLOCKS_OVERRIDE blocks of BLOCK_SIZE tokens
+each, default 320 x 32 = 10,240 tokens per replica): the 8 system prompts (~1,340 tokens each,
+10.7k tokens) do not fit in one replica's cache, half of them do, with room for the histories
+(up to ~400 tokens of their own each). A router that sends every prompt everywhere makes the
+engines evict what the next request needs; one that partitions the system prompts and keeps
+conversations where their history is gets hits. (--system-words and --gpu-blocks move the load
+between those regimes; bench/RESULTS.md has several.)
+
+Each gateway strategy is one endpoint of the same gateway over the same two replicas (the
+replicas serve one model name per strategy; the gateway routes each name with its endpoint's
+strategy). `scored-core` is the new routing core (gateway/llmendpoints_gateway/prefix_index.py,
+scoring.py, engine_load.py) in bench/_scored_router.py, a bare router, until the gateway wires
+it in; then run the gateway's own strategy instead (--strategies, or --gateway). Every run
+gets fresh system prompts, so no run is warmed by an earlier one, and the strategies alternate
+within a round, their order rotated every round (A B C, B C A, ...), because the machine is
+shared. Measured per run, from the engines themselves: vLLM's prefix-cache hit rate
+(vllm:prefix_cache_hits / vllm:prefix_cache_queries, both in tokens, summed over the replicas);
+the client's time to first token (median, p90); how the requests split over the replicas.
+
+Results: bench/out/prefix_routing.json and a Markdown section on stdout (for bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gateway_vs_direct as gvd
+import runtime_vs_vllm as rv
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "bench" / "out"
+DEFAULT_STRATEGIES = ("round-robin", "prefix-aware", "scored-core")
+
+# Words for the generated prompts. The demo model's byte-level tokenizer was trained on a few
+# sentences, so ordinary words cost about 1.4 characters per token.
+_WORDS = tuple(
+    " ".join(
+        [
+            "account billing refund policy order shipping return warranty support ticket customer",
+            "answer question product service invoice payment delivery address contract renewal",
+            "plan upgrade downgrade cancel escalate agent manager priority urgent normal detail",
+            "summary context document source quote cite verify confirm apologise thank greet close",
+        ]
+    ).split(" ")
+)
+
+
+# --- the load (pure) --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one strategy's requests go: a router's base URL and the model name it routes."""
+
+    url: str
+    model: str
+    stats: str | None = None  # the bench router's /stats
+
+
+@dataclass(frozen=True)
+class Load:
+    conversations: int = 40
+    turns: int = 5
+    system_prompts: int = 8
+    system_words: int = 240  # ~1,340 demo-tokenizer tokens
+    question_words: int = 6
+    max_tokens: int = 8
+    concurrency: int = 8
+
+
+def system_prompts(load: Load, seed: int) -> list[str]:
+    """`load.system_prompts` long instructions that share no prefix with each other (or with
+    those of another seed: the tag comes first)."""
+    rng = random.Random(seed)
+    return [
+        f"[{seed}-{i}] You are support assistant {i}. Follow these rules: "
+        + " ".join(rng.choice(_WORDS) for _ in range(load.system_words))
+        + "."
+        for i in range(load.system_prompts)
+    ]
+
+
+def question(rng: random.Random, load: Load, label: str) -> str:
+    return f"{label}: " + " ".join(rng.choice(_WORDS) for _ in range(load.question_words)) + "?"
+
+
+# --- one run ----------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    strategy: str
+    round: int
+    ttfts_ms: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    hits: float = 0.0
+    queries: float = 0.0
+    requests_per_replica: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    router_stats: dict | None = None  # the bench router's /stats after the run (cumulative)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    def summary(self) -> dict:
+        return {
+            "strategy": self.strategy,
+            "round": self.round,
+            "prefix_cache_hit_rate": round(self.hit_rate, 4),
+            "median_ttft_ms": round(statistics.median(self.ttfts_ms), 2) if self.ttfts_ms else None,
+            "p90_ttft_ms": round(_percentile(self.ttfts_ms, 0.9), 2) if self.ttfts_ms else None,
+            "requests": len(self.ttfts_ms),
+            "errors": len(self.errors),
+            "requests_per_replica": self.requests_per_replica,
+            "seconds": round(self.seconds, 1),
+            **({"router_stats": self.router_stats} if self.router_stats else {}),
+        }
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def engine_counters(replica: str) -> dict[str, float]:
+    """The engine's counters this bench reads, from one replica's /metrics (sums over labels)."""
+    wanted = {
+        "vllm:prefix_cache_hits_total": "hits",
+        "vllm:prefix_cache_queries_total": "queries",
+        "vllm:request_success_total": "requests",
+    }
+    totals = dict.fromkeys(wanted.values(), 0.0)
+    for line in httpx.get(replica + "/metrics", timeout=10).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in wanted:
+            totals[wanted[name]] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def cache_config(replica: str) -> dict[str, str]:
+    """vllm:cache_config_info's labels (block_size, num_gpu_blocks, ...) of one replica."""
+    for line in httpx.get(replica + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = line[line.index("{") + 1 : line.rindex("}")]
+            pairs = (item.split("=", 1) for item in labels.split('",') if "=" in item)
+            return {k.strip(): v.strip().strip('"') for k, v in pairs}
+    return {}
+
+
+async def conversations(url: str, model: str, load: Load, seed: int, result: RunResult) -> None:
+    prompts = system_prompts(load, seed)
+    rng = random.Random(seed + 1)
+    limit = asyncio.Semaphore(load.concurrency)
+
+    async def chat(session: aiohttp.ClientSession, c: int) -> None:
+        messages = [
+            {"role": "system", "content": prompts[c % len(prompts)]},
+            {"role": "user", "content": question(rng, load, f"Customer {c} asks")},
+        ]
+        for turn in range(load.turns):
+            body = {
+                "model": model,
+                "messages": messages,
+                "max_tokens": load.max_tokens,
+                "stream": True,
+                "ignore_eos": True,
+            }
+            async with limit:
+                started = time.perf_counter()
+                first: float | None = None
+                text: list[str] = []
+                try:
+                    async with session.post(url + "/v1/chat/completions", json=body) as response:
+                        if response.status != 200:
+                            result.errors.append(f"{response.status}: {await response.text()}")
+                            return
+                        async for line in response.content:
+                            if not line.startswith(b"data: {"):
+                                continue
+                            if first is None:
+                                first = time.perf_counter() - started
+                            choices = json.loads(line[6:]).get("choices") or [{}]
+                            text.append(choices[0].get("delta", {}).get("content") or "")
+                except aiohttp.ClientError as exc:
+                    result.errors.append(repr(exc))
+                    return
+            if first is not None:
+                result.ttfts_ms.append(first * 1000)
+            messages += [
+                {"role": "assistant", "content": "".join(text)},
+                {"role": "user", "content": question(rng, load, f"Follow-up {turn}")},
+            ]
+
+    timeout = aiohttp.ClientTimeout(total=900)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(chat(session, c) for c in range(load.conversations)))
+
+
+def run_once(
+    target: Target, replicas: list[str], load: Load, strategy: str, round_: int
+) -> RunResult:
+    result = RunResult(strategy, round_)
+    before = [engine_counters(r) for r in replicas]
+    started = time.perf_counter()
+    # A fresh seed per (round, strategy): fresh system prompts, so no run warms another.
+    seed = 1000 * (round_ + 1) + sum(map(ord, strategy))
+    asyncio.run(conversations(target.url, target.model, load, seed, result))
+    result.seconds = time.perf_counter() - started
+    after = [engine_counters(r) for r in replicas]
+    result.hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before, strict=True))
+    result.queries = sum(a["queries"] - b["queries"] for a, b in zip(after, before, strict=True))
+    result.requests_per_replica = [
+        a["requests"] - b["requests"] for a, b in zip(after, before, strict=True)
+    ]
+    if target.stats:
+        result.router_stats = httpx.get(target.stats, timeout=10).json()
+    return result
+
+
+def run_rounds(
+    targets: dict[str, Target], replicas: list[str], load: Load, rounds: int
+) -> list[RunResult]:
+    strategies = list(targets)
+    runs: list[RunResult] = []
+    for round_ in range(rounds):
+        order = strategies[round_ % len(strategies) :] + strategies[: round_ % len(strategies)]
+        for strategy in order:
+            result = run_once(targets[strategy], replicas, load, strategy, round_)
+            runs.append(result)
+            print(f"  {json.dumps(result.summary())}", flush=True)
+    return runs
+
+
+def aggregate(runs: list[RunResult]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for strategy in dict.fromkeys(r.strategy for r in runs):
+        mine = [r for r in runs if r.strategy == strategy]
+        ttfts = [t for r in mine for t in r.ttfts_ms]
+        out[strategy] = {
+            "prefix_cache_hit_rate_median": round(statistics.median(r.hit_rate for r in mine), 4),
+            "prefix_cache_hit_rates": [round(r.hit_rate, 4) for r in mine],
+            "median_ttft_ms": round(statistics.median(ttfts), 2) if ttfts else None,
+            "median_ttft_ms_per_round": [r.summary()["median_ttft_ms"] for r in mine],
+            "p90_ttft_ms": round(_percentile(ttfts, 0.9), 2) if ttfts else None,
+            "requests": len(ttfts),
+            "errors": sum(len(r.errors) for r in mine),
+            "requests_per_replica": [r.requests_per_replica for r in mine],
+        }
+        if mine[-1].router_stats:  # cumulative: the last run's covers them all
+            out[strategy]["router_reasons"] = mine[-1].router_stats["reasons"]
+    return out
+
+
+# --- servers (unless --gateway is given) -------------------------------------------------------
+
+
+SCORED = "scored-core"  # the new routing core, in bench/_scored_router.py until the gateway has it
+
+
+def model_name(strategy: str) -> str:
+    return f"{rv.SERVED_NAME}-{strategy}"
+
+
+@contextlib.contextmanager
+def scored_router(args, replicas: list[str], log_path: Path) -> Iterator[str]:
+    """bench/_scored_router.py in front of the replicas; yields its URL."""
+    port = rv.free_port()
+    argv = [sys.executable, str(Path(__file__).with_name("_scored_router.py")), "--port", str(port)]
+    argv += [item for r in replicas for item in ("--replica", r)]
+    argv += ["--chunk-chars", str(args.chunk_chars), "--chars-per-token", str(args.chars_per_token)]
+    argv += ["--load-factor", str(args.load_factor), "--running-blocks", str(args.running_blocks)]
+    # Started and waited for as the runtimes are (it answers /ready?strict=1 once listening).
+    with gvd._process(argv, dict(os.environ), port, log_path) as waiter:
+        yield next(waiter)
+
+
+@contextlib.contextmanager
+def own_stack(args, strategies: list[str], out: Path):
+    """Two replicas (started together), a gateway with one endpoint per gateway strategy, and the
+    bench router of the new routing core (strategy scored-core)."""
+    model = rv.ensure_demo_model(OUT / "demo-model")
+    with contextlib.ExitStack() as stack:
+        starting = []
+        for i in range(2):
+            port = rv.free_port()
+            argv, env = rv.server_command(rv.OURS, model, port)
+            env.pop("OPENAI_SERVED_MODEL_NAME_OVERRIDE")
+            env.update(
+                SERVED_MODEL_NAME=" ".join(model_name(s) for s in strategies),
+                ENABLE_PREFIX_CACHING="true",
+                MAX_MODEL_LEN=str(args.max_model_len),
+                NUM_GPU_BLOCKS_OVERRIDE=str(args.gpu_blocks),
+                BLOCK_SIZE=str(args.block_size),
+            )
+            starting.append(
+                stack.enter_context(gvd._process(argv, env, port, out / f"replica-{i}.log"))
+            )
+        replicas = [next(waiter) for waiter in starting]
+        targets: dict[str, Target] = {}
+        endpoints = [
+            {"name": f"pr-{s}", "models": [model_name(s)], "backends": replicas, "routing": s}
+            for s in strategies
+            if s != SCORED
+        ]
+        if endpoints:
+            gateway_url, _ = stack.enter_context(gvd.gateway(endpoints, out / "gateway.log"))
+            targets.update({e["routing"]: Target(gateway_url, e["models"][0]) for e in endpoints})
+        if SCORED in strategies:
+            router = stack.enter_context(scored_router(args, replicas, out / "scored-router.log"))
+            targets[SCORED] = Target(router, model_name(SCORED), router + "/stats")
+        yield {s: targets[s] for s in strategies}, replicas
+
+
+# --- report -----------------------------------------------------------------------------------
+
+
+def markdown(result: dict, argv: list[str]) -> str:
+    load, cache = result["load"], result["cache_config"]
+    lines = [
+        f"### Routing strategies on an evicting KV cache ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+        "",
+        f"`.venv/bin/python bench/prefix_routing.py {' '.join(argv)}` on {os.cpu_count()} shared "
+        f"cores (load average before: {result['load_before']}).",
+        "",
+        f"{load['conversations']} conversations x {load['turns']} turns over "
+        f"{load['system_prompts']} system prompts, {load['concurrency']} requests in flight, "
+        f"{result['rounds']} alternated rounds; 2 replicas, KV cache "
+        f"{cache.get('num_gpu_blocks', '?')} blocks x {cache.get('block_size', '?')} tokens each. "
+        "Hit rate: vLLM's prefix-cache hits / queries (tokens), both replicas, per run.",
+        "",
+        "| strategy | hit rate (median of rounds) | per round | median TTFT ms | per round | p90 TTFT ms | requests | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for strategy, r in result["strategies"].items():
+        lines.append(
+            f"| {strategy} | {r['prefix_cache_hit_rate_median']:.3f} | "
+            f"{', '.join(f'{x:.3f}' for x in r['prefix_cache_hit_rates'])} | "
+            f"{r['median_ttft_ms']} | {', '.join(str(x) for x in r['median_ttft_ms_per_round'])} | "
+            f"{r['p90_ttft_ms']} | {r['requests']} | {r['errors']} |"
+        )
+    for strategy, r in result["strategies"].items():
+        if "router_reasons" in r:
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["router_reasons"].items()))
+            lines += ["", f"{strategy}: routing reasons over all its runs: {reasons}."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--strategies",
+        default=",".join(DEFAULT_STRATEGIES),
+        help="routing strategies to compare, comma-separated: the gateway's spec.routing values, "
+        f"and {SCORED} (the new routing core in bench/_scored_router.py)",
+    )
+    parser.add_argument(
+        "--chunk-chars", type=int, default=256, help=f"{SCORED}: characters per prefix block"
+    )
+    parser.add_argument(
+        "--load-factor", type=float, default=1.25, help=f"{SCORED}: the bound (GATEWAY_LOAD_FACTOR)"
+    )
+    parser.add_argument(
+        "--running-blocks",
+        type=float,
+        default=1.0,
+        help=f"{SCORED}: what a running request costs, in blocks (scoring.Weights)",
+    )
+    parser.add_argument(
+        "--chars-per-token",
+        type=float,
+        default=1.45,
+        help=f"{SCORED}: characters per token, to size its index (the demo tokenizer: ~1.45)",
+    )
+    parser.add_argument("--conversations", type=int, default=Load.conversations)
+    parser.add_argument("--turns", type=int, default=Load.turns)
+    parser.add_argument("--system-prompts", type=int, default=Load.system_prompts)
+    parser.add_argument(
+        "--system-words", type=int, default=Load.system_words, help="words per system prompt"
+    )
+    parser.add_argument("--concurrency", type=int, default=Load.concurrency)
+    parser.add_argument("--gpu-blocks", type=int, default=320, help="KV-cache blocks per replica")
+    parser.add_argument("--block-size", type=int, default=32, help="tokens per KV-cache block")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--gateway", help="drive this gateway instead of starting one")
+    parser.add_argument(
+        "--replica", action="append", default=[], help="a replica's base URL (with --gateway)"
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        help="STRATEGY=MODEL: the model name the gateway routes with that strategy (with --gateway)",
+    )
+    args = parser.parse_args()
+    load = Load(
+        conversations=args.conversations,
+        turns=args.turns,
+        system_prompts=args.system_prompts,
+        system_words=args.system_words,
+        concurrency=args.concurrency,
+    )
+    out = OUT / "prefix_routing"
+    out.mkdir(parents=True, exist_ok=True)
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    with contextlib.ExitStack() as stack:
+        if args.gateway:
+            if not args.replica or not args.model:
+                parser.error("--gateway needs --replica (each replica) and --model STRATEGY=MODEL")
+            gateway_url = args.gateway.rstrip("/")
+            targets = {
+                strategy: Target(gateway_url, model)
+                for strategy, model in (item.split("=", 1) for item in args.model)
+            }
+            replicas = [r.rstrip("/") for r in args.replica]
+        else:
+            strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+            targets, replicas = stack.enter_context(own_stack(args, strategies, out))
+        cache = cache_config(replicas[0])
+        print(f"  replicas {replicas}, cache {cache}", flush=True)
+        runs = run_rounds(targets, replicas, load, args.rounds)
+    result = {
+        "load": load.__dict__,
+        "rounds": args.rounds,
+        "cache_config": cache,
+        "load_before": load_before,
+        "strategies": aggregate(runs),
+        "runs": [r.summary() for r in runs],
+    }
+    (OUT / "prefix_routing.json").write_text(json.dumps(result, indent=2))
+    print(markdown(result, sys.argv[1:]))
+    return 0 if not any(r.errors for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

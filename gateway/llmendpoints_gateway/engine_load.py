@@ -1,0 +1,252 @@
+"""Each ready replica's engine load, kept fresh in the background: what scoring.py weighs.
+
+`parse_engine_metrics` (pure) reads, from one pod's /metrics (the runtime's own series followed by
+vLLM's), what the engine reports about itself:
+
+- ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``;
+- ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` (counters, in tokens): the hit rate
+  the engine itself sees, for the gateway's metrics;
+- ``vllm:lora_requests_info`` (the adapters active in its batches, and max_lora) and our
+  ``llmendpoints_adapter_ready`` (the adapters the pod has loaded);
+- ``vllm:cache_config_info`` (num_gpu_blocks x block_size: how many tokens its KV cache holds,
+  which sizes the prefix index's memory of that replica).
+
+`EngineLoadFeed` scrapes every replica it is given every `interval` seconds (default 0.5 s, so a
+sample is at most about a second old when read), all at once with bounded concurrency and a short
+timeout; a replica that fails keeps its last sample, which ages (the scorer ignores old ones);
+replicas no longer given are dropped. No per-request round trip: the request path only reads
+the latest samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmendpoints_gateway.scoring import EngineState
+
+logger = logging.getLogger("llmendpoints.gateway.engine_load")
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+PREFIX_QUERIES = "vllm:prefix_cache_queries"
+PREFIX_HITS = "vllm:prefix_cache_hits"
+LORA_INFO = "vllm:lora_requests_info"
+CACHE_INFO = "vllm:cache_config_info"
+ADAPTER_READY = "llmendpoints_adapter_ready"
+# Summed over their label sets (one per engine, with data parallelism; KV usage then averaged).
+_SUMMED = (RUNNING, WAITING, KV_USAGE, f"{PREFIX_QUERIES}_total", f"{PREFIX_HITS}_total")
+_PREFIXES = ("vllm:", "llmendpoints_adapter_ready", "# TYPE vllm:", "# TYPE llmendpoints_adapter")
+# vLLM's histograms make a pod's /metrics a few hundred kB at most; refuse anything absurd.
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+class EngineMetricsError(ValueError):
+    """A pod answered, but not with the engine gauges the scorer needs."""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """One replica's engine, as its /metrics said at `taken_at` (time.monotonic())."""
+
+    running: float
+    waiting: float
+    kv_usage: float  # 0..1
+    prefix_queries: float = 0.0  # tokens, since the engine started
+    prefix_hits: float = 0.0
+    active_adapters: frozenset[str] = frozenset()  # running or waiting in the engine's batches
+    max_lora: int | None = None  # LoRA slots per batch; None when LoRA is off
+    ready_adapters: frozenset[str] = frozenset()  # loaded by the pod (llmendpoints_adapter_ready)
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    taken_at: float = 0.0
+
+    @property
+    def kv_tokens(self) -> int | None:
+        """Tokens the engine's KV cache holds, when it reports its cache config."""
+        if self.block_size and self.num_gpu_blocks:
+            return self.block_size * self.num_gpu_blocks
+        return None
+
+    def age(self, now: float) -> float:
+        return max(0.0, now - self.taken_at)
+
+    def state(self, now: float) -> EngineState:
+        """What the scorer weighs, aged to `now` (time.monotonic())."""
+        return EngineState(
+            running=self.running,
+            waiting=self.waiting,
+            kv_usage=self.kv_usage,
+            active_adapters=self.active_adapters,
+            max_lora=self.max_lora,
+            age_s=self.age(now),
+        )
+
+
+def parse_engine_metrics(text: str, taken_at: float = 0.0) -> EngineLoad:
+    """PURE: one pod's Prometheus text -> its engine load. Raises EngineMetricsError when the
+    three gauges are missing or out of range (not a vLLM engine, or not serving yet)."""
+    # Only vLLM's and the adapter lines go through the parser: the rest is most of the body.
+    wanted = "\n".join(line for line in text.splitlines() if line.startswith(_PREFIXES))
+    sums: dict[str, float] = {}
+    lora: tuple[float, Mapping[str, str]] | None = None
+    cache: Mapping[str, str] = {}
+    ready: set[str] = set()
+    kv_engines = 0
+    try:
+        for family in text_string_to_metric_families(wanted + "\n"):
+            for sample in family.samples:
+                name = sample.name
+                if name in _SUMMED:
+                    sums[name] = sums.get(name, 0.0) + sample.value
+                    kv_engines += name == KV_USAGE
+                elif name == LORA_INFO and (lora is None or sample.value > lora[0]):
+                    lora = (sample.value, sample.labels)  # the latest update wins
+                elif name == CACHE_INFO and not cache:
+                    cache = sample.labels
+                elif name == ADAPTER_READY and sample.value >= 1:
+                    ready.add(sample.labels.get("adapter", ""))
+    except ValueError as exc:
+        raise EngineMetricsError(f"unparsable metrics: {exc}") from exc
+    missing = [n for n in (RUNNING, WAITING, KV_USAGE) if n not in sums]
+    if missing:
+        raise EngineMetricsError(f"missing {', '.join(missing)}")
+    for name in (RUNNING, WAITING, KV_USAGE):
+        if not math.isfinite(sums[name]) or sums[name] < 0:
+            raise EngineMetricsError(f"{name} is {sums[name]}")
+    active: frozenset[str] = frozenset()
+    max_lora = None
+    if lora is not None:
+        labels = lora[1]
+        names = (
+            f"{labels.get('running_lora_adapters', '')},{labels.get('waiting_lora_adapters', '')}"
+        )
+        active = frozenset(a.strip() for a in names.split(",") if a.strip())
+        max_lora = _int(labels.get("max_lora"))
+    return EngineLoad(
+        running=sums[RUNNING],
+        waiting=sums[WAITING],
+        kv_usage=min(sums[KV_USAGE] / max(kv_engines, 1), 1.0),  # the engines' mean (data parallel)
+        prefix_queries=sums.get(f"{PREFIX_QUERIES}_total", 0.0),
+        prefix_hits=sums.get(f"{PREFIX_HITS}_total", 0.0),
+        active_adapters=active,
+        max_lora=max_lora,
+        ready_adapters=frozenset(ready - {""}),
+        block_size=_int(cache.get("block_size")),
+        num_gpu_blocks=_int(cache.get("num_gpu_blocks")),
+        taken_at=taken_at,
+    )
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(value) if value not in (None, "", "None") else None
+    except ValueError:
+        return None
+
+
+def hit_rate(before: EngineLoad | None, after: EngineLoad) -> tuple[float, float]:
+    """(hits, queries) between two samples of one engine, in tokens (a restarted engine's
+    counters start again from zero: its whole count is the delta)."""
+    if before is None or after.prefix_queries < before.prefix_queries:
+        return after.prefix_hits, after.prefix_queries
+    return after.prefix_hits - before.prefix_hits, after.prefix_queries - before.prefix_queries
+
+
+@dataclass
+class _Replica:
+    load: EngineLoad | None = None
+    error: str | None = None
+    failures: int = 0
+
+
+@dataclass
+class EngineLoadFeed:
+    """Keeps the engine load of the replicas `targets()` returns (replica base URL -> its
+    /metrics URL is `<replica>/metrics`). Start with `run()` as a task; `get` reads.
+
+    `on_sample(replica, previous, new)` is called for every fresh sample (the gateway counts the
+    engine-reported prefix-cache hits there, and resets its sent-since-sample counts)."""
+
+    targets: Callable[[], Iterable[str]]
+    interval: float = 0.5
+    timeout: float = 0.8
+    concurrency: int = 32
+    on_sample: Callable[[str, EngineLoad | None, EngineLoad], None] | None = None
+    clock: Callable[[], float] = time.monotonic
+    _replicas: dict[str, _Replica] = field(default_factory=dict)
+    _session: aiohttp.ClientSession | None = None
+
+    def get(self, replica: str) -> EngineLoad | None:
+        state = self._replicas.get(replica)
+        return state.load if state else None
+
+    def loads(self) -> dict[str, EngineLoad]:
+        return {r: s.load for r, s in self._replicas.items() if s.load is not None}
+
+    def errors(self) -> dict[str, str]:
+        return {r: s.error for r, s in self._replicas.items() if s.error}
+
+    async def run(self) -> None:
+        """Scrape every `interval` until cancelled."""
+        try:
+            while True:
+                started = self.clock()
+                await self.scrape_once()
+                await asyncio.sleep(max(0.0, self.interval - (self.clock() - started)))
+        finally:
+            await self.close()
+
+    async def scrape_once(self) -> None:
+        replicas = list(dict.fromkeys(self.targets()))
+        for gone in [r for r in self._replicas if r not in replicas]:
+            del self._replicas[gone]
+        if not replicas:
+            return
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                connector=aiohttp.TCPConnector(limit=self.concurrency),
+            )
+        limit = asyncio.Semaphore(self.concurrency)
+        await asyncio.gather(*(self._scrape(self._session, r, limit) for r in replicas))
+
+    async def _scrape(
+        self, session: aiohttp.ClientSession, replica: str, limit: asyncio.Semaphore
+    ) -> None:
+        state = self._replicas.setdefault(replica, _Replica())
+        async with limit:
+            try:
+                async with session.get(replica.rstrip("/") + "/metrics") as response:
+                    if response.status != 200:
+                        raise EngineMetricsError(f"HTTP {response.status}")
+                    body = await response.content.read(MAX_BODY_BYTES + 1)
+                    if len(body) > MAX_BODY_BYTES:
+                        raise EngineMetricsError(f"/metrics larger than {MAX_BODY_BYTES} bytes")
+                load = parse_engine_metrics(body.decode("utf-8", "replace"), self.clock())
+            except (aiohttp.ClientError, TimeoutError, EngineMetricsError) as exc:
+                state.failures += 1
+                state.error = str(exc) or type(exc).__name__
+                if state.failures == 1 or state.failures % 60 == 0:
+                    logger.info("engine load of %s not read: %s", replica, state.error)
+                return
+        if replica not in self._replicas:
+            return  # dropped while we were reading it
+        previous, state.load, state.error, state.failures = state.load, load, None, 0
+        if self.on_sample is not None:
+            self.on_sample(replica, previous, load)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            with contextlib.suppress(Exception):
+                await self._session.close()
+            self._session = None
