@@ -45,10 +45,17 @@ def read_before(scope: Scope) -> bytes | None:
 
 
 async def read_body(
-    scope: Scope, receive: Receive, *, limit: int, setting: str, timeout: float
+    scope: Scope,
+    receive: Receive,
+    *,
+    limit: int,
+    setting: str,
+    timeout: float,
+    arrays: bool = False,
 ) -> bytes:
     """The whole body, kept in ``scope[BODY]``; raises 408 / 413 (with ``Connection: close``),
-    400 for a body no route could use, ClientGone if the client left."""
+    400 for a body no route could use, ClientGone if the client left. ``arrays``: a JSON array
+    is a body too (RunPod's batch create takes one)."""
     declared = header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit, setting, declared)
@@ -68,7 +75,7 @@ async def read_body(
                 if not message.get("more_body", False):
                     break
     except TimeoutError:
-        raise _closing(
+        raise closing(
             RequestTimeoutError(
                 f"the request body did not arrive within {timeout:g} s "
                 "(REQUEST_READ_TIMEOUT_SECONDS)"
@@ -76,21 +83,22 @@ async def read_body(
         ) from None
     body = b"".join(chunks)
     content_type = (header(scope, b"content-type") or b"").split(b";")[0].strip().lower()
-    problem = body_problem(body, content_type)
+    problem = body_problem(body, content_type, arrays=arrays)
     if problem is not None:
         raise BadRequestError(problem)
     scope[BODY] = body
     return body
 
 
-def _closing(exc: APIError) -> APIError:
+def closing(exc: APIError) -> APIError:
+    """``exc`` with ``Connection: close``: the rest of the body is never read."""
     exc.headers["connection"] = "close"
     return exc
 
 
 def _too_large(limit: int, setting: str, declared: bytes | None = None) -> APIError:
     size = f"is {declared.decode()} bytes" if declared is not None else "is larger"
-    return _closing(
+    return closing(
         ContentTooLargeError(f"request body {size}; the limit is {limit} bytes ({setting})")
     )
 
@@ -127,14 +135,15 @@ def is_json_type(content_type: bytes) -> bool:
     )
 
 
-def body_problem(body: bytes, content_type: bytes) -> str | None:
-    """Why a request body is refused before any route sees it, or None (pure)."""
+def body_problem(body: bytes, content_type: bytes, *, arrays: bool = False) -> str | None:
+    """Why a request body is refused before any route sees it, or None (pure). ``arrays``:
+    a JSON array is as good as an object."""
     if not body or content_type in _FORM_TYPES:
         return None
     if is_json_type(content_type):
         if len(body) <= FULL_PARSE_MAX_BYTES:
-            return json_body_problem(body)
-        return large_json_body_problem(body)
+            return json_body_problem(body, arrays=arrays)
+        return large_json_body_problem(body, arrays=arrays)
     # Our routes parse a body as JSON whatever its declared type: the depth bound holds too.
     if json_depth_exceeds(body, MAX_JSON_DEPTH):
         return _too_deep()
@@ -149,7 +158,7 @@ def _too_deep() -> str:
     return f"request body is nested too deeply: more than {MAX_JSON_DEPTH} levels of arrays and objects"
 
 
-def json_body_problem(body: bytes) -> str | None:
+def json_body_problem(body: bytes, *, arrays: bool = False) -> str | None:
     """Why a JSON request body is unusable, or None (pure; parses the body)."""
     try:
         text = body.decode("utf-8")
@@ -163,12 +172,12 @@ def json_body_problem(body: bytes) -> str | None:
         return f"request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
     except RecursionError:  # unreachable after the depth check; never a 500 all the same
         return _too_deep()
-    if not isinstance(value, dict):
+    if not isinstance(value, dict) and not (arrays and isinstance(value, list)):
         return f"request body must be a JSON object, got {_JSON_TYPE_NAMES.get(type(value), 'a value')}"
     return None
 
 
-def large_json_body_problem(body: bytes) -> str | None:
+def large_json_body_problem(body: bytes, *, arrays: bool = False) -> str | None:
     """The checks of ``json_body_problem`` that need no parse: UTF-8, an object, the depth
     (pure). Malformed JSON further in is left to the route's parser, which answers 400."""
     try:
@@ -176,7 +185,7 @@ def large_json_body_problem(body: bytes) -> str | None:
     except UnicodeDecodeError as exc:
         return _not_utf8(exc)
     first = body.lstrip(b" \t\r\n")[:1]
-    if first != b"{":
+    if first != b"{" and not (arrays and first == b"["):
         what = _FIRST_BYTE_NAMES.get(first, "a value" if first else "only whitespace")
         if first[:1].isdigit():
             what = "a number"

@@ -18,6 +18,7 @@ from llmendpoints_edge.server import serve as serve_edge
 
 from llmendpoints_gateway.access import Access
 from llmendpoints_gateway.app import Gateway
+from llmendpoints_gateway.batches import BatchGateway
 from llmendpoints_gateway.config import GatewaySettings
 from llmendpoints_gateway.discovery.kube import KubeDiscovery
 from llmendpoints_gateway.discovery.static import StaticDiscovery
@@ -83,6 +84,11 @@ def build(settings: GatewaySettings) -> Gateway:
             nudge=signals.nudge_soon,
         )
         parts += [queue, signals, gateway.jobs, publisher, JobUsageMeter(queue, metering.job_usage)]
+        if settings.batch_enabled:
+            gateway.batches = BatchGateway(
+                queue, gateway.access, registry, settings, nudge=signals.nudge_soon
+            )
+            parts.append(gateway.batches)
     parts += [limiter, discovery]
     if settings.metrics_port:
         parts.append(MetricsServer(metrics, settings.host, settings.metrics_port))

@@ -57,10 +57,20 @@ class JobRecord(BaseModel):
     worker: str | None = None
     output: Any = None
     error: dict[str, Any] | None = None
+    # The batch whose request this job is (``batch_<hex>``): it runs in the batch lane, below
+    # every other job, and with a lower priority inside the engine.
+    batch: str | None = None
 
     @property
     def low_priority(self) -> bool:
         return bool(self.request.get("policy", {}).get("lowPriority", False))
+
+    @property
+    def lane(self) -> str:
+        """The queue lane (``names.PRIORITIES``) its messages go to."""
+        if self.batch is not None:
+            return "batch"
+        return "low" if self.low_priority else "normal"
 
     @property
     def webhook(self) -> str | None:

@@ -283,11 +283,22 @@ class QueueJobService:
             raise
         return record
 
+    async def queue_record(self, record: JobRecord) -> int:
+        """Queue a stored record's message in its lane (a batch's requests: queue/batch_lines.py)."""
+        return await self._enqueue(record)
+
+    async def queued_messages(self) -> list[tuple[int, str]]:
+        """(sequence, job id) of the endpoint's queue messages, oldest first."""
+        return await self._queued_messages()
+
+    async def unqueue(self, job_id: str) -> None:
+        """Take a job's message out of the queue (a credential that may: ``may_unqueue``)."""
+        await self._unqueue(job_id)
+
     async def _enqueue(self, record: JobRecord) -> int:
-        priority = "low" if record.low_priority else "normal"
         try:
             ack = await self.js.publish(
-                names.jobs_subject(self.ref, priority),
+                names.jobs_subject(self.ref, record.lane),
                 record.id.encode(),
                 # The queue drops a second copy of the same run (a publish retried after a
                 # lost acknowledgement).

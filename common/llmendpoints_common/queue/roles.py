@@ -14,9 +14,11 @@ does without them (queue/client.py).
   deleted. The operator creates the streams and the endpoint's consumers.
 - ``gateway``: every endpoint's jobs (it accepts jobs for all of them), records, chunks and
   queue messages (a cancel takes a queued job's message out, so the depth drops at once), the
-  quotas bucket, the usage stream, held-request signals and nudges; the consumers it reads with
-  (the job records' usage meter, the quotas follower, the usage export). No stream or bucket
-  purged or deleted, no consumer of the job queue created or deleted.
+  quotas bucket, the usage stream, held-request signals and nudges; the batch records
+  (``LLMEP_BATCHES``) and files (the object store ``LLMEP_FILES``, written and removed by
+  subject: no purge), and the batch signals; the consumers it reads with (the job records'
+  usage meter, the quotas follower, the usage export, the batch records' listings). No stream
+  or bucket purged or deleted, no consumer of the job queue created or deleted.
 - ``operator``: creates the streams and each endpoint's worker consumers; reads queue depth,
   held-request signals and nudges (the autoscaler).
 - ``admin``: everything. Used by nobody at run time; for a person repairing the queue.
@@ -28,7 +30,7 @@ one user never sees another's replies: a direct get's reply is a job record.
 from __future__ import annotations
 
 from llmendpoints_common.identity import EndpointRef, as_ref
-from llmendpoints_common.queue import names
+from llmendpoints_common.queue import names, objects
 from llmendpoints_common.queue.natsjwt import Permissions
 
 ROLES = ("runtime", "gateway", "operator", "admin")
@@ -42,6 +44,7 @@ _STATE = names.kv_stream(names.JOB_STATE_BUCKET)
 _IDEMPOTENCY = names.kv_stream(names.IDEMPOTENCY_BUCKET)
 _QUOTAS = names.kv_stream(names.QUOTAS_BUCKET)
 _SIGNALS = names.kv_stream(names.SIGNALS_BUCKET)
+_BATCHES = names.kv_stream(names.BATCHES_BUCKET)
 STREAMS = (
     names.JOBS_STREAM,
     _STATE,
@@ -50,6 +53,8 @@ STREAMS = (
     _QUOTAS,
     names.USAGE_STREAM,
     _SIGNALS,
+    _BATCHES,
+    objects.FILES_STREAM,
 )
 
 # What no role but admin may ever do, denied explicitly as well: an allow-list edited too
@@ -153,6 +158,17 @@ def gateway() -> Permissions:
             *(f"{_JS}.CONSUMER.{verb}.{s}" for s in (_QUOTAS,) for verb in ("CREATE",)),
             *(f"$JS.ACK.{s}.>" for s in (_STATE, names.USAGE_STREAM)),
             "$JS.FC.>",
+            # Batches: records (compare-and-set by subject, direct gets, listings through
+            # watchers on their own keys) and the files' object store (chunks and descriptions
+            # by subject, removed by roll-up markers; direct gets).
+            names.kv_subject(names.BATCHES_BUCKET, ">"),
+            f"{_JS}.DIRECT.GET.{_BATCHES}",
+            f"{_JS}.DIRECT.GET.{_BATCHES}.>",
+            f"{_JS}.CONSUMER.CREATE.{_BATCHES}",
+            *(f"{_JS}.CONSUMER.{verb}.{_BATCHES}.>" for verb in ("CREATE", "INFO", "DELETE")),
+            f"$O.{objects.FILES_BUCKET}.>",
+            f"{_JS}.DIRECT.GET.{objects.FILES_STREAM}",
+            f"{_JS}.DIRECT.GET.{objects.FILES_STREAM}.>",
         ),
         pub_deny=_NEVER,
         sub_allow=(

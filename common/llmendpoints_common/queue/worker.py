@@ -6,7 +6,10 @@ Guarantees (see docs/jobs.md, "Shared queue"):
 
 - **Never more than it can run:** it asks the queue for at most ``free_slots()`` messages, and
   asks again only when a slot frees. Normal jobs first, FIFO; ``lowPriority`` jobs only when no
-  normal one is waiting.
+  normal one is waiting; a batch's requests (the ``batch`` lane) only when neither is, and
+  only as many as ``batch_slots()`` allows (the runtime keeps room for interactive requests
+  there). Each lane is asked without waiting (a pull with ``no_wait``); only when none has
+  anything does the worker wait, for a normal job, a freed slot, or ``poll_seconds``.
 - **Nothing accepted is lost:** a job's message is acknowledged only after its final state is
   stored. While a job runs, the worker tells the queue every ``heartbeat_interval`` that it is
   still at work; a worker that stops doing so (SIGKILL, lost network) has its job delivered to
@@ -35,6 +38,7 @@ from typing import Any
 
 import nats.errors
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from llmendpoints_common.errors import APIError, error_from_exception
 from llmendpoints_common.jobs.models import JobStatus
@@ -79,6 +83,105 @@ class _Attempt:
     cancelled: bool = False
 
 
+_NO_MESSAGES = {"404", "408", "409"}  # nothing (left) to deliver, the pull expired, or full
+_LANE_REPLY_SECONDS = 2.0
+
+
+class _Lane:
+    """One lane's durable consumer, pulled through a reply inbox of its own.
+
+    ``take(n)`` asks for up to ``n`` messages with ``no_wait`` (the server answers at once with
+    what it has), so asking every lane in turn costs a round trip each, not a poll timeout.
+    ``wait(seconds, until)`` asks for one message and waits for it, for ``until`` (a freed
+    slot), or for the time. A message that arrives after its asker stopped waiting stays in
+    the inbox and is the first a later ``take`` returns, so none is lost.
+    """
+
+    def __init__(self, nc: Any, subject: str, inbox: str, subscription: Subscription) -> None:
+        self._nc = nc
+        self._subject = subject
+        self._inbox = inbox
+        self._sub = subscription
+
+    @classmethod
+    async def open(cls, nc: Any, stream: str, durable: str) -> _Lane:
+        inbox = nc.new_inbox()
+        subscription = await nc.subscribe(inbox)
+        return cls(nc, f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", inbox, subscription)
+
+    def _pending(self, n: int) -> list[Msg]:
+        found: list[Msg] = []
+        queue = self._sub._pending_queue  # nats-py keeps delivered messages here
+        while len(found) < n and not queue.empty():
+            message = queue.get_nowait()
+            if message.data or not _status(message):
+                found.append(message)
+        return found
+
+    async def take(self, n: int) -> list[Msg]:
+        found = self._pending(n)
+        if found:
+            return found
+        await self._nc.publish(
+            self._subject, json.dumps({"batch": n, "no_wait": True}).encode(), reply=self._inbox
+        )
+        while len(found) < n:
+            try:
+                message = await self._sub.next_msg(timeout=_LANE_REPLY_SECONDS)
+            except (nats.errors.TimeoutError, TimeoutError):
+                break
+            status = _status(message)
+            if status is None:
+                found.append(message)
+            elif status in _NO_MESSAGES:
+                break
+        return found
+
+    async def wait(self, seconds: float, until: asyncio.Event) -> list[Msg]:
+        found = self._pending(1)
+        if found:
+            return found
+        expires = int(seconds * 1e9)
+        await self._nc.publish(
+            self._subject, json.dumps({"batch": 1, "expires": expires}).encode(), reply=self._inbox
+        )
+        deadline = time.monotonic() + seconds
+        waiter = asyncio.ensure_future(until.wait())
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                reader = asyncio.ensure_future(self._sub.next_msg(timeout=left))
+                done, _ = await asyncio.wait({reader, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                if reader not in done:
+                    reader.cancel()
+                    with contextlib.suppress(BaseException):
+                        await reader
+                    return []
+                try:
+                    message = reader.result()
+                except (nats.errors.TimeoutError, TimeoutError):
+                    return []
+                if _status(message) is None:
+                    return [message]
+                if _status(message) in _NO_MESSAGES:
+                    return []
+            return []
+        finally:
+            waiter.cancel()
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._sub.unsubscribe()
+
+
+def _status(message: Msg) -> str | None:
+    """A JetStream status reply's code (``404`` no messages...), None for a job's message."""
+    headers = message.headers or {}
+    status = headers.get("Status")
+    if status is None and not message.data and not message.reply:
+        return "404"
+    return status
+
+
 class QueueWorker:
     def __init__(
         self,
@@ -88,6 +191,7 @@ class QueueWorker:
         execute: Execute,
         abort: Abort,
         free_slots: Callable[[], int],
+        batch_slots: Callable[[], int] | None = None,
         settings: WorkerSettings | None = None,
         layout: QueueLayout | None = None,
         clock: Callable[[], float] = time.time,
@@ -97,11 +201,15 @@ class QueueWorker:
         self._execute = execute
         self._abort = abort
         self._free_slots = free_slots
+        # How many batch requests this worker may run now (None: none at all).
+        self._batch_slots = batch_slots
         self.settings = settings or WorkerSettings()
         self._layout = layout or QueueLayout()
         self._clock = clock
         self._running: dict[str, _Attempt] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._batch_tasks: set[asyncio.Task[None]] = set()
+        self._lanes: dict[str, _Lane] = {}
         self._slot_freed = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -112,6 +220,11 @@ class QueueWorker:
     @property
     def running(self) -> int:
         return len(self._running)
+
+    @property
+    def running_batch(self) -> int:
+        """Batch requests taken (claimed or running)."""
+        return len(self._batch_tasks)
 
     @property
     def endpoint(self) -> str:
@@ -137,9 +250,16 @@ class QueueWorker:
             task.cancel()  # each hands its job back (nak) and aborts its engine request
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._close_subscriptions()
+
+    async def _close_subscriptions(self) -> None:
         for sub in self._subscriptions.values():
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+        self._subscriptions.clear()
+        for lane in self._lanes.values():
+            await lane.close()
+        self._lanes.clear()
 
     async def _connect_consumers(self) -> None:
         js = self.service.js
@@ -157,8 +277,8 @@ class QueueWorker:
             1.0, ack_wait / self._layout.heartbeat_timeout_seconds
         )
         for priority in names.PRIORITIES:
-            self._subscriptions[priority] = await js.pull_subscribe_bind(
-                durable=names.jobs_consumer(ref, priority), stream=names.JOBS_STREAM
+            self._lanes[priority] = await _Lane.open(
+                connection.nc, names.JOBS_STREAM, names.jobs_consumer(ref, priority)
             )
         self._subscriptions["cancel"] = await connection.nc.subscribe(
             names.cancel_subject(ref), cb=self._on_cancel_message
@@ -170,7 +290,7 @@ class QueueWorker:
     async def _pull_loop(self) -> None:
         while not self._stopping:
             try:
-                if not self._subscriptions:
+                if not self._lanes:
                     await self._connect_consumers()
                 # Jobs taken but still being claimed count too: never more than it can run.
                 free = self._free_slots() - len(self._tasks)
@@ -183,13 +303,24 @@ class QueueWorker:
                 if not self.service.connection.connected:
                     await asyncio.sleep(0.5)
                     continue
-                # One at a time: a pull for several waits (nats-py) until all arrive or the
-                # pull expires, holding the first job back; one is a round trip when jobs wait.
-                messages = await self._fetch("normal", 1, self.settings.poll_seconds)
+                self._slot_freed.clear()
+                # A lane at a time, highest first, each asked without waiting.
+                messages = await self._lanes["normal"].take(1)
                 if not messages:
-                    messages = await self._fetch("low", 1, 0.05)
+                    messages = await self._lanes["low"].take(1)
+                batch = False
+                if not messages and (room := min(free, self._batch_room())) > 0:
+                    messages = await self._lanes[names.BATCH_PRIORITY].take(room)
+                    batch = True
+                if not messages:
+                    # Nothing to take now: wait for a normal job, a freed slot (a batch
+                    # request may fit again) or the poll interval.
+                    messages = await self._lanes["normal"].wait(
+                        self.settings.poll_seconds, self._slot_freed
+                    )
+                    batch = False
                 for message in messages:
-                    self._spawn(message)
+                    self._spawn(message, batch=batch)
             except asyncio.CancelledError:
                 raise
             except NotCreatedYet as exc:
@@ -199,22 +330,21 @@ class QueueWorker:
                 await asyncio.sleep(1.0)
             except Exception as exc:  # the queue is unreachable: keep serving, try again
                 log.warning("job queue worker: %s: %s; retrying in 1 s", type(exc).__name__, exc)
-                for sub in self._subscriptions.values():
-                    with contextlib.suppress(Exception):
-                        await sub.unsubscribe()
-                self._subscriptions.clear()
+                await self._close_subscriptions()
                 await asyncio.sleep(1.0)
 
-    async def _fetch(self, priority: str, batch: int, timeout: float) -> list[Msg]:
-        try:
-            return await self._subscriptions[priority].fetch(batch, timeout=timeout)
-        except nats.errors.TimeoutError:
-            return []
+    def _batch_room(self) -> int:
+        if self._batch_slots is None:
+            return 0
+        return self._batch_slots() - len(self._batch_tasks)
 
-    def _spawn(self, message: Msg) -> None:
+    def _spawn(self, message: Msg, *, batch: bool = False) -> None:
         task = asyncio.create_task(self._take(message))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if batch:
+            self._batch_tasks.add(task)
+            task.add_done_callback(self._batch_tasks.discard)
 
     # ---- one job -------------------------------------------------------------------------
 

@@ -458,9 +458,12 @@ async def produce(
     request: JobRequest,
     request_id: str,
     publish: Callable[[Any], None],
+    *,
+    priority: int = 0,
 ) -> Any:
     """One attempt of a job on the engine: ``publish`` gets each stream chunk as it exists;
-    the return value is the output. Raises for a job that fails."""
+    the return value is the output. Raises for a job that fails. ``priority``: vLLM's (a
+    batch's request runs above 0, below interactive requests)."""
     job_input = request.input
     schedule = resolve_schedule(
         max_batch_size=job_input.max_batch_size,
@@ -477,6 +480,7 @@ async def produce(
             schedule=schedule,
             raw_output=settings.raw_openai_output,
             publish=publish,
+            priority=priority,
         )
     return await work.run_generation(
         engine,
@@ -485,6 +489,7 @@ async def produce(
         schedule=schedule,
         default_max_tokens=settings.default_max_tokens,
         publish=publish,
+        priority=priority,
     )
 
 
