@@ -178,6 +178,8 @@ def launch_runtime(
     model_path: Path, log_dir: Path, port: int | None = None, **overrides: str
 ) -> Process:
     port = port or free_port()
+    # Batch files of a pod without the queue: the test's folder, not the developer's cache.
+    overrides.setdefault("LLMEP_BATCH_DIR", str(log_dir / f"batches-{port}"))
     env = runtime_env(model_path, port, **overrides)
     runtime_bin = Path(PYTHON).parent / "llmendpoints-runtime"
     return _spawn([str(runtime_bin), "serve"], env, port, log_dir / f"runtime-{port}.log")

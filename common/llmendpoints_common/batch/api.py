@@ -93,6 +93,14 @@ def _parts(path: str) -> list[str]:
     return [p for p in path.strip("/").split("/") if p]
 
 
+def _route_shape(parts: list[str]) -> bool:
+    """Whether ``parts`` is the shape of an OpenAI batch route (another method: 405)."""
+    if not parts or parts[0] not in ("files", "batches"):
+        return False
+    tail = {"files": "content", "batches": "cancel"}[parts[0]]
+    return len(parts) <= 2 or (len(parts) == 3 and parts[2] == tail)
+
+
 def _list_page(
     items: list[dict[str, Any]], query: Mapping[str, str], *, default: int, most: int
 ) -> dict[str, Any]:
@@ -176,7 +184,7 @@ class BatchAPI:
             case ["batches", batch_id, "cancel"], "POST":
                 record = await self._cancel(owner, batch_id)
                 return BatchReply(200, openai_object(record))
-        if parts and parts[0] in ("files", "batches"):
+        if _route_shape(parts):
             raise APIError(405, f"{method} /v1/{'/'.join(parts)}: not a method of this route")
         raise NotFoundError(f"/v1/{call.path} is not a route of the Batch API")
 
@@ -196,10 +204,11 @@ class BatchAPI:
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise BadRequestError(f"order: 'asc' or 'desc', got {order!r}", param="order")
-        files = await self.store.files(owner)
+        files = sorted(await self.store.files(owner), key=lambda f: (f.created_at, f.id))
+        if order == "desc":
+            files.reverse()
         purpose = query.get("purpose")
         items = [f.to_openai() for f in files if purpose is None or f.purpose == purpose]
-        items.sort(key=lambda f: (f["created_at"], f["id"]), reverse=order == "desc")
         return _list_page(items, query, default=10_000, most=10_000)
 
     async def create_file(self, upload: Any, owner: str) -> dict[str, Any]:

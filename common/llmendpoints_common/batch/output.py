@@ -65,14 +65,14 @@ def error_status(error: dict[str, Any] | None) -> int:
 
 
 def _request_id(job_id: str) -> str:
-    return f"req_{job_id.replace('-', '')}"
+    return f"req_{job_id.replace('-', '_')}"
 
 
 def openai_line(
     job_id: str, custom_id: str, outcome: LineOutcome, ending: str | None
 ) -> tuple[bool, dict[str, Any]]:
     """(True: the output file / False: the error file, the line)."""
-    line: dict[str, Any] = {"id": f"batch_req_{job_id.replace('-', '')}", "custom_id": custom_id}
+    line: dict[str, Any] = {"id": f"batch_req_{job_id.replace('-', '_')}", "custom_id": custom_id}
     status = outcome.status
     if status is JobStatus.COMPLETED:
         line["response"] = {

@@ -129,8 +129,7 @@ class LocalBatchStore:
         self.max_bytes = max_bytes
         self._clock = clock
         self._lock = asyncio.Lock()
-        for sub in ("files", "batches", "parts"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        # Folders are made when first written to: a pod that never sees a batch leaves no trace.
 
     # -- bytes on disk --------------------------------------------------------------------------
 
@@ -294,7 +293,8 @@ class LocalBatchStore:
                 kept.add(record.id)
                 if record.active:
                     live.add(record.id)
-        for folder in (self.root / "parts").iterdir():
+        parts = self.root / "parts"
+        for folder in parts.iterdir() if parts.exists() else ():
             if folder.name not in live:
                 shutil.rmtree(folder, ignore_errors=True)
                 removed += 1

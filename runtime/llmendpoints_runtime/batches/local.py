@@ -50,8 +50,7 @@ class LocalLines:
     ) -> None:
         self._engine = engine
         self._settings = job_settings
-        self._results = root / "results"
-        self._results.mkdir(parents=True, exist_ok=True)
+        self._results = root / "results"  # made with its first file
         self._slots = slots
         self._priority = priority
         self._clock = clock
@@ -246,6 +245,7 @@ class LocalLines:
             "started_at": outcome.started_at,
             "finished_at": outcome.finished_at,
         }
+        self._results.mkdir(parents=True, exist_ok=True)
         with self._path(batch_id).open("ab") as out:
             out.write(json.dumps(line).encode() + b"\n")
         self._outcomes(batch_id)[job_id] = outcome
