@@ -460,7 +460,9 @@ def test_a_worker_killed_mid_batch_loses_no_request(gateway, pods):
     victim, survivor = pods
     lines = [_line(f"k-{i}", f"count {i}", max_tokens=24, ignore_eos=True) for i in range(80)]
     uploaded = _upload(client, lines)
-    with proc_kit.engines_frozen(victim.process.pid):
+    # Both engines stopped: each pod takes its share of the batch and holds it running (an
+    # idle pod looks at the batch lane every poll interval, a busy one finds it at once).
+    with proc_kit.engines_frozen(victim.process.pid, survivor.process.pid):
         batch = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )

@@ -136,13 +136,13 @@ def gateway() -> Permissions:
                     names.QUOTAS_BUCKET,
                 )
             ),
-            *(f"{_JS}.STREAM.INFO.{s}" for s in STREAMS),
+            # Stream info and direct gets of every stream (the gateway reads every endpoint's
+            # records, chunks, quotas, batches and files): one wildcard each keeps the
+            # credential inside NATS's control-line bound (4 KiB by default).
+            f"{_JS}.STREAM.INFO.*",
             # nats-py finds the stream of a subscription by subject (the limiter's follower).
             f"{_JS}.STREAM.NAMES",
-            *(f"{_JS}.DIRECT.GET.{s}.>" for s in (_STATE, _IDEMPOTENCY, names.CHUNKS_STREAM)),
-            *(f"{_JS}.DIRECT.GET.{s}" for s in (_STATE, _IDEMPOTENCY, names.CHUNKS_STREAM)),
-            f"{_JS}.DIRECT.GET.{_QUOTAS}.>",
-            f"{_JS}.DIRECT.GET.{_QUOTAS}",
+            f"{_JS}.DIRECT.GET.>",
             # A cancel or /purge-queue takes queued jobs' messages out (by sequence).
             f"{_JS}.STREAM.MSG.GET.{names.JOBS_STREAM}",
             f"{_JS}.STREAM.MSG.DELETE.{names.JOBS_STREAM}",
@@ -162,13 +162,9 @@ def gateway() -> Permissions:
             # watchers on their own keys) and the files' object store (chunks and descriptions
             # by subject, removed by roll-up markers; direct gets).
             names.kv_subject(names.BATCHES_BUCKET, ">"),
-            f"{_JS}.DIRECT.GET.{_BATCHES}",
-            f"{_JS}.DIRECT.GET.{_BATCHES}.>",
             f"{_JS}.CONSUMER.CREATE.{_BATCHES}",
-            *(f"{_JS}.CONSUMER.{verb}.{_BATCHES}.>" for verb in ("CREATE", "INFO", "DELETE")),
+            f"{_JS}.CONSUMER.*.{_BATCHES}.>",  # create (named), info, delete
             f"$O.{objects.FILES_BUCKET}.>",
-            f"{_JS}.DIRECT.GET.{objects.FILES_STREAM}",
-            f"{_JS}.DIRECT.GET.{objects.FILES_STREAM}.>",
         ),
         pub_deny=_NEVER,
         sub_allow=(

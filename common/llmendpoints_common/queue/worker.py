@@ -147,26 +147,31 @@ class _Lane:
         )
         deadline = time.monotonic() + seconds
         waiter = asyncio.ensure_future(until.wait())
+        reader: asyncio.Future[Msg] | None = None
         try:
             while (left := deadline - time.monotonic()) > 0:
                 reader = asyncio.ensure_future(self._sub.next_msg(timeout=left))
                 done, _ = await asyncio.wait({reader, waiter}, return_when=asyncio.FIRST_COMPLETED)
                 if reader not in done:
-                    reader.cancel()
-                    with contextlib.suppress(BaseException):
-                        await reader
-                    return []
+                    return []  # a slot freed: the caller looks at every lane again
                 try:
                     message = reader.result()
                 except (nats.errors.TimeoutError, TimeoutError):
                     return []
-                if _status(message) is None:
+                finally:
+                    reader = None
+                status = _status(message)
+                if status is None:
                     return [message]
-                if _status(message) in _NO_MESSAGES:
+                if status in _NO_MESSAGES:
                     return []
             return []
         finally:
             waiter.cancel()
+            if reader is not None:  # abandoned (a freed slot, or shutdown): not left unread
+                reader.cancel()
+                with contextlib.suppress(BaseException):
+                    await reader
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
