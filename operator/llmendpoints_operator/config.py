@@ -107,6 +107,14 @@ class OperatorSettings(BaseSettings):
         "queue (passed as LLMEP_JOBS_QUEUE_REPLICAS; the chart sets its NATS cluster's size). "
         "Unset: the runtime's default, 1.",
     )
+    jobs_queue_files_max_bytes: int | None = Field(
+        None,
+        ge=1024 * 1024,
+        description="Bound of the queue's object store of batch files and results "
+        "(OBJ_LLMEP_FILES), set when the operator creates the streams (the chart sets it from "
+        "queue.nats.batchFilesMaxBytes); uploads and results beyond it get 507. Unset: only "
+        "the NATS server's storage bounds it.",
+    )
     gateway_url: str | None = Field(
         None,
         description="URL of the gateway in front of all endpoints (the chart sets it when it "

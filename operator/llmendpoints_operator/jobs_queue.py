@@ -45,7 +45,10 @@ class JobsQueue:
         signer = (
             Signer.from_dir(settings.jobs_queue_keys_dir) if settings.jobs_queue_keys_dir else None
         )
-        layout = QueueLayout(replicas=settings.jobs_queue_replicas or 1)
+        layout = QueueLayout(
+            replicas=settings.jobs_queue_replicas or 1,
+            files_max_bytes=settings.jobs_queue_files_max_bytes or -1,
+        )
         return cls(settings.jobs_queue_url, layout=layout, signer=signer)
 
     @property
