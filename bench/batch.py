@@ -359,15 +359,25 @@ def main() -> None:
                     continue
                 batch_id = batches.create(args.batch_requests, args.batch_tokens)
                 batches.wait(batch_id, {"in_progress"})
+                # Under way: requests answered, and the engine running some.
                 deadline = time.monotonic() + 120
-                while engine_running(pods) < args.max_num_seqs // 2 and time.monotonic() < deadline:
+                while time.monotonic() < deadline and not (
+                    batches.get(batch_id)["request_counts"]["completed"] > 0
+                    and engine_running(pods) > 0
+                ):
                     time.sleep(0.1)
                 before = batches.get(batch_id)["request_counts"]["completed"]
                 started = time.perf_counter()
                 result = asyncio.run(
                     interactive(url, args.concurrency, args.seconds, args.interactive_tokens)
                 )
-                during = batches.get(batch_id)["request_counts"]["completed"] - before
+                after = batches.get(batch_id)
+                if after["status"] != "in_progress":
+                    raise RuntimeError(
+                        f"the batch ended before the interactive phase did ({after['status']}): "
+                        "raise --batch-requests"
+                    )
+                during = after["request_counts"]["completed"] - before
                 result["batch_rps_meanwhile"] = during / (time.perf_counter() - started)
                 batch_rates.append(result["batch_rps_meanwhile"])
                 phases[side].append(result)
