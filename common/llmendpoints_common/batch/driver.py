@@ -102,6 +102,7 @@ class _Progress:
     """What a host knows of a batch it drives (rebuilt from the job records on takeover)."""
 
     pending: set[int] = field(default_factory=set)  # handed over, not ended
+    cursor: int = 0  # requests handed over by this host (its record may lag after a conflict)
     stopped: set[int] = field(default_factory=set)  # cancelled or aborted by the driver
     completed: int = 0
     failed: int = 0
@@ -352,7 +353,7 @@ class BatchDrivers:
 
     async def _rescan(self, record: BatchRecord) -> _Progress:
         """A batch new to this host: how its handed-over requests stand, from their jobs."""
-        state = _Progress()
+        state = _Progress(cursor=record.cursor)
         removed = set(record.removed)
         for index in range(record.cursor):
             if index in removed:
@@ -390,7 +391,8 @@ class BatchDrivers:
                     record, index, (await self._line(record, index, state))["request"]
                 )
         state.running = running
-        cursor = record.cursor
+        # A write that lost to a client's cancel leaves the record's cursor behind this host's.
+        cursor = max(record.cursor, state.cursor)
         stored = sum(record.parts)
         removed = set(record.removed)
         if record.ending is None:
@@ -400,6 +402,7 @@ class BatchDrivers:
                     await self.runner.submit(record, cursor, line["request"])
                     state.pending.add(cursor)
                 cursor += 1
+                state.cursor = cursor
         else:
             # Cancelled: queued requests are taken back, running ones finish (OpenAI, RunPod).
             # Expired: nothing more runs.

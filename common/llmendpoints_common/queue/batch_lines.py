@@ -40,6 +40,9 @@ class QueueLines:
         self.connection = connection
         self._clock = clock
         self._services: dict[str, QueueJobService] = {}
+        # The endpoint's queued job ids, read once for a burst of checks (a driver taking over
+        # checks each request it may have handed over before): endpoint -> (read at, ids).
+        self._queued_ids: dict[str, tuple[float, set[str]]] = {}
 
     def _service(self, batch: BatchRecord) -> QueueJobService:
         assert batch.endpoint is not None
@@ -89,7 +92,11 @@ class QueueLines:
             raise
 
     async def _queued(self, service: QueueJobService, job_id: str) -> bool:
-        return any(queued == job_id for _, queued in await service.queued_messages())
+        read_at, ids = self._queued_ids.get(service.endpoint, (0.0, set()))
+        if time.monotonic() - read_at > 1.0:
+            ids = {queued for _, queued in await service.queued_messages()}
+            self._queued_ids[service.endpoint] = (time.monotonic(), ids)
+        return job_id in ids
 
     async def outcome(self, batch: BatchRecord, index: int) -> LineOutcome:
         if batch.endpoint is None:
