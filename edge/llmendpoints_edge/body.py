@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 
 import numpy as np
 from llmendpoints_common.errors import (
@@ -63,17 +64,11 @@ async def read_body(
     size = 0
     try:
         async with asyncio.timeout(timeout):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise ClientGone()
-                chunk = message.get("body", b"")
+            async for chunk in chunks_of(receive):
                 size += len(chunk)
                 if size > limit:
                     raise _too_large(limit, setting)
                 chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
     except TimeoutError:
         raise closing(
             RequestTimeoutError(
@@ -88,6 +83,17 @@ async def read_body(
         raise BadRequestError(problem)
     scope[BODY] = body
     return body
+
+
+async def chunks_of(receive: Receive) -> AsyncIterator[bytes]:
+    """The body's chunks as they arrive; ClientGone if the client leaves first."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        yield message.get("body", b"")
+        if not message.get("more_body", False):
+            return
 
 
 def closing(exc: APIError) -> APIError:

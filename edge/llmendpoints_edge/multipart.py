@@ -32,7 +32,7 @@ from llmendpoints_common.errors import (
 )
 
 from llmendpoints_edge.asgi import Receive, Scope, header
-from llmendpoints_edge.body import ClientGone, closing
+from llmendpoints_edge.body import chunks_of, closing
 
 SPOOL_BYTES = 8 * 1024 * 1024
 FIELD_LIMIT = 64 * 1024
@@ -230,11 +230,7 @@ async def read_multipart(
     received = 0
     try:
         async with asyncio.timeout(timeout):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise ClientGone()
-                chunk = message.get("body", b"")
+            async for chunk in chunks_of(receive):
                 received += len(chunk)
                 if received > limit + OVERHEAD:
                     raise closing(
@@ -244,8 +240,6 @@ async def read_multipart(
                         )
                     )
                 parser.feed(chunk)
-                if not message.get("more_body", False):
-                    break
     except TimeoutError:
         parser.upload.close()
         raise closing(

@@ -8,7 +8,6 @@ last (on the runtime left).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import io
 import json
@@ -16,8 +15,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -25,7 +22,7 @@ import openai
 import pytest
 import yaml
 
-from .harness import free_port, launch_gateway, launch_runtime, load_kit
+from .harness import launch_gateway, launch_runtime, load_kit, webhook_receiver
 
 pytestmark = pytest.mark.engine
 
@@ -495,31 +492,3 @@ def test_a_nats_restart_mid_batch_loses_no_request(gateway, pods, nats):
     out, err = _answered_once(client, done, [line["custom_id"] for line in lines])
     assert (len(out), err) == (60, [])
     assert survivor.process.poll() is None
-
-
-@contextlib.contextmanager
-def webhook_receiver() -> Iterator[tuple[str, list[dict]]]:
-    received: list[dict] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            length = int(self.headers.get("content-length", "0"))
-            received.append(json.loads(self.rfile.read(length)))
-            self.send_response(200)
-            self.send_header("content-length", "0")
-            self.end_headers()
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/hook", received
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-_ = free_port  # the harness's, for a fixed port should a test need one
