@@ -246,7 +246,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="interactive clients")
     parser.add_argument("--interactive-tokens", type=int, default=16)
     parser.add_argument("--batch-requests", type=int, default=2000)
-    parser.add_argument("--batch-tokens", type=int, default=32)
+    parser.add_argument(
+        "--batch-tokens", type=int, default=128, help="tokens each batch request generates"
+    )
     parser.add_argument("--throughput-requests", type=int, default=300)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--max-num-seqs", type=int, default=32)
