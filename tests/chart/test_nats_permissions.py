@@ -526,3 +526,42 @@ def test_the_chart_lets_the_gateway_keep_and_drive_batches_and_pods_run_them(cha
     assert violations and all(any(r in v for r in refused) for v in violations), violations
     for what in refused:
         assert any(what in v for v in violations), f"{what} was not refused"
+
+
+def test_a_pod_takes_jobs_while_an_older_operator_has_not_made_its_batch_lane(chart_nats):
+    """A rolling upgrade: pods that know the batch lane under an operator that does not (the
+    endpoint's normal and low consumers only). The pod's credential may not create the batch
+    consumer; its worker takes jobs all the same, without batches, and says so."""
+    server = chart_nats[0]
+    before = len(server.violations())
+    D = EndpointRef("team-d", "older")
+
+    async def scenario() -> None:
+        operator = await _connect(server.url, _creds(chart_nats, "operator"), "operator")
+        await ensure_consumers(operator.js, D, QueueLayout(), priorities=("normal", "low"))
+        pod = await _connect(server.url, _creds(chart_nats, "runtime", D), "pod-d")
+        service = QueueJobService(pod, D)
+
+        async def execute(record, publish):
+            return [{"ok": True}]
+
+        async def abort(record) -> None:
+            return None
+
+        worker = QueueWorker(
+            service, name="pod-d", execute=execute, abort=abort, free_slots=lambda: 2,
+            batch_slots=lambda: 2, settings=WorkerSettings(poll_seconds=0.2),
+        )  # fmt: skip
+        try:
+            await worker.start()
+            job = await service.submit(
+                parse_job_request(b'{"input": {"prompt": "x"}}'), sync=True, owner="d"
+            )
+            assert (await service.wait(job.id, 20, owner="d")).status is JobStatus.COMPLETED
+        finally:
+            await worker.stop(1)
+            await pod.close()
+            await operator.close()
+
+    asyncio.run(scenario())
+    assert server.violations()[before:] == []

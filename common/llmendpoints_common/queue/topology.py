@@ -196,13 +196,18 @@ def consumer_config(
 
 
 async def ensure_consumers(
-    js: JetStreamContext, endpoint: EndpointRef | str, layout: QueueLayout, *, create: bool = True
+    js: JetStreamContext,
+    endpoint: EndpointRef | str,
+    layout: QueueLayout,
+    *,
+    create: bool = True,
+    priorities: tuple[str, ...] = names.PRIORITIES,
 ) -> float:
-    """Make sure the endpoint's worker consumers exist; returns their ack wait (the heartbeat
-    timeout whoever created them chose). ``create=False`` (a runtime pod's credential): raise
-    NotCreatedYet instead of creating a missing one."""
+    """Make sure the endpoint's worker consumers (of ``priorities``) exist; returns their ack
+    wait (the heartbeat timeout whoever created them chose). ``create=False`` (a runtime pod's
+    credential): raise NotCreatedYet instead of creating a missing one."""
     ack_wait = layout.heartbeat_timeout_seconds
-    for priority in names.PRIORITIES:
+    for priority in priorities:
         durable = names.jobs_consumer(endpoint, priority)
         try:
             info = await js.consumer_info(names.JOBS_STREAM, durable)

@@ -84,6 +84,8 @@ class _Attempt:
 
 
 _NO_MESSAGES = {"404", "408", "409"}  # nothing (left) to deliver, the pull expired, or full
+_JOB_LANES = ("normal", "low")  # the lanes every worker takes (the batch lane: if it may)
+_BATCH_LANE_RETRY_SECONDS = 30.0
 _LANE_REPLY_SECONDS = 2.0
 
 
@@ -215,6 +217,7 @@ class QueueWorker:
         self._tasks: set[asyncio.Task[None]] = set()
         self._batch_tasks: set[asyncio.Task[None]] = set()
         self._lanes: dict[str, _Lane] = {}
+        self._batch_lane_retry_at = 0.0
         self._slot_freed = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -274,21 +277,53 @@ class QueueWorker:
             f"$JS.API.CONSUMER.CREATE.{names.JOBS_STREAM}.{names.jobs_consumer(ref)}."
             f"{names.jobs_subject(ref)}"
         )
-        ack_wait = await ensure_consumers(js, ref, self._layout, create=create)
+        ack_wait = await ensure_consumers(
+            js, ref, self._layout, create=create, priorities=_JOB_LANES
+        )
         # Whoever created the consumers chose their ack wait (the heartbeat timeout); when it is
         # shorter than this worker was configured for, its heartbeat shrinks in proportion, so
         # a live worker is never taken for dead.
         self._heartbeat_seconds = self.settings.heartbeat_interval_seconds * min(
             1.0, ack_wait / self._layout.heartbeat_timeout_seconds
         )
-        for priority in names.PRIORITIES:
+        for priority in _JOB_LANES:
             self._lanes[priority] = await _Lane.open(
                 connection.nc, names.JOBS_STREAM, names.jobs_consumer(ref, priority)
             )
+        await self._open_batch_lane()
         self._subscriptions["cancel"] = await connection.nc.subscribe(
             names.cancel_subject(ref), cb=self._on_cancel_message
         )
         self._waiting_logged = False
+
+    async def _open_batch_lane(self) -> None:
+        """The batch lane, when this worker takes batches and its consumer exists. An operator
+        older than the batch lane has not created it: the worker takes jobs meanwhile and looks
+        again every ``_BATCH_LANE_RETRY_SECONDS``."""
+        if self._batch_slots is None or names.BATCH_PRIORITY in self._lanes:
+            return
+        if time.monotonic() < self._batch_lane_retry_at:
+            return
+        service = self.service
+        create = service.connection.may(
+            f"$JS.API.CONSUMER.CREATE.{names.JOBS_STREAM}."
+            f"{names.jobs_consumer(service.ref, names.BATCH_PRIORITY)}."
+            f"{names.jobs_subject(service.ref, names.BATCH_PRIORITY)}"
+        )
+        try:
+            await ensure_consumers(
+                service.js, service.ref, self._layout, create=create,
+                priorities=(names.BATCH_PRIORITY,),
+            )  # fmt: skip
+        except NotCreatedYet as exc:
+            self._batch_lane_retry_at = time.monotonic() + _BATCH_LANE_RETRY_SECONDS
+            log.warning("job queue worker: %s; taking jobs without batches meanwhile", exc)
+            return
+        self._lanes[names.BATCH_PRIORITY] = await _Lane.open(
+            service.connection.nc,
+            names.JOBS_STREAM,
+            names.jobs_consumer(service.ref, names.BATCH_PRIORITY),
+        )
 
     # ---- taking jobs ---------------------------------------------------------------------
 
@@ -297,6 +332,7 @@ class QueueWorker:
             try:
                 if not self._lanes:
                     await self._connect_consumers()
+                await self._open_batch_lane()
                 # Jobs taken but still being claimed count too: never more than it can run.
                 free = self._free_slots() - len(self._tasks)
                 if free <= 0:
@@ -339,7 +375,7 @@ class QueueWorker:
                 await asyncio.sleep(1.0)
 
     def _batch_room(self) -> int:
-        if self._batch_slots is None:
+        if self._batch_slots is None or names.BATCH_PRIORITY not in self._lanes:
             return 0
         return self._batch_slots() - len(self._batch_tasks)
 
