@@ -79,6 +79,10 @@ def cache_claim_name(endpoint_name: str) -> str:
     return f"{endpoint_name}-model-cache"
 
 
+def gateway_token_secret_name(endpoint_name: str) -> str:
+    return f"{endpoint_name}-gateway-token"
+
+
 def admin_key_secret_name(endpoint_name: str) -> str:
     return f"{endpoint_name}-admin-key"
 
@@ -361,6 +365,31 @@ def chat_template_hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+GATEWAY_TOKEN_DIR = "/etc/llmendpoints/gateway-token"
+GATEWAY_TOKEN_FILE = "token"
+
+
+def gateway_token_env(settings: OperatorSettings) -> list[dict[str, Any]]:
+    if not settings.gateway_token_secret_file:
+        return []
+    return [{"name": "GATEWAY_TOKEN_FILE", "value": f"{GATEWAY_TOKEN_DIR}/{GATEWAY_TOKEN_FILE}"}]
+
+
+def _gateway_token_volumes(ep: Endpoint, settings: OperatorSettings) -> tuple[list, list]:
+    """The endpoint's gateway token: what the gateway presents instead of a client's key (the
+    runtime believes its x-llmep-caller only with it). A directory mount, like the keys."""
+    if not settings.gateway_token_secret_file:
+        return [], []
+    volume = {
+        "name": "gateway-token",
+        "secret": {
+            "secretName": gateway_token_secret_name(ep.name),
+            "items": [{"key": GATEWAY_TOKEN_FILE, "path": GATEWAY_TOKEN_FILE}],
+        },
+    }
+    return [volume], [{"name": "gateway-token", "mountPath": GATEWAY_TOKEN_DIR, "readOnly": True}]
+
+
 def _queue_volumes(ep: Endpoint, settings: OperatorSettings) -> tuple[list, list]:
     """The endpoint's creds file (per-endpoint credentials only). A directory mount: a creds
     file replaced in the Secret reaches running pods, which read it at each reconnect."""
@@ -381,14 +410,16 @@ def build_pod_template(ep: Endpoint, settings: OperatorSettings) -> dict[str, An
     engine = spec.engine
     volumes, mounts = _volumes(ep)
     queue_volumes, queue_mounts = _queue_volumes(ep, settings)
-    volumes, mounts = [*volumes, *queue_volumes], [*mounts, *queue_mounts]
+    token_volumes, token_mounts = _gateway_token_volumes(ep, settings)
+    volumes = [*volumes, *queue_volumes, *token_volumes]
+    mounts = [*mounts, *queue_mounts, *token_mounts]
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": engine.image or settings.runtime_image,
         "command": ["llmendpoints-runtime"],
         "args": ["serve"],
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        "env": [*build_env(ep), *queue_env(ep, settings)],
+        "env": [*build_env(ep), *queue_env(ep, settings), *gateway_token_env(settings)],
         "resources": _resources(ep, settings),
         "volumeMounts": mounts,
         # The HTTP server answers from the first second; the startup probe's budget covers the
@@ -595,6 +626,19 @@ def build_admin_key_secret(ep: Endpoint, key: str) -> dict[str, Any]:
         "metadata": _metadata(ep, admin_key_secret_name(ep.name)),
         "type": "Opaque",
         "data": {ADMIN_KEY_FILE: base64.b64encode(key.encode()).decode()},
+    }
+
+
+def build_gateway_token_secret(ep: Endpoint, token: str) -> dict[str, Any]:
+    """The endpoint's gateway token (``llmendpoints_common.gateway_token.derive`` of the
+    installation's secret and ``<namespace>/<name>``: the reconcile's one impure input is the
+    secret). Created once, like the admin key."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(ep, gateway_token_secret_name(ep.name)),
+        "type": "Opaque",
+        "data": {GATEWAY_TOKEN_FILE: base64.b64encode(token.encode()).decode()},
     }
 
 
