@@ -354,6 +354,13 @@ def _name(function: Callable[..., Any]) -> str:
 
 async def _start_engine(runtime: Runtime) -> None:
     await runtime.engine.start()
+    if runtime.health.state is EngineState.FAILED:
+        # The engine never came up (a missing or corrupt model, a crash at load or warm-up):
+        # it cannot in this process either. Exit as after a later death, so that `make serve`
+        # ends with the cause and Kubernetes restarts the container (or shows CrashLoopBackOff
+        # with the cause as the last log line) instead of a Running pod answering 503 for ever.
+        await _stop_after_engine_failure(runtime, f"engine failed to start: {runtime.health.reason}")
+        return
     if (
         runtime.health.state is EngineState.READY
         and runtime.config.settings.max_concurrency is None
@@ -394,9 +401,15 @@ async def _watch_engine(runtime: Runtime) -> None:
         await asyncio.sleep(ENGINE_WATCH_INTERVAL_SECONDS)
     reason = f"{engine.death_reason()}; the process exits to be restarted"
     runtime.health.engine_failed(reason)
+    await _stop_after_engine_failure(runtime, f"engine died: {reason}")
+
+
+async def _stop_after_engine_failure(runtime: Runtime, what: str) -> None:
+    """503 everywhere for ENGINE_DEATH_EXIT_DELAY_SECONDS, then stop as on SIGTERM; the
+    process exits 1 (``__main__``: the engine's state is FAILED)."""
     runtime.metrics.engine_ready.set(0)
     delay = runtime.config.settings.engine_death_exit_delay_seconds
-    logger.error("engine died: %s; answering 503 everywhere, exiting in %.0f s", reason, delay)
+    logger.error("%s; answering 503 everywhere, exiting in %.0f s", what, delay)
     # Load balancers that only poll /ping (SageMaker, RunPod) see the 503 and take the pod out
     # before its connections start being refused; queued and running jobs fail meanwhile.
     await asyncio.sleep(delay)

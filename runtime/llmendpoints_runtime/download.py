@@ -29,6 +29,16 @@ def is_local_model(model: str) -> bool:
     return Path(model).expanduser().is_dir()
 
 
+def missing_local_model(model: str) -> str | None:
+    """Why ``model`` cannot be loaded, when it is a path (not a hub repo id) to no directory."""
+    if not model.startswith(("/", "./", "../", "~")) or is_local_model(model):
+        return None
+    return (
+        f"MODEL_NAME {model!r} is a path, and there is no model directory there "
+        "(a Hugging Face repo id has the form org/name)"
+    )
+
+
 def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
 

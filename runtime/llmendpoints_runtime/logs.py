@@ -79,6 +79,13 @@ class TextFormatter(logging.Formatter):
             record.args = args
 
 
+# Our loggers by the roots of their names: "llmendpoints.*" ones, and the module loggers
+# (``getLogger(__name__)``) of our packages. Each gets the level itself rather than inheriting
+# the root logger's: a library may change that (vLLM's app imports model_hosting_container_
+# standards, which sets the root logger to ERROR at import), and our warnings must not vanish.
+OWN_LOGGERS = ("llmendpoints", "llmendpoints_common", "llmendpoints_runtime", "llmendpoints_edge")
+
+
 def configure(log_format: str, level: str) -> None:
     handler = logging.StreamHandler(sys.stdout)
     handler.addFilter(RequestIdFilter())
@@ -86,7 +93,7 @@ def configure(log_format: str, level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)
-    for name in ("llmendpoints", "uvicorn", "uvicorn.error", "uvicorn.access"):
+    for name in (*OWN_LOGGERS, "uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).setLevel(level.upper())
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers[:] = []
