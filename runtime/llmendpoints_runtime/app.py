@@ -359,7 +359,9 @@ async def _start_engine(runtime: Runtime) -> None:
         # it cannot in this process either. Exit as after a later death, so that `make serve`
         # ends with the cause and Kubernetes restarts the container (or shows CrashLoopBackOff
         # with the cause as the last log line) instead of a Running pod answering 503 for ever.
-        await _stop_after_engine_failure(runtime, f"engine failed to start: {runtime.health.reason}")
+        await _stop_after_engine_failure(
+            runtime, f"engine failed to start: {runtime.health.reason}"
+        )
         return
     if (
         runtime.health.state is EngineState.READY

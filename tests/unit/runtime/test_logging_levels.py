@@ -43,9 +43,7 @@ def configured() -> Iterator[io.StringIO]:
         "llmendpoints.app",
     ],
 )
-def test_our_module_loggers_keep_their_level_when_a_library_raises_the_roots(
-    configured, name
-):
+def test_our_module_loggers_keep_their_level_when_a_library_raises_the_roots(configured, name):
     logging.getLogger().setLevel(logging.ERROR)  # what the SageMaker package does at import
     logging.getLogger(name).warning("webhook for job %s: attempt 1/3 failed: HTTP 500", "j1")
     logging.getLogger(name).info("an info line")
