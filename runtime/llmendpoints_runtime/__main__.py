@@ -59,7 +59,7 @@ def _serve() -> int:
     for warning in config.warnings:
         logger.warning(warning)
 
-    from llmendpoints_runtime.compose import build_runtime, create_app
+    from llmendpoints_runtime.compose import build_runtime, create_app, start_control_listener
     from llmendpoints_runtime.server import serve
 
     logger.info(
@@ -71,10 +71,14 @@ def _serve() -> int:
     )
     try:
         runtime = build_runtime(config)
+        app = create_app(runtime)
+        control = start_control_listener(runtime)
     except ConfigError as exc:
         print(f"llmendpoints-runtime: configuration error: {exc}", file=sys.stderr)
         return 2
-    serve(runtime, create_app(runtime))
+    if control is not None:
+        logger.info("probes and /metrics also on %s:%d", config.settings.host, control.port)
+    serve(runtime, app)
     from llmendpoints_runtime.health import EngineState
 
     code = 0

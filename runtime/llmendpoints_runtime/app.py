@@ -53,7 +53,7 @@ from llmendpoints_runtime.errors import (
     install_exception_handlers,
     send_error,
 )
-from llmendpoints_runtime.health import EngineState, Health
+from llmendpoints_runtime.health import EngineState, Health, Probe
 from llmendpoints_runtime.metrics import CONTENT_TYPE, RuntimeMetrics
 from llmendpoints_runtime.middleware import (
     TOO_LARGE,
@@ -230,10 +230,30 @@ def _not_ready_error(health: Health) -> ServiceUnavailableError:
     return ServiceUnavailableError(f"the engine is not available: {health.reason or health.state}")
 
 
-def _probe_response(probe) -> Response:
+def _probe_response(probe: Probe) -> Response:
     if probe.status == 204:
         return Response(status_code=204)
     return JSONResponse(probe.body, status_code=probe.status)
+
+
+def liveness_now(runtime: Runtime) -> Probe:
+    """/health's answer (on the main port and the control port alike)."""
+    if runtime.engine.dead() and runtime.health.state is not EngineState.FAILED:
+        # The engine watcher says so within moments; a probe in between need not wait.
+        runtime.health.engine_failed(
+            f"{runtime.engine.death_reason()}; restarting the container is the only remedy"
+        )
+    return runtime.health.liveness()
+
+
+def metrics_now(runtime: Runtime) -> bytes:
+    """/metrics' body: ours, then vLLM's series (safe from any thread: prometheus_client's
+    collectors lock, and the gauges' sources read counters)."""
+    runtime.metrics.engine_ready.set(1 if runtime.health.ready else 0)
+    vllm_registry = (
+        runtime.engine.prometheus_registry() if runtime.engine.client is not None else None
+    )
+    return runtime.metrics.render(vllm_registry)
 
 
 def probe_router(runtime: Runtime) -> APIRouter:
@@ -241,12 +261,7 @@ def probe_router(runtime: Runtime) -> APIRouter:
 
     @router.get("/health", include_in_schema=False)
     async def health() -> Response:
-        if runtime.engine.dead() and runtime.health.state is not EngineState.FAILED:
-            # The engine watcher says so within moments; a probe in between need not wait.
-            runtime.health.engine_failed(
-                f"{runtime.engine.death_reason()}; restarting the container is the only remedy"
-            )
-        return _probe_response(runtime.health.liveness())
+        return _probe_response(liveness_now(runtime))
 
     @router.get("/ready", include_in_schema=False)
     async def ready(strict: bool = False) -> Response:
@@ -258,11 +273,7 @@ def probe_router(runtime: Runtime) -> APIRouter:
 
     @router.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
-        runtime.metrics.engine_ready.set(1 if runtime.health.ready else 0)
-        vllm_registry = (
-            runtime.engine.prometheus_registry() if runtime.engine.client is not None else None
-        )
-        return Response(runtime.metrics.render(vllm_registry), media_type=CONTENT_TYPE)
+        return Response(metrics_now(runtime), media_type=CONTENT_TYPE)
 
     return router
 

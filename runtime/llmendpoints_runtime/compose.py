@@ -21,6 +21,7 @@ from llmendpoints_runtime.admission import AdmissionQueue, default_max_concurren
 from llmendpoints_runtime.app import Runtime
 from llmendpoints_runtime.auth import KeyStore
 from llmendpoints_runtime.config import ConfigError, RuntimeConfig, RuntimeSettings
+from llmendpoints_runtime.control_listener import ControlListener, ControlSurface
 from llmendpoints_runtime.engine import Engine, install_media_fetcher
 from llmendpoints_runtime.health import Health
 from llmendpoints_runtime.job_engine import JobEngineAdapter
@@ -32,7 +33,7 @@ from llmendpoints_runtime.jobs.queue_worker import (
 from llmendpoints_runtime.jobs.settings import JobSettings
 from llmendpoints_runtime.jobs.wiring import JobFeature, build_job_feature
 from llmendpoints_runtime.media_fetch import MediaFetcher, media_policy
-from llmendpoints_runtime.metrics import RuntimeMetrics
+from llmendpoints_runtime.metrics import CONTENT_TYPE, RuntimeMetrics
 from llmendpoints_runtime.sagemaker import build_sagemaker_router
 
 
@@ -112,6 +113,28 @@ def create_app(runtime: Runtime, *, start_engine: bool = True) -> ASGIApp:
     )
     routers: list[APIRouter] = [*jobs.routers(openai_target=_same_app), sagemaker]
     return app.create_app(runtime, routers, start_engine=start_engine)
+
+
+def start_control_listener(runtime: Runtime) -> ControlListener | None:
+    """Probes and /metrics on LLMEP_CONTROL_PORT, from a thread of their own (control_listener);
+    None when the port is not set. ConfigError when it cannot listen there."""
+    settings = runtime.config.settings
+    if settings.control_port is None:
+        return None
+    if settings.control_port == settings.port:
+        raise ConfigError("LLMEP_CONTROL_PORT", f"must differ from PORT ({settings.port})")
+    surface = ControlSurface(
+        liveness=lambda: app.liveness_now(runtime),
+        readiness=lambda strict: runtime.health.readiness(strict=strict),
+        metrics=lambda: (app.metrics_now(runtime), CONTENT_TYPE),
+    )
+    try:
+        listener = ControlListener(surface, settings.host, settings.control_port)
+    except OSError as exc:
+        raise ConfigError(
+            "LLMEP_CONTROL_PORT", f"cannot listen on {settings.host}:{settings.control_port}: {exc}"
+        ) from None
+    return listener.start()
 
 
 def adapter_reconciler(runtime: Runtime) -> AdapterReconciler:

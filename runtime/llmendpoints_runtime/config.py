@@ -148,6 +148,15 @@ class RuntimeSettings(BaseSettings):
         "balancers polling /ping see it; jobs fail naming the cause) before it drains and exits "
         "with status 1 so that it is restarted.",
     )
+    control_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        validation_alias="LLMEP_CONTROL_PORT",
+        description="A second port (on HOST) answering /health, /ready, /ping and /metrics from "
+        "a thread of its own, whatever the event loop is doing: for the kubelet's probes and "
+        "the autoscaler's scrape under load (the operator sets it). Unset: no such port.",
+    )
     log_format: Literal["text", "json"] = Field(
         "text", validation_alias="LOG_FORMAT", description="`text` or `json` (one object per line)."
     )
