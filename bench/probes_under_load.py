@@ -31,9 +31,7 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,90 +46,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "runtime"))
 from runtime_process import free_port, launch_runtime  # noqa: E402
 
+PROBER = REPO / "tests" / "runtime" / "prober.py"  # the engine tests' prober, shared
+
 OUT = REPO / "bench" / "out"
 SERVED = "demo"
 CONCURRENT = 24
 MAX_NUM_SEQS = 2
 MAX_TOKENS = 400
 PROBE_TIMEOUT = 10.0
-NEW_SESSION_PROBER = False  # --prober-new-session: the prober in a session (autogroup) of its own  # the kubelet's default is 1 s; a stall longer than this is one failure
-
-_GAUGES = (
-    "llmendpoints_queue_depth",
-    "llmendpoints_requests_in_flight",
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
+NEW_SESSION_PROBER = False  # --prober-new-session: the prober in a session (autogroup) of its own
+PROBER_NICE: int | None = (
+    None  # --prober-nice: that autogroup's nice (a kubelet outside the pod)  # the kubelet's default is 1 s; a stall longer than this is one failure
 )
-
-
-# -- the prober (a process of its own) ---------------------------------------------------------
-
-
-def probe_once(host: str, port: int, path: str) -> dict:
-    """One GET on a fresh connection: connect time, total time, status, gauges (for /metrics)."""
-    began = time.monotonic()
-    record: dict = {"t": time.time(), "path": path}
-    try:
-        with socket.create_connection((host, port), timeout=PROBE_TIMEOUT) as sock:
-            record["connect_ms"] = (time.monotonic() - began) * 1000
-            sock.settimeout(max(PROBE_TIMEOUT - (time.monotonic() - began), 0.01))
-            sock.sendall(
-                f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
-            )
-            chunks = []
-            while chunk := sock.recv(65536):
-                chunks.append(chunk)
-        data = b"".join(chunks)
-        record["total_ms"] = (time.monotonic() - began) * 1000
-        head, _, body = data.partition(b"\r\n\r\n")
-        record["status"] = int(head.split(b" ", 2)[1])
-        if path == "/metrics":
-            record["gauges"] = gauges(body.decode(errors="replace"))
-    except (OSError, ValueError, IndexError) as exc:
-        record["total_ms"] = (time.monotonic() - began) * 1000
-        record["error"] = f"{type(exc).__name__}: {exc}"
-    return record
-
-
-def gauges(text: str) -> dict[str, float]:
-    values = dict.fromkeys(_GAUGES, 0.0)
-    for line in text.splitlines():
-        match = re.match(r"^([a-z_:]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", line)
-        if match and match.group(1) in values:
-            values[match.group(1)] += float(match.group(2))
-    return values
-
-
-def run_prober(host: str, port: int, paths: list[str], interval: float, out: Path) -> None:
-    """Probe until stdin closes; write the records (and this process's own CPU wait) to out."""
-    records: list[dict] = []
-    stop = False
-
-    def watch_stdin() -> None:
-        nonlocal stop
-        sys.stdin.read()
-        stop = True
-
-    import threading
-
-    threading.Thread(target=watch_stdin, daemon=True).start()
-    i = 0
-    wait_before = _run_delay_ns(os.getpid(), os.getpid())
-    while not stop:
-        began = time.monotonic()
-        records.append(probe_once(host, port, paths[i % len(paths)]))
-        i += 1
-        time.sleep(max(0.0, interval - (time.monotonic() - began)))
-    out.write_text(
-        json.dumps(
-            {
-                "records": records,
-                "prober_run_delay_ms": (_run_delay_ns(os.getpid(), os.getpid()) - wait_before)
-                / 1e6,
-            }
-        )
-    )
-
 
 # -- what the kernel says ------------------------------------------------------------------------
 
@@ -249,7 +175,9 @@ def running(name: str, model: Path, logs: Path, extra_env: dict[str, str]) -> It
             server.wait_listening()
             server.wait_ready()
             port = control_port if name == "ours-control" else server.port
-            yield Server(name, server.url, server.process.pid, port, ["/health", "/ready", "/metrics"])
+            yield Server(
+                name, server.url, server.process.pid, port, ["/health", "/ready", "/metrics"]
+            )
         finally:
             server.stop()
         return
@@ -308,8 +236,10 @@ def one_round(server: Server, interval: float, workdir: Path, index: int) -> dic
     out = workdir / f"probes-{server.name}-{index}.json"
     prober = subprocess.Popen(
         [
-            sys.executable, __file__, "probe", "--port", str(server.probe_port),
+            sys.executable, str(PROBER), "--port", str(server.probe_port),
             "--paths", ",".join(server.paths), "--interval", str(interval), "--out", str(out),
+            "--timeout", str(PROBE_TIMEOUT),
+            *(["--nice", str(PROBER_NICE)] if PROBER_NICE is not None else []),
         ],
         stdin=subprocess.PIPE,
         start_new_session=NEW_SESSION_PROBER,
@@ -400,27 +330,20 @@ def _f(value: float | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command")
-    probe = sub.add_parser("probe")
-    probe.add_argument("--port", type=int, required=True)
-    probe.add_argument("--paths", required=True)
-    probe.add_argument("--interval", type=float, default=0.05)
-    probe.add_argument("--out", type=Path, required=True)
     parser.add_argument("--servers", default="ours,ours-control,vllm")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--interval", type=float, default=0.05)
     parser.add_argument("--renice-engine", type=int, default=None)
     parser.add_argument("--server-env", action="append", default=[], help="KEY=VALUE")
     parser.add_argument("--prober-new-session", action="store_true")
+    parser.add_argument("--prober-nice", type=int, default=None, help="with --prober-new-session")
     parser.add_argument("--note", default="")
     parser.add_argument("--out", type=Path, default=OUT / "probes_under_load.json")
     args = parser.parse_args()
-    if args.command == "probe":
-        run_prober("127.0.0.1", args.port, args.paths.split(","), args.interval, args.out)
-        return
 
-    global NEW_SESSION_PROBER
-    NEW_SESSION_PROBER = args.prober_new_session
+    global NEW_SESSION_PROBER, PROBER_NICE
+    NEW_SESSION_PROBER = args.prober_new_session or args.prober_nice is not None
+    PROBER_NICE = args.prober_nice
     from llmendpoints_runtime.demo import write_demo_model
 
     work = OUT / "probes_under_load"

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -30,9 +31,10 @@ CONCURRENT = 24
 MAX_NUM_SEQS = 2
 
 
-# Tokens of the two requests that hold the engine while the other 22 wait: thousands of engine
-# steps, so "2 running, 22 waiting" lasts for seconds whatever the machine does.
-LONG_TOKENS = 6000
+# Tokens of the two requests that hold the engine while the other 22 wait: 12,000 engine steps,
+# so "2 running, 22 waiting" lasts ~10 s here, longer than this process was ever seen held off
+# its CPU (about 4 s, tests/README.md). The demo model's copy for this module allows that length.
+LONG_TOKENS = 12_000
 PROBE_PATHS = ("/health", "/ready?strict=1", "/metrics")
 PROBER = Path(__file__).resolve().parent / "prober.py"
 # The pod spec's probe timeoutSeconds is 5 (operator manifests); twice that for a prober that
@@ -41,10 +43,21 @@ PROBE_TIMEOUT = 10.0
 
 
 @pytest.fixture(scope="module")
-def two_seqs(demo_model, runtime_logs) -> Iterator[RuntimeServer]:
+def long_demo_model(demo_model, tmp_path_factory) -> Path:
+    """The demo model with room for LONG_TOKENS positions (RoPE: any length it is built for)."""
+    copy = tmp_path_factory.mktemp("long-demo") / "model"
+    shutil.copytree(demo_model, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["max_position_embeddings"] = LONG_TOKENS + 64
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+@pytest.fixture(scope="module")
+def two_seqs(long_demo_model, runtime_logs) -> Iterator[RuntimeServer]:
     control = free_port()
     with running_runtime(
-        demo_model,
+        long_demo_model,
         runtime_logs,
         MAX_NUM_SEQS=str(MAX_NUM_SEQS),
         MAX_CONCURRENCY="64",
