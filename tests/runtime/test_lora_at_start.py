@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import RUNTIME_BIN, RuntimeServer, running_runtime, runtime_env
+from conftest import RUNTIME_BIN, RuntimeServer, free_port, running_runtime, runtime_env
 
 pytestmark = pytest.mark.engine
 
@@ -98,7 +98,7 @@ def test_an_adapter_above_max_lora_rank_is_refused_before_the_engine_starts(
     (big / "adapter_config.json").write_text(json.dumps({**config, "r": 16}))
     env = runtime_env(
         demo_model,
-        0,
+        free_port(),
         ENABLE_LORA="1",
         MAX_LORA_RANK="8",
         LORA_MODULES=json.dumps([{"name": "big", "path": str(big)}]),
