@@ -79,6 +79,8 @@ def _serve() -> int:
     if control is not None:
         logger.info("probes and /metrics also on %s:%d", config.settings.host, control.port)
     serve(runtime, app)
+    if control is not None:
+        control.close()
     from llmendpoints_runtime.health import EngineState
 
     code = 0

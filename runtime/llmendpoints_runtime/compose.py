@@ -15,13 +15,12 @@ from fastapi import APIRouter, Request
 from llmendpoints_common.jobs.models import DEFAULT_EXECUTION_TIMEOUT_MS, DEFAULT_TTL_MS
 from starlette.types import ASGIApp
 
-from llmendpoints_runtime import adapters, app
+from llmendpoints_runtime import adapters, app, control_listener
 from llmendpoints_runtime.adapters import AdapterReconciler
 from llmendpoints_runtime.admission import AdmissionQueue, default_max_concurrency
 from llmendpoints_runtime.app import Runtime
 from llmendpoints_runtime.auth import KeyStore
 from llmendpoints_runtime.config import ConfigError, RuntimeConfig, RuntimeSettings
-from llmendpoints_runtime.control_listener import ControlListener, ControlSurface
 from llmendpoints_runtime.engine import Engine, install_media_fetcher
 from llmendpoints_runtime.health import Health
 from llmendpoints_runtime.job_engine import JobEngineAdapter
@@ -115,26 +114,23 @@ def create_app(runtime: Runtime, *, start_engine: bool = True) -> ASGIApp:
     return app.create_app(runtime, routers, start_engine=start_engine)
 
 
-def start_control_listener(runtime: Runtime) -> ControlListener | None:
-    """Probes and /metrics on LLMEP_CONTROL_PORT, from a thread of their own (control_listener);
-    None when the port is not set. ConfigError when it cannot listen there."""
+def start_control_listener(runtime: Runtime) -> control_listener.ControlPort | None:
+    """Probes and /metrics on LLMEP_CONTROL_PORT, answered by a process of their own
+    (control_listener); None when the port is not set. ConfigError when it cannot listen."""
     settings = runtime.config.settings
     if settings.control_port is None:
         return None
     if settings.control_port == settings.port:
         raise ConfigError("LLMEP_CONTROL_PORT", f"must differ from PORT ({settings.port})")
-    surface = ControlSurface(
+    surface = control_listener.ControlSurface(
         liveness=lambda: app.liveness_now(runtime),
         readiness=lambda strict: runtime.health.readiness(strict=strict),
         metrics=lambda: (app.metrics_now(runtime), CONTENT_TYPE),
     )
     try:
-        listener = ControlListener(surface, settings.host, settings.control_port)
+        return control_listener.start(surface, settings.host, settings.control_port)
     except OSError as exc:
-        raise ConfigError(
-            "LLMEP_CONTROL_PORT", f"cannot listen on {settings.host}:{settings.control_port}: {exc}"
-        ) from None
-    return listener.start()
+        raise ConfigError("LLMEP_CONTROL_PORT", str(exc)) from None
 
 
 def adapter_reconciler(runtime: Runtime) -> AdapterReconciler:

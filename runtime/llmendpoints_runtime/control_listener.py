@@ -1,29 +1,50 @@
-"""Probes and /metrics on a port of their own, answered by a thread of their own.
+"""Probes and /metrics on a port of their own, answered by a process of its own.
 
 The main port's /health, /ready, /ping and /metrics are answered by the event loop, which also
-carries every request, stream and engine output. Under load it answered them seconds late
-(bench/RESULTS.md, "Probes under load": a pod with MAX_NUM_SEQS=2 and 24 requests went silent
-for the whole run): the kubelet restarts a loaded pod, and the autoscaler reads the pod that
-most needs replicas as silent. This listener owns its socket and its threads and needs nothing
-from the loop: each answer is read from the same records the main port's answers are
-(``Health``, ``RuntimeMetrics``, vLLM's Prometheus registry), which other threads may read.
+carries every request, stream and engine output. A loaded pod answered them late, and the
+kubelet restarts a pod it cannot probe while the autoscaler reads it as silent. A thread of the
+API process does no better (measured, bench/RESULTS.md "Probes under load"): the event loop holds
+the GIL nearly all the time under load, and each of the handful of blocking calls a thread makes
+to answer (accept, recv, send) waits for it -- 15-26 ms per probe with one busy thread on an idle
+machine, seconds on a starved one, worse than the loop itself.
+
+So the answers come from a small child process with no share in the API process's GIL
+(``python -m llmendpoints_runtime.control_listener``, standard library only). The API process
+publishes what it would answer -- the three probe answers and the /metrics text -- into files
+in a private directory on tmpfs, every ``PUBLISH_INTERVAL_SECONDS`` (``ControlPublisher``, a
+thread: it needs the GIL too, but a late publication only makes an answer a little older, never
+late). The child serves each request from the newest files. If they stop being refreshed for
+``STALE_AFTER_SECONDS`` -- the API process is stuck -- the child answers /health and /ready 503
+saying so, so liveness still means "this process makes progress". The child dies with its parent
+(PR_SET_PDEATHSIG, and it checks its parent between connections).
 
 ``LLMEP_CONTROL_PORT`` turns it on (the operator sets it, and points the kubelet's probes and
 the autoscaler's scrape at it). The main port keeps answering the same paths (SageMaker and
 RunPod load balancers call /ping there).
 
-Deliberately small: HTTP/1.0-style, one request per connection (``Connection: close``), GET
-(and POST for /ping), no body read, headers bounded in size and time, a bounded number of
-connections answered at once (the rest are closed unanswered, as a full backlog would).
+Deliberately small: one request per connection (``Connection: close``), GET (and POST for
+/ping), no body read, headers bounded in size and time, at most MAX_CONNECTIONS answered at once
+(the rest are closed unanswered, as a full backlog would).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import json
 import logging
+import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 from llmendpoints_runtime.health import Probe
@@ -33,7 +54,13 @@ logger = logging.getLogger("llmendpoints.control")
 MAX_HEAD_BYTES = 8 * 1024
 READ_TIMEOUT_SECONDS = 5.0
 MAX_CONNECTIONS = 16
+PUBLISH_INTERVAL_SECONDS = 0.1
+METRICS_EVERY = 5  # publications: /metrics text is rendered every 0.5 s
+STALE_AFTER_SECONDS = 30.0
+_START_TIMEOUT_SECONDS = 30.0
 _TRUE = {"1", "true", "yes", "on"}
+_PROBES_FILE, _METRICS_FILE = "probes.json", "metrics"
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @dataclass(frozen=True)
@@ -45,7 +72,7 @@ class Answer:
 
 @dataclass(frozen=True)
 class ControlSurface:
-    """Where the answers come from (each callable is safe to call from any thread)."""
+    """Where the answers come from."""
 
     liveness: Callable[[], Probe]
     readiness: Callable[[bool], Probe]  # strict?
@@ -67,8 +94,6 @@ _PHRASES = {
 
 def answer(surface: ControlSurface, method: str, target: str) -> Answer:
     """What a request for ``method target`` gets (pure apart from the surface's reads)."""
-    import json
-
     parts = urlsplit(target)
     path = parts.path
     if path not in ("/health", "/ready", "/ping", "/metrics"):
@@ -92,8 +117,6 @@ def answer(surface: ControlSurface, method: str, target: str) -> Answer:
 
 
 def _error(status: int, message: str) -> Answer:
-    import json
-
     return Answer(status, json.dumps({"error": {"message": message, "code": status}}).encode())
 
 
@@ -115,38 +138,44 @@ def _response(result: Answer, *, head_only: bool = False) -> bytes:
     return head if head_only or result.status == 204 else head + result.body
 
 
+# -- the listener (in the child process; also usable in-process by tests) -------------------------
+
+
 class ControlListener:
     """A listening socket and an accept thread; each connection is answered in a short-lived
     thread (at most MAX_CONNECTIONS at once), so one slow client cannot hold the others."""
 
     def __init__(self, surface: ControlSurface, host: str, port: int) -> None:
         self.surface = surface
-        self._sock = socket.create_server(
-            (host, port), family=_family(host), backlog=128, reuse_port=False
-        )
+        self._sock = socket.create_server((host, port), family=_family(host), backlog=128)
+        self._sock.settimeout(1.0)  # the accept loop looks up now and then (parent_alive)
         self.port = self._sock.getsockname()[1]
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._thread = threading.Thread(target=self._accept, name="llmep-control", daemon=True)
+        self._thread = threading.Thread(target=self.serve, name="llmep-control", daemon=True)
+        self._closed = False
 
     def start(self) -> ControlListener:
         self._thread.start()
         return self
 
     def close(self) -> None:
+        self._closed = True
         self._sock.close()
 
-    def _accept(self) -> None:
-        while True:
+    def serve(self, keep_going: Callable[[], bool] = lambda: True) -> None:
+        while not self._closed and keep_going():
             try:
                 conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 return  # closed
             if not self._slots.acquire(blocking=False):
                 conn.close()  # as a full backlog would; probes retry at their period
                 continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._serve_one, args=(conn,), daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve_one(self, conn: socket.socket) -> None:
         try:
             with conn:
                 conn.settimeout(READ_TIMEOUT_SECONDS)
@@ -184,3 +213,167 @@ class ControlListener:
 
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+# -- what the API process publishes, and how the child reads it ---------------------------------
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    staged = path.with_name(f".{path.name}.{threading.get_native_id()}")
+    staged.write_bytes(data)
+    os.replace(staged, path)
+
+
+def probes_snapshot(surface: ControlSurface, now: float) -> bytes:
+    def one(probe: Probe) -> list:
+        return [probe.status, probe.body]
+
+    return json.dumps(
+        {
+            "t": now,
+            "health": one(surface.liveness()),
+            "ready": one(surface.readiness(False)),
+            "ready_strict": one(surface.readiness(True)),
+        }
+    ).encode()
+
+
+def file_surface(directory: Path, clock: Callable[[], float] = time.time) -> ControlSurface:
+    """The child's view: the newest published answers, 503 once they are stale."""
+
+    def read() -> dict:
+        return json.loads((directory / _PROBES_FILE).read_bytes())
+
+    def checked(key: str) -> Probe:
+        snapshot = read()
+        age = clock() - snapshot["t"]
+        if age > STALE_AFTER_SECONDS:
+            status = "unhealthy" if key == "health" else "failed"
+            reason = f"the runtime has not refreshed its health for {age:.0f} s: it is stuck"
+            return Probe(503, {"status": status, "reason": reason})
+        status, body = snapshot[key]
+        return Probe(status, body)
+
+    return ControlSurface(
+        liveness=lambda: checked("health"),
+        readiness=lambda strict: checked("ready_strict" if strict else "ready"),
+        metrics=lambda: ((directory / _METRICS_FILE).read_bytes(), METRICS_CONTENT_TYPE),
+    )
+
+
+class ControlPublisher:
+    """The API process's side: a thread publishing ``surface``'s answers into ``directory``."""
+
+    def __init__(self, surface: ControlSurface, directory: Path) -> None:
+        self.surface = surface
+        self.directory = directory
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llmep-control-pub", daemon=True)
+
+    def publish(self, *, metrics: bool) -> None:
+        write_atomically(self.directory / _PROBES_FILE, probes_snapshot(self.surface, time.time()))
+        if metrics:
+            write_atomically(self.directory / _METRICS_FILE, self.surface.metrics()[0])
+
+    def start(self) -> ControlPublisher:
+        self.publish(metrics=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        count = 0
+        while not self._stop.wait(PUBLISH_INTERVAL_SECONDS):
+            count += 1
+            try:
+                self.publish(metrics=count % METRICS_EVERY == 0)
+            except Exception:  # a failed publication must not end the publishing
+                logger.exception("control port: publishing the answers failed")
+
+
+@dataclass
+class ControlPort:
+    """The running control port: the child process, the publisher, the port it listens on."""
+
+    port: int
+    process: subprocess.Popen
+    publisher: ControlPublisher
+    directory: Path
+
+    def close(self) -> None:
+        self.publisher.stop()
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(5)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def start(surface: ControlSurface, host: str, port: int) -> ControlPort:
+    """Publish ``surface``'s answers and start the child process serving them on host:port.
+    OSError when the child cannot listen there (its message says why)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    directory = Path(tempfile.mkdtemp(prefix="llmep-control-", dir=base))
+    publisher = ControlPublisher(surface, directory).start()
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "llmendpoints_runtime.control_listener",
+            "--host", host, "--port", str(port), "--state", str(directory),
+            "--parent", str(os.getpid()),
+        ],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )  # fmt: skip
+    line = _first_line(process, _START_TIMEOUT_SECONDS)
+    if not line.startswith("listening "):
+        publisher.stop()
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        raise OSError(line.strip() or f"the control port's process exited ({process.poll()})")
+    return ControlPort(int(line.split()[1]), process, publisher, directory)
+
+
+def _first_line(process: subprocess.Popen, timeout: float) -> str:
+    result: list[str] = []
+    reader = threading.Thread(target=lambda: result.append(process.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return result[0] if result else ""
+
+
+# -- the child process ----------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL when the parent dies (set before anything else can go wrong)."""
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llmendpoints_runtime.control_listener")
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--state", type=Path, required=True)
+    parser.add_argument("--parent", type=int, required=True)
+    args = parser.parse_args(argv)
+    _die_with_parent()
+    if os.getppid() != args.parent:
+        return 1  # the parent is already gone
+    try:
+        listener = ControlListener(file_surface(args.state), args.host, args.port)
+    except OSError as exc:
+        print(f"cannot listen on {args.host}:{args.port}: {exc}", flush=True)
+        return 1
+    print(f"listening {listener.port}", flush=True)
+    listener.serve(keep_going=lambda: os.getppid() == args.parent)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

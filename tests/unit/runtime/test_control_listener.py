@@ -3,13 +3,17 @@ on a real socket, while the event loop of this process is kept busy."""
 
 from __future__ import annotations
 
-import asyncio
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
+from llmendpoints_runtime import control_listener
 from llmendpoints_runtime.control_listener import (
     MAX_HEAD_BYTES,
     ControlListener,
@@ -131,20 +135,118 @@ def test_a_silent_connection_does_not_hold_the_others(listener):
             sock.close()
 
 
-async def test_answers_while_this_processs_event_loop_is_blocked(listener):
-    """The point of the listener: the loop is held (as a busy output handler holds it) and the
-    probe is still answered -- by a client in another thread, as the kubelet is elsewhere."""
-    running, _ = listener
-    answered: list[int] = []
+# -- the child process fed by the publisher ---------------------------------------------------
 
-    def probe() -> None:
-        answered.append(request(running.port, get("/ready?strict=1"))[0])
 
-    thread = threading.Thread(target=probe)
-    thread.start()
-    held_until = time.monotonic() + 30
-    while not answered and time.monotonic() < held_until:
-        time.sleep(0.01)  # the event loop does not run: nothing awaits
-    thread.join(10)
-    assert answered == [200]
-    await asyncio.sleep(0)
+@pytest.fixture
+def control_port():
+    health = Health()
+    metrics = {"text": b"llmendpoints_queue_depth 0.0\n"}
+    published = ControlSurface(
+        liveness=health.liveness,
+        readiness=lambda strict: health.readiness(strict=strict),
+        metrics=lambda: (metrics["text"], "text/plain"),
+    )
+    running = control_listener.start(published, "127.0.0.1", 0)
+    try:
+        yield running, health, metrics
+    finally:
+        running.close()
+
+
+def wait_for(check, what: str, timeout: float = 30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+def test_the_child_process_answers_what_the_api_process_publishes(control_port):
+    running, health, metrics = control_port
+    assert running.process.pid != os.getpid() and running.process.poll() is None
+    status, _, body = request(running.port, get("/ready?strict=1"))
+    assert status == 503 and json.loads(body)["status"] == "initializing"
+    assert request(running.port, get("/ready"))[0] == 204
+    health.engine_ready()
+    metrics["text"] = b"llmendpoints_queue_depth 22.0\n"
+    wait_for(lambda: request(running.port, get("/ready?strict=1"))[0] == 200, "ready published")
+    wait_for(
+        lambda: request(running.port, get("/metrics"))[2] == b"llmendpoints_queue_depth 22.0\n",
+        "metrics published",
+    )
+    health.start_draining()
+    wait_for(lambda: request(running.port, get("/ping"))[0] == 503, "draining published")
+
+
+def test_answers_while_a_thread_of_this_process_holds_the_gil(control_port):
+    """What the thread listener could not do: the API process's event loop keeps the GIL under
+    load; the child has its own interpreter, so its answers do not wait for it."""
+    running, health, _ = control_port
+    health.engine_ready()
+    stop = threading.Event()
+
+    def spin() -> None:  # a CPU-bound Python thread: it holds the GIL but for switch intervals
+        while not stop.is_set():
+            sum(range(1000))
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        wait_for(lambda: request(running.port, get("/ready?strict=1"))[0] == 200, "ready")
+        answers = [request(running.port, get(path))[0] for path in ("/health", "/metrics") * 5]
+    finally:
+        stop.set()
+        spinner.join()
+    assert answers == [200] * 10
+
+
+def test_stale_answers_turn_into_503_saying_the_runtime_is_stuck(tmp_path):
+    health = Health()
+    health.engine_ready()
+    surface = ControlSurface(
+        health.liveness, lambda s: health.readiness(strict=s), lambda: (b"", "")
+    )
+    control_listener.ControlPublisher(surface, tmp_path).publish(metrics=True)
+    now = time.time()
+    fresh = control_listener.file_surface(tmp_path, clock=lambda: now + 1)
+    assert fresh.liveness().status == 200 and fresh.readiness(True).status == 200
+    later = now + control_listener.STALE_AFTER_SECONDS + 1
+    stale = control_listener.file_surface(tmp_path, clock=lambda: later)
+    for probe in (stale.liveness(), stale.readiness(True), stale.readiness(False)):
+        assert probe.status == 503 and "stuck" in probe.body["reason"]
+
+
+def test_a_port_in_use_is_an_error_naming_it():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        surface = ControlSurface(
+            Health().liveness, lambda s: Health().readiness(strict=s), lambda: (b"", "")
+        )
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+            control_listener.start(surface, "127.0.0.1", port)
+
+
+def test_the_child_dies_with_its_parent():
+    script = (
+        "import os, sys; from llmendpoints_runtime import control_listener as c; "
+        "from llmendpoints_runtime.health import Health; h = Health(); "
+        "s = c.ControlSurface(h.liveness, lambda x: h.readiness(strict=x), lambda: (b'', '')); "
+        "p = c.start(s, '127.0.0.1', 0); print(p.process.pid, flush=True); os._exit(0)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    child = int(done.stdout.split()[0])
+
+    def gone() -> bool:
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        return state in ("Z", "X")
+
+    wait_for(gone, "the control port's process to end with its parent")
