@@ -279,6 +279,8 @@ def summarise(records: list[dict], paths: list[str]) -> dict:
             "max_ms": times[-1] if times else None,
             "connect_p99_ms": _pct(connects, 99),
             "connect_max_ms": connects[-1] if connects else None,
+            # The control port's answers are published ones: how old they were when served.
+            "age_max_ms": max((r["age_ms"] for r in rows if "age_ms" in r), default=None),
         }
     return result
 
@@ -298,8 +300,9 @@ def markdown(results: list[dict], note: str) -> str:
         "requests ran.",
         "",
         "| server | round | load s | probes | failed | p50 ms | p99 ms | max ms | connect max ms |"
-        " API thread waited for CPU ms | prober waited ms | steal ms | mid-load gauges (running/waiting, min-max) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        " answer age max ms | API thread waited for CPU ms | prober waited ms | steal ms |"
+        " mid-load gauges (running/waiting, min-max) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         a = r["probes"]["all"]
@@ -319,6 +322,7 @@ def markdown(results: list[dict], note: str) -> str:
         lines.append(
             f"| {r['server']} | {r['round']} | {r['load_seconds']:.1f} | {a['n']} | {a['failed']} | "
             f"{_f(a['p50_ms'])} | {_f(a['p99_ms'])} | {_f(a['max_ms'])} | {_f(a['connect_max_ms'])} | "
+            f"{_f(a['age_max_ms'])} | "
             f"{k['api_wait_ms']:.0f} | {r['prober_run_delay_ms']:.0f} | {k['steal_ms']:.0f} | {gauge_words} |"
         )
     return "\n".join(lines)

@@ -38,7 +38,7 @@ CONTAINER_NAME = "runtime"
 HTTP_PORT = 8000
 HTTP_PORT_NAME = "http"
 # The runtime's control port (LLMEP_CONTROL_PORT): /health, /ready, /ping and /metrics answered
-# by a thread of their own, whatever the event loop carries. The kubelet's probes and the
+# by a process of their own, whatever the event loop carries. The kubelet's probes and the
 # autoscaler's scrape go there: a loaded pod stays visible to both (docs/operator.md).
 CONTROL_PORT = 8001
 CONTROL_PORT_NAME = "control"

@@ -96,6 +96,9 @@ class Runtime:
     drain_deadline: float | None = None
     # Run once the engine is ready, in order (the LoRA adapter reconciler starts here).
     on_ready: list[Callable[[], None]] = field(default_factory=list)
+    # Tasks run on the event loop from the server's start to its end (the control port's
+    # publisher), cancelled at shutdown.
+    on_serving: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     # Ends the process as SIGTERM would (the engine watcher calls it when the engine dies).
     request_stop: Callable[[], None] = field(default=lambda: os.kill(os.getpid(), signal.SIGTERM))
 
@@ -287,6 +290,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         task = asyncio.create_task(_start_engine(runtime)) if start_engine else None
+        serving = [asyncio.create_task(run()) for run in runtime.on_serving]
         try:
             yield
         finally:
@@ -296,6 +300,8 @@ def create_app(
                     await task
             await _drain_features(runtime)
             await runtime.engine.shutdown()
+            for running in serving:  # last: the control port says "draining" to the end
+                running.cancel()
 
     app = FastAPI(title="LLM Endpoints runtime", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.runtime = runtime

@@ -128,9 +128,13 @@ def start_control_listener(runtime: Runtime) -> control_listener.ControlPort | N
         metrics=lambda: (app.metrics_now(runtime), CONTENT_TYPE),
     )
     try:
-        return control_listener.start(surface, settings.host, settings.control_port)
+        port = control_listener.start(surface, settings.host, settings.control_port, thread=False)
     except OSError as exc:
         raise ConfigError("LLMEP_CONTROL_PORT", str(exc)) from None
+    # Published from the event loop, which stays responsive under load (a thread did not get
+    # the GIL often enough); the first publication is already there.
+    runtime.on_serving.append(port.publisher.run)
+    return port
 
 
 def adapter_reconciler(runtime: Runtime) -> AdapterReconciler:

@@ -155,7 +155,7 @@ class RuntimeSettings(BaseSettings):
         le=65535,
         validation_alias="LLMEP_CONTROL_PORT",
         description="A second port (on HOST) answering /health, /ready, /ping and /metrics from "
-        "a thread of its own, whatever the event loop is doing: for the kubelet's probes and "
+        "a process of its own, whatever the event loop is doing: for the kubelet's probes and "
         "the autoscaler's scrape under load (the operator sets it). Unset: no such port.",
     )
     log_format: Literal["text", "json"] = Field(

@@ -68,6 +68,7 @@ class Answer:
     status: int
     body: bytes
     content_type: str = "application/json"
+    age_seconds: float | None = None  # how old the published answer is (x-llmep-answer-age-ms)
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ class ControlSurface:
     liveness: Callable[[], Probe]
     readiness: Callable[[bool], Probe]  # strict?
     metrics: Callable[[], tuple[bytes, str]]  # (body, content type)
+    # Age in seconds of what the probes (False) or /metrics (True) answer; None: live answers.
+    age: Callable[[bool], float] | None = None
 
 
 _PHRASES = {
@@ -101,9 +104,10 @@ def answer(surface: ControlSurface, method: str, target: str) -> Answer:
     allowed = ("GET", "POST") if path == "/ping" else ("GET",)
     if method not in (*allowed, "HEAD"):
         return _error(405, f"{method} is not allowed on {path}")
+    age = surface.age(path == "/metrics") if surface.age is not None else None
     if path == "/metrics":
         body, content_type = surface.metrics()
-        return Answer(200, body, content_type)
+        return Answer(200, body, content_type, age)
     if path == "/health":
         probe = surface.liveness()
     else:
@@ -112,8 +116,8 @@ def answer(surface: ControlSurface, method: str, target: str) -> Answer:
         )
         probe = surface.readiness(strict)
     if probe.status == 204:
-        return Answer(204, b"")
-    return Answer(probe.status, json.dumps(probe.body).encode())
+        return Answer(204, b"", age_seconds=age)
+    return Answer(probe.status, json.dumps(probe.body).encode(), age_seconds=age)
 
 
 def _error(status: int, message: str) -> Answer:
@@ -132,6 +136,8 @@ def _head(data: bytes) -> tuple[str, str] | None:
 def _response(result: Answer, *, head_only: bool = False) -> bytes:
     phrase = _PHRASES.get(result.status, "")
     lines = [f"HTTP/1.1 {result.status} {phrase}", "connection: close"]
+    if result.age_seconds is not None:
+        lines.append(f"x-llmep-answer-age-ms: {max(result.age_seconds, 0) * 1000:.0f}")
     if result.status != 204:
         lines += [f"content-type: {result.content_type}", f"content-length: {len(result.body)}"]
     head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
@@ -254,43 +260,65 @@ def file_surface(directory: Path, clock: Callable[[], float] = time.time) -> Con
         status, body = snapshot[key]
         return Probe(status, body)
 
+    def age(metrics: bool) -> float:
+        if metrics:
+            return clock() - (directory / _METRICS_FILE).stat().st_mtime
+        return clock() - read()["t"]
+
     return ControlSurface(
         liveness=lambda: checked("health"),
         readiness=lambda strict: checked("ready_strict" if strict else "ready"),
         metrics=lambda: ((directory / _METRICS_FILE).read_bytes(), METRICS_CONTENT_TYPE),
+        age=age,
     )
 
 
 class ControlPublisher:
-    """The API process's side: a thread publishing ``surface``'s answers into ``directory``."""
+    """The API process's side: publishes ``surface``'s answers into ``directory``.
+
+    In the runtime it runs on the event loop (``run``): measured under load, a publishing
+    thread got the GIL so rarely that the answers it published were seconds old, while the
+    loop itself stays responsive (it answers the main port's probes in milliseconds). The
+    answers never wait for the loop; their freshness does, and each answer says its age
+    (``x-llmep-answer-age-ms``). ``start_thread`` is for callers without a loop."""
 
     def __init__(self, surface: ControlSurface, directory: Path) -> None:
         self.surface = surface
         self.directory = directory
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="llmep-control-pub", daemon=True)
+        self._count = 0
 
     def publish(self, *, metrics: bool) -> None:
         write_atomically(self.directory / _PROBES_FILE, probes_snapshot(self.surface, time.time()))
         if metrics:
             write_atomically(self.directory / _METRICS_FILE, self.surface.metrics()[0])
 
-    def start(self) -> ControlPublisher:
-        self.publish(metrics=True)
-        self._thread.start()
+    def tick(self) -> None:
+        """One publication: the probe answers, and /metrics every METRICS_EVERY ticks."""
+        self._count += 1
+        try:
+            self.publish(metrics=self._count % METRICS_EVERY == 0)
+        except Exception:  # a failed publication must not end the publishing
+            logger.exception("control port: publishing the answers failed")
+
+    async def run(self) -> None:
+        """Publish every PUBLISH_INTERVAL_SECONDS on the running event loop, until cancelled."""
+        import asyncio
+
+        while not self._stop.is_set():
+            self.tick()
+            await asyncio.sleep(PUBLISH_INTERVAL_SECONDS)
+
+    def start_thread(self) -> ControlPublisher:
+        def run() -> None:
+            while not self._stop.wait(PUBLISH_INTERVAL_SECONDS):
+                self.tick()
+
+        threading.Thread(target=run, name="llmep-control-pub", daemon=True).start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
-
-    def _run(self) -> None:
-        count = 0
-        while not self._stop.wait(PUBLISH_INTERVAL_SECONDS):
-            count += 1
-            try:
-                self.publish(metrics=count % METRICS_EVERY == 0)
-            except Exception:  # a failed publication must not end the publishing
-                logger.exception("control port: publishing the answers failed")
 
 
 @dataclass
@@ -311,12 +339,17 @@ class ControlPort:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def start(surface: ControlSurface, host: str, port: int) -> ControlPort:
-    """Publish ``surface``'s answers and start the child process serving them on host:port.
-    OSError when the child cannot listen there (its message says why)."""
+def start(surface: ControlSurface, host: str, port: int, *, thread: bool = True) -> ControlPort:
+    """Publish ``surface``'s answers and start the child process serving them on host:port;
+    from then on a thread publishes them, or (``thread=False``) the caller runs
+    ``port.publisher.run()`` on its event loop. OSError when the child cannot listen there (its
+    message says why)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     directory = Path(tempfile.mkdtemp(prefix="llmep-control-", dir=base))
-    publisher = ControlPublisher(surface, directory).start()
+    publisher = ControlPublisher(surface, directory)
+    publisher.publish(metrics=True)
+    if thread:
+        publisher.start_thread()
     process = subprocess.Popen(
         [
             sys.executable, "-m", "llmendpoints_runtime.control_listener",

@@ -58,6 +58,10 @@ def probe_once(host: str, port: int, path: str, timeout: float) -> dict:
         record["total_ms"] = (time.monotonic() - began) * 1000
         head, _, body = data.partition(b"\r\n\r\n")
         record["status"] = int(head.split(b" ", 2)[1])
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.decode("latin-1").partition(":")
+            if name.strip().lower() == "x-llmep-answer-age-ms":
+                record["age_ms"] = float(value)  # how old the control port's answer was
         text = body.decode(errors="replace")
         if path.startswith("/metrics"):
             record["gauges"] = gauges(text)

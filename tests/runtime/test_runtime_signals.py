@@ -99,9 +99,12 @@ async def test_in_flight_is_what_the_engine_runs_and_the_rest_is_queue(two_seqs)
     long_body = {"model": "demo", "prompt": "count", "max_tokens": LONG_TOKENS, "ignore_eos": True}
     body = {"model": "demo", "prompt": "count", "max_tokens": 20, "ignore_eos": True}
     scrape_url = control_url(two_seqs)
+    # While the engine runs, follow it on the main port (answered live by the event loop); the
+    # control port serves what was last published, and is compared once the engine is frozen.
+    live_url = two_seqs.url
 
     def outstanding() -> float:
-        sample = gauges(scrape_url)
+        sample = gauges(live_url)
         return sample["llmendpoints_queue_depth"] + sample["llmendpoints_requests_in_flight"]
 
     async def until_outstanding(count: int) -> None:
@@ -125,15 +128,21 @@ async def test_in_flight_is_what_the_engine_runs_and_the_rest_is_queue(two_seqs)
         seen = []
         deadline = time.monotonic() + 120
         while True:  # until the engine has stepped with all 24 in it: vLLM's gauges say so
-            sample = await asyncio.to_thread(gauges, scrape_url)
+            sample = await asyncio.to_thread(gauges, live_url)
             seen.append(sample)
             if sample["vllm:num_requests_running"] > 0:
                 break
             assert time.monotonic() < deadline, f"the engine never stepped: {seen[-3:]}"
             await asyncio.sleep(0.02)
         with engines_frozen(two_seqs.process.pid):
-            samples = [await asyncio.to_thread(gauges, scrape_url) for _ in range(3)]
             main_port = await asyncio.to_thread(gauges, two_seqs.url)
+            # The control port serves what the API process last published (every 0.5 s for
+            # /metrics): wait for the publication of the frozen state.
+            deadline = time.monotonic() + 60
+            while await asyncio.to_thread(gauges, scrape_url) != main_port:
+                assert time.monotonic() < deadline, "the control port never caught up"
+                await asyncio.sleep(0.1)
+            samples = [await asyncio.to_thread(gauges, scrape_url) for _ in range(3)]
         for task in long_requests:  # LONG_TOKENS steps each: the client leaves, vLLM aborts
             task.cancel()
         responses = await asyncio.gather(*requests)
@@ -211,7 +220,8 @@ async def test_probes_and_the_scrape_answer_from_another_process_while_the_pod_i
         f"no probe was sent during the {ended - began:.1f} s load (the prober waited {waited:.0f} ms for a CPU)"
     )
     failed = [r for r in records if "error" in r or r["status"] != 200]
-    assert not failed, failed[:5]
+    ages = sorted(r["age_ms"] for r in during if "age_ms" in r)
+    assert not failed, (failed[:5], f"answer ages during the load (ms): {ages}")
     for record in records:
         if record["path"] == "/health":
             assert record["body"] == {"status": "ok"}
@@ -306,7 +316,7 @@ async def test_the_operator_scales_to_the_real_need_of_a_real_pod(two_seqs, tmp_
                     },
                     "addressType": "IPv4",
                     # As the operator's Service lists them: the autoscaler scrapes the control
-                    # port, answered by a thread of its own while the event loop carries the
+                    # port, answered by a process of its own while the event loop carries the
                     # load (the loaded pod's scrape was the suspect of this test's old flake).
                     "ports": [
                         {"name": "http", "port": two_seqs.port, "protocol": "TCP"},

@@ -23,7 +23,7 @@ from .decision import Observation
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 PORT_NAME = "http"
-# The runtime's control port (probes and /metrics from a thread of their own, answered under
+# The runtime's control port (probes and /metrics from a process of their own, answered under
 # load): scraped where the Service lists it, else the http port (pods of older runtimes).
 CONTROL_PORT_NAME = "control"
 # vLLM's own series make a pod's /metrics a few hundred kB at most; refuse anything absurd.

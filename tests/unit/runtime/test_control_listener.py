@@ -166,8 +166,10 @@ def wait_for(check, what: str, timeout: float = 30):
 def test_the_child_process_answers_what_the_api_process_publishes(control_port):
     running, health, metrics = control_port
     assert running.process.pid != os.getpid() and running.process.poll() is None
-    status, _, body = request(running.port, get("/ready?strict=1"))
+    status, headers, body = request(running.port, get("/ready?strict=1"))
     assert status == 503 and json.loads(body)["status"] == "initializing"
+    # How old the published answer is, for whoever wants to know (a few publish intervals).
+    assert 0 <= float(headers["x-llmep-answer-age-ms"]) < 30_000
     assert request(running.port, get("/ready"))[0] == 204
     health.engine_ready()
     metrics["text"] = b"llmendpoints_queue_depth 22.0\n"
