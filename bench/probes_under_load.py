@@ -236,6 +236,7 @@ def one_round(server: Server, interval: float, workdir: Path, index: int) -> dic
     out = workdir / f"probes-{server.name}-{index}.json"
     prober = subprocess.Popen(
         [
+            *(["chrt", "--fifo", "1"] if PROBER_FIFO else []),
             sys.executable, str(PROBER), "--port", str(server.probe_port),
             "--paths", ",".join(server.paths), "--interval", str(interval), "--out", str(out),
             "--timeout", str(PROBE_TIMEOUT),
@@ -341,11 +342,17 @@ def main() -> None:
     parser.add_argument("--server-env", action="append", default=[], help="KEY=VALUE")
     parser.add_argument("--prober-new-session", action="store_true")
     parser.add_argument("--prober-nice", type=int, default=None, help="with --prober-new-session")
+    parser.add_argument(
+        "--prober-fifo",
+        action="store_true",
+        help="run the prober under SCHED_FIFO (chrt, root): what it measures is then the server",
+    )
     parser.add_argument("--note", default="")
     parser.add_argument("--out", type=Path, default=OUT / "probes_under_load.json")
     args = parser.parse_args()
 
-    global NEW_SESSION_PROBER, PROBER_NICE
+    global NEW_SESSION_PROBER, PROBER_NICE, PROBER_FIFO
+    PROBER_FIFO = args.prober_fifo
     NEW_SESSION_PROBER = args.prober_new_session or args.prober_nice is not None
     PROBER_NICE = args.prober_nice
     from llmendpoints_runtime.demo import write_demo_model
