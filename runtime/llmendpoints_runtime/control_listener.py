@@ -332,11 +332,11 @@ class ControlPort:
 
     def close(self) -> None:
         self.publisher.stop()
-        with contextlib.suppress(ProcessLookupError):
-            self.process.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(5)
         shutil.rmtree(self.directory, ignore_errors=True)
+        # The child may be gone already (engine shutdown stops every descendant, and reaps it).
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            self.process.kill()
+            self.process.wait(5)
 
 
 def start(surface: ControlSurface, host: str, port: int, *, thread: bool = True) -> ControlPort:
@@ -363,8 +363,9 @@ def start(surface: ControlSurface, host: str, port: int, *, thread: bool = True)
     line = _first_line(process, _START_TIMEOUT_SECONDS)
     if not line.startswith("listening "):
         publisher.stop()
-        with contextlib.suppress(ProcessLookupError):
+        with contextlib.suppress(OSError):
             process.kill()
+        shutil.rmtree(directory, ignore_errors=True)
         raise OSError(line.strip() or f"the control port's process exited ({process.poll()})")
     return ControlPort(int(line.split()[1]), process, publisher, directory)
 
@@ -380,12 +381,18 @@ def _first_line(process: subprocess.Popen, timeout: float) -> str:
 # -- the child process ----------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL when the parent dies (set before anything else can go wrong)."""
+def _die_with_parent(state: Path) -> None:
+    """Linux: SIGTERM when the parent dies (even by SIGKILL); on SIGTERM the published files go
+    too, so a killed runtime leaves nothing in /dev/shm."""
     import ctypes
 
+    def end(*_: object) -> None:
+        shutil.rmtree(state, ignore_errors=True)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, end)
     with contextlib.suppress(Exception):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -395,8 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state", type=Path, required=True)
     parser.add_argument("--parent", type=int, required=True)
     args = parser.parse_args(argv)
-    _die_with_parent()
+    _die_with_parent(args.state)
     if os.getppid() != args.parent:
+        shutil.rmtree(args.state, ignore_errors=True)
         return 1  # the parent is already gone
     try:
         listener = ControlListener(file_surface(args.state), args.host, args.port)
@@ -405,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"listening {listener.port}", flush=True)
     listener.serve(keep_going=lambda: os.getppid() == args.parent)
+    shutil.rmtree(args.state, ignore_errors=True)
     return 0
 
 

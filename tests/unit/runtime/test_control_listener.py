@@ -228,8 +228,10 @@ def test_a_port_in_use_is_an_error_naming_it():
         surface = ControlSurface(
             Health().liveness, lambda s: Health().readiness(strict=s), lambda: (b"", "")
         )
+        before = set(Path("/dev/shm").glob("llmep-control-*"))
         with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
             control_listener.start(surface, "127.0.0.1", port)
+        assert set(Path("/dev/shm").glob("llmep-control-*")) == before  # nothing left behind
 
 
 def test_the_child_dies_with_its_parent():
@@ -237,12 +239,14 @@ def test_the_child_dies_with_its_parent():
         "import os, sys; from llmendpoints_runtime import control_listener as c; "
         "from llmendpoints_runtime.health import Health; h = Health(); "
         "s = c.ControlSurface(h.liveness, lambda x: h.readiness(strict=x), lambda: (b'', '')); "
-        "p = c.start(s, '127.0.0.1', 0); print(p.process.pid, flush=True); os._exit(0)"
+        "p = c.start(s, '127.0.0.1', 0); print(p.process.pid, p.directory, flush=True); "
+        "os._exit(0)"
     )
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
     )
-    child = int(done.stdout.split()[0])
+    child_pid, directory = done.stdout.split()
+    child = int(child_pid)
 
     def gone() -> bool:
         try:
@@ -252,3 +256,4 @@ def test_the_child_dies_with_its_parent():
         return state in ("Z", "X")
 
     wait_for(gone, "the control port's process to end with its parent")
+    assert not Path(directory).exists()  # nothing left behind in /dev/shm
