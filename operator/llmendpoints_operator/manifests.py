@@ -37,6 +37,11 @@ ANNOTATION_CHAT_TEMPLATE_HASH = f"{GROUP}/chat-template-sha256"
 CONTAINER_NAME = "runtime"
 HTTP_PORT = 8000
 HTTP_PORT_NAME = "http"
+# The runtime's control port (LLMEP_CONTROL_PORT): /health, /ready, /ping and /metrics answered
+# by a process of their own, whatever the event loop carries. The kubelet's probes and the
+# autoscaler's scrape go there: a loaded pod stays visible to both (docs/operator.md).
+CONTROL_PORT = 8001
+CONTROL_PORT_NAME = "control"
 MODEL_CACHE_PATH = "/models"
 CHAT_TEMPLATE_DIR = "/etc/llmendpoints/chat-template"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -173,6 +178,7 @@ def build_env(ep: Endpoint) -> list[dict[str, Any]]:
         ("DRAIN_TIMEOUT_SECONDS", str(engine.drain_timeout_seconds)),
         ("HOST", "0.0.0.0"),
         ("PORT", str(HTTP_PORT)),
+        ("LLMEP_CONTROL_PORT", str(CONTROL_PORT)),
         ("LOG_FORMAT", "json"),
     ]
     env: list[dict[str, Any]] = [
@@ -291,7 +297,7 @@ def _resources(ep: Endpoint, settings: OperatorSettings) -> dict[str, Any]:
 
 def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
     return {
-        "httpGet": {"path": path, "port": HTTP_PORT_NAME},
+        "httpGet": {"path": path, "port": CONTROL_PORT_NAME},
         "periodSeconds": period,
         "timeoutSeconds": timeout,
         "failureThreshold": failures,
@@ -418,7 +424,10 @@ def build_pod_template(ep: Endpoint, settings: OperatorSettings) -> dict[str, An
         "image": engine.image or settings.runtime_image,
         "command": ["llmendpoints-runtime"],
         "args": ["serve"],
-        "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"},
+            {"name": CONTROL_PORT_NAME, "containerPort": CONTROL_PORT, "protocol": "TCP"},
+        ],
         "env": [*build_env(ep), *queue_env(ep, settings), *gateway_token_env(settings)],
         "resources": _resources(ep, settings),
         "volumeMounts": mounts,
@@ -465,7 +474,7 @@ def build_pod_template(ep: Endpoint, settings: OperatorSettings) -> dict[str, An
 
     annotations = {
         "prometheus.io/scrape": "true",
-        "prometheus.io/port": str(HTTP_PORT),
+        "prometheus.io/port": str(CONTROL_PORT),
         "prometheus.io/path": "/metrics",
     }
     if spec.model.chat_template is not None:
@@ -525,7 +534,16 @@ def build_service(ep: Endpoint) -> dict[str, Any]:
                     "targetPort": HTTP_PORT_NAME,
                     "protocol": "TCP",
                     "appProtocol": "http",
-                }
+                },
+                # Listed so that the EndpointSlices carry it: the autoscaler scrapes there.
+                # It serves nothing the http port does not (probes and /metrics).
+                {
+                    "name": CONTROL_PORT_NAME,
+                    "port": CONTROL_PORT,
+                    "targetPort": CONTROL_PORT_NAME,
+                    "protocol": "TCP",
+                    "appProtocol": "http",
+                },
             ],
         },
     }

@@ -444,3 +444,46 @@ async def test_a_request_held_by_the_gateway_is_answered_after_the_scale_from_ze
         gateway.stop()
         if backend is not None:
             backend.stop()
+
+
+async def test_a_replica_that_never_gets_ready_goes_back_to_zero_once_its_job_is_gone(
+    cluster, operator, nats_url
+):
+    """Woken from zero by a queued job; the pod never becomes ready (no GPU free, an image that
+    does not pull: here, no pod at all); the job is cancelled before any pod could take it.
+    Nothing waits for the endpoint any more: after scaleToZeroAfterSeconds it is back at zero,
+    and the status says why -- not "hold at 1: no ready replica to measure yet" for ever."""
+    op, _ = operator
+    name = "stuck"
+    connection = await QueueConnection.connect(nats_url, name="test-client")
+    jobs = QueueJobService(connection, f"{NS}/{name}")
+    try:
+        await cluster.create(
+            LLMEP, NS, endpoint(name, NS, {"model": {"name": "org/model"}, "scaling": SCALING})
+        )
+        await _until(op, lambda: _replicas(cluster, name) == 0, "a Deployment at 0")
+        job = await jobs.submit(
+            parse_job_request(b'{"input": {"prompt": "a"}}'), sync=False, owner="alice"
+        )
+        await _until(op, lambda: _replicas(cluster, name) == 1, "0 -> 1 for the queued job")
+        # While the job waits, the replica that is not ready is kept, whatever the idle time.
+        await asyncio.sleep(2 * IDLE_AFTER + SCALING["intervalSeconds"])
+        assert _replicas(cluster, name) == 1
+        assert "waiting for it: 1 queued job(s)" in _status(cluster, name)["autoscaling"]["reason"]
+
+        cancelled = time.time()
+        await jobs.cancel(job.id, owner="alice")
+        await _until(op, lambda: _replicas(cluster, name) == 0, "back to zero", timeout=30)
+        assert time.time() - cancelled >= IDLE_AFTER - 1
+        decision = await _last_decision(op, cluster, name, to=0)
+        assert (
+            "no replica became ready and nothing is held, queued or running" in (decision["reason"])
+        )
+        await _until(op, lambda: _status(cluster, name).get("phase") == "ScaledToZero", "phase")
+        st = _status(cluster, name)
+        assert "no replica became ready" in st["autoscaling"]["scaledToZero"]["reason"]
+        ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+        assert ready["reason"] == "ScaledToZero" and "no replica became ready" in ready["message"]
+        assert "ScaleToZero" in [e["reason"] for e in cluster.events(NS, name)]
+    finally:
+        await connection.nc.drain()

@@ -109,7 +109,10 @@ class RuntimeServer:
         return self.process.returncode
 
 
-def runtime_env(model_path: Path, port: int, **overrides: str) -> dict[str, str]:
+def runtime_env(
+    model_path: Path, port: int, *, unset: tuple[str, ...] = (), **overrides: str
+) -> dict[str, str]:
+    """The server's environment; ``unset`` names variables of this process it must not get."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -130,12 +133,16 @@ def runtime_env(model_path: Path, port: int, **overrides: str) -> dict[str, str]
         STARTUP_LOG_INTERVAL_SECONDS="5",
     )
     env.update(overrides)
+    for name in unset:
+        env.pop(name, None)
     return env
 
 
-def launch_runtime(model_path: Path, log_dir: Path, **overrides: str) -> RuntimeServer:
+def launch_runtime(
+    model_path: Path, log_dir: Path, *, unset: tuple[str, ...] = (), **overrides: str
+) -> RuntimeServer:
     port = free_port()
-    env = runtime_env(model_path, port, **overrides)
+    env = runtime_env(model_path, port, unset=unset, **overrides)
     log_path = log_dir / f"runtime-{port}.log"
     handle = log_path.open("wb")
     process = subprocess.Popen(
@@ -150,8 +157,10 @@ def launch_runtime(model_path: Path, log_dir: Path, **overrides: str) -> Runtime
 
 
 @contextlib.contextmanager
-def running_runtime(model_path: Path, log_dir: Path, **overrides: str) -> Iterator[RuntimeServer]:
-    server = launch_runtime(model_path, log_dir, **overrides)
+def running_runtime(
+    model_path: Path, log_dir: Path, *, unset: tuple[str, ...] = (), **overrides: str
+) -> Iterator[RuntimeServer]:
+    server = launch_runtime(model_path, log_dir, unset=unset, **overrides)
     try:
         server.wait_listening()
         server.wait_ready()
