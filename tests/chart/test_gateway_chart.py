@@ -75,6 +75,7 @@ def test_every_gateway_document_validates_strictly(
             "ClusterRoleBinding",
             "Role",  # list/watch of the key Secrets' namespace
             "RoleBinding",
+            "Secret",  # the gateway token secret (generated once, kept)
         ]
     )
     for doc in docs:
@@ -144,11 +145,17 @@ def test_gateway_rbac_reads_only_what_discovery_needs(helm: Path, tmp_path: Path
         for g in rule["apiGroups"]
         for r in rule["resources"]
     }
+    # No Secret of any other namespace: the tenant keys are read in the key namespace alone.
     assert grants == {
         ("llmendpoints.dev", "llmendpoints"): {"list", "watch"},
         ("discovery.k8s.io", "endpointslices"): {"list", "watch"},
-        ("", "secrets"): {"get"},  # named key Secrets only: no list, no watch
     }
+    with_endpoint_keys = _gateway_docs(
+        render(helm, tmp_path, {"gateway": {"enabled": True, "endpointKeys": True}})
+    )
+    rules = _one(with_endpoint_keys, "ClusterRole")["rules"]
+    # only when asked for: endpoints' own keys, by name (no list, no watch)
+    assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]} in rules
     binding = _one(docs, "ClusterRoleBinding")
     account = _one(docs, "ServiceAccount")["metadata"]["name"]
     assert binding["subjects"][0]["name"] == account
