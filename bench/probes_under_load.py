@@ -43,7 +43,8 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "runtime"))
+# The tests' kits (tests/conftest.py puts the same two folders on the path).
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "runtime")]
 from runtime_process import free_port, launch_runtime  # noqa: E402
 
 PROBER = REPO / "tests" / "runtime" / "prober.py"  # the engine tests' prober, shared

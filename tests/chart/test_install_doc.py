@@ -233,7 +233,9 @@ def test_monitoring_scrapes_the_gateway_too(helm: Path, tmp_path: Path, installe
         "honorLabels": True,
     }
     service = next(
-        d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "llmendpoints-gateway"
+        d
+        for d in docs
+        if d["kind"] == "Service" and d["metadata"]["name"] == "llmendpoints-gateway"
     )
     assert [p["name"] for p in service["spec"]["ports"]] == ["http"]
     dashboards = [

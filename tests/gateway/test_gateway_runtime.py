@@ -16,13 +16,14 @@ from pathlib import Path
 
 import httpx
 import openai
+import proc_kit
 import pytest
 from integration.nats_kit import nats_server
+from runtime_process import RuntimeServer
 
-from .harness import Process, launch_runtime, load_kit, running_gateway, write_endpoints
+from .harness import launch_runtime, running_gateway, write_endpoints
 
 pytestmark = pytest.mark.engine
-proc_kit = load_kit("proc_kit")
 
 SYSTEM = "You are a helpful assistant who answers briefly and in plain words. " * 3
 
@@ -87,14 +88,14 @@ def _metric_sum(url: str, name: str, **labels: str) -> float:
     return total
 
 
-def _ready(replica: Process) -> bool:
+def _ready(replica: RuntimeServer) -> bool:
     try:
         return httpx.get(replica.url + "/ready?strict=1", timeout=5).status_code == 200
     except httpx.TransportError:
         return False  # not even listening yet
 
 
-def _finished(replica: Process, reason: str | None = None) -> float:
+def _finished(replica: RuntimeServer, reason: str | None = None) -> float:
     labels = {"finished_reason": reason} if reason else {}
     return _metric_sum(replica.url, "vllm:request_success_total", **labels)
 
@@ -209,8 +210,10 @@ def test_a_client_disconnect_aborts_the_request_in_the_engine(gateway, replicas)
     try:
         # The runtimes' API processes (not frozen) see the disconnect and let the request go.
         proc_kit.wait_until(
-            lambda: not any(
-                _metric_sum(r.url, "llmendpoints_requests_in_flight") for r in replicas.values()
+            lambda: (
+                not any(
+                    _metric_sum(r.url, "llmendpoints_requests_in_flight") for r in replicas.values()
+                )
             ),
             20,
             "the runtimes still count the request in flight after the client left",

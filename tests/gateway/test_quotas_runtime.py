@@ -20,13 +20,11 @@ import httpx
 import openai
 import pytest
 import yaml
-from integration.nats_kit import nats_server
-
-from .harness import Process, launch_gateway, launch_runtime
-
-# tests/runtime is not a package: its stream-holding client is imported from its folder.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 from held_stream import HeldStream
+from integration.nats_kit import nats_server
+from runtime_process import RuntimeServer
+
+from .harness import launch_gateway, launch_runtime
 
 pytestmark = pytest.mark.engine
 
@@ -74,7 +72,7 @@ def runtime(demo_model, logs, queue_url):
         proc.stop()
 
 
-def _write(path: Path, runtime: Process, keys: list[dict]) -> None:
+def _write(path: Path, runtime: RuntimeServer, keys: list[dict]) -> None:
     document = {
         "endpoints": [{"name": "demo", "models": ["demo"], "backends": [runtime.url]}],
         "apiKeys": keys,
@@ -143,7 +141,7 @@ def _metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
-def _engine_tokens(runtime: Process) -> tuple[float, float]:
+def _engine_tokens(runtime: RuntimeServer) -> tuple[float, float]:
     return (
         _metric(runtime.url, "vllm:prompt_tokens_total"),
         _metric(runtime.url, "vllm:generation_tokens_total"),

@@ -83,7 +83,8 @@ async def test_a_suspended_replica_keeps_its_series():
     text = _series(metrics)
     # A static backend has no pod: its label is host:port.
     assert (
-        'llmendpoints_gateway_in_flight_requests{endpoint="default/e",replica="127.0.0.1:9001"} 0.0' in text
+        'llmendpoints_gateway_in_flight_requests{endpoint="default/e",replica="127.0.0.1:9001"} 0.0'
+        in text
     )
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,6 +24,7 @@ from llmendpoints_common.jobs.models import parse_job_request
 from llmendpoints_common.queue import signals
 from llmendpoints_common.queue.client import QueueConnection, QueueJobService
 from llmendpoints_operator import manifests
+from ports import free_port
 
 from .kube_emulator import CHILD_RESOURCES, LLMEP, Cluster, Operator, endpoint, wait_for
 from .nats_kit import nats_server
@@ -48,18 +48,12 @@ SCALING = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class SlowPods:
     """Stand-in pods of one endpoint that follow its Deployment's replicas and become ready
     COLD_START seconds after they are asked for. They report an idle /metrics."""
 
     def __init__(self, cluster: Cluster, name: str, subnet: int) -> None:
-        self.cluster, self.name, self.subnet, self.port = cluster, name, subnet, _free_port()
+        self.cluster, self.name, self.subnet, self.port = cluster, name, subnet, free_port()
         self._runners: list[web.AppRunner] = []
 
     async def _start_pod(self) -> None:
@@ -150,7 +144,7 @@ async def cluster() -> AsyncIterator[Cluster]:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def operator(cluster, nats_url, tmp_path_factory) -> AsyncIterator[tuple[Operator, int]]:
     tmp = tmp_path_factory.mktemp("operator")
-    metrics_port = _free_port()
+    metrics_port = free_port()
     operator = Operator(
         cluster.write_kubeconfig(tmp / "kubeconfig"),
         tmp / "operator.log",

@@ -22,6 +22,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from integration.kube_emulator import (
+    CHILD_RESOURCES,
+    LLMEP,
+    Cluster,
+    Operator,
+    endpoint,
+    wait_for,
+)
 from proc_kit import engines_frozen
 from runtime_process import RuntimeServer, free_port, running_runtime
 
@@ -237,16 +245,6 @@ async def test_probes_and_the_scrape_answer_from_another_process_while_the_pod_i
 
 # --- closed loop: the real operator (against kmock) scaling on this real pod ------------------
 
-# The kube emulator lives in tests/integration (imported under the name pytest gives it there).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from integration.kube_emulator import (  # noqa: E402
-    CHILD_RESOURCES,
-    LLMEP,
-    Cluster,
-    Operator,
-    endpoint,
-    wait_for,
-)
 
 NS, NAME = "loop", "chat"
 MAX_REPLICAS = 8

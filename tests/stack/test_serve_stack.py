@@ -21,18 +21,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ports import free_port
 
 pytestmark = pytest.mark.engine
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 DEMO_MODEL = ROOT / ".cache" / "demo-model"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def descendants(pid: int) -> set[int]:
