@@ -133,9 +133,9 @@ def _until(condition, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def _metric(url: str, name: str, **labels: str) -> float:
+def _metric(metrics_url: str, name: str, **labels: str) -> float:
     total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
@@ -143,15 +143,15 @@ def _metric(url: str, name: str, **labels: str) -> float:
 
 def _engine_tokens(runtime: RuntimeServer) -> tuple[float, float]:
     return (
-        _metric(runtime.url, "vllm:prompt_tokens_total"),
-        _metric(runtime.url, "vllm:generation_tokens_total"),
+        _metric(runtime.url + "/metrics", "vllm:prompt_tokens_total"),
+        _metric(runtime.url + "/metrics", "vllm:generation_tokens_total"),
     )
 
 
 def _gateway_tokens(gateways, key: str) -> tuple[float, float]:
     return tuple(
         sum(
-            _metric(gw.url, "llmendpoints_gateway_key_tokens_total", key=key, kind=kind)
+            _metric(gw.metrics_url, "llmendpoints_gateway_key_tokens_total", key=key, kind=kind)
             for gw in gateways
         )
         for kind in ("prompt", "completion")
@@ -224,7 +224,9 @@ def test_the_tokens_counted_are_the_engines_own_for_answers_streams_and_jobs(gat
     assert engine[0] > seen[0] + job_usage["input"]  # plus the two streams' prompts
     assert (
         sum(
-            _metric(gw.url, "llmendpoints_gateway_key_requests_total", key="meter", code="200")
+            _metric(
+                gw.metrics_url, "llmendpoints_gateway_key_requests_total", key="meter", code="200"
+            )
             for gw in gateways
         )
         == 5
