@@ -52,7 +52,9 @@ def main() -> None:
         time.sleep(1)
         batch = client.batches.retrieve(batch.id)
         counts = batch.request_counts
-        print(f"  {batch.status}: {counts.completed} done, {counts.failed} failed of {counts.total}")
+        print(
+            f"  {batch.status}: {counts.completed} done, {counts.failed} failed of {counts.total}"
+        )
     if batch.status == "failed":
         for error in batch.errors.data:
             print(f"  line {error.line}: {error.code}: {error.message}")

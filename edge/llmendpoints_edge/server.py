@@ -20,10 +20,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import uvicorn
 from llmendpoints_common.errors import APIError, RequestTimeoutError
+
+if TYPE_CHECKING:  # settings.py reads this module's defaults
+    from llmendpoints_edge.settings import EdgeSettings
 
 try:  # what uvicorn's "auto" picks when httptools is installed (it is, with both components)
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _HTTPProtocol
@@ -180,27 +183,18 @@ def protocol_class(
     )
 
 
-def serve(
-    app: Any,
-    component: Drainable,
-    *,
-    host: str,
-    port: int,
-    header_timeout: float,
-    max_header_bytes: int,
-    drain_timeout: float,
-    **uvicorn_options: Any,
-) -> None:
-    """Serve ``app`` until a signal ends the drain of ``component``."""
+def serve(app: Any, component: Drainable, settings: EdgeSettings, **uvicorn_options: Any) -> None:
+    """Serve ``app`` on the edge's settings (address, header bounds, drain) until a signal ends
+    the drain of ``component``; ``uvicorn_options`` are what differs between the two servers."""
     config = uvicorn.Config(
         app,
-        host=host,
-        port=port,
+        host=settings.host,
+        port=settings.port,
         log_config=None,  # logging is configured by logs.configure
-        http=protocol_class(header_timeout, max_header_bytes),
+        http=protocol_class(settings.request_read_timeout_seconds, settings.max_header_bytes),
         # By the time uvicorn shuts down, the drain has already waited; only stragglers remain.
         timeout_graceful_shutdown=5,
         lifespan="on",
         **uvicorn_options,
     )
-    DrainingServer(config, component, drain_timeout).run()
+    DrainingServer(config, component, settings.drain_timeout_seconds).run()

@@ -13,6 +13,11 @@ it to kopf; tests drive it with a fake client and plain dicts as indexes.
   field), creates nothing, and raises InvalidSpecError; an API refusal raises kube.ApiError.
 - `publish_status` computes the status from the indexes (status.compute, pure) and writes it
   when it changed, posting Events for notable transitions.
+- A served model name belongs to the oldest endpoint declaring it (llmendpoints_common.
+  model_names, the gateway's rule too): the status's ModelNameAvailable condition says whether
+  this endpoint keeps its name, from the model_claims index. `model_claims_changed` re-publishes
+  the other claimants' status when an endpoint appears, renames its model or goes away, so a
+  newcomer learns that it now keeps the name at once (the resync is the backstop).
 - The InferencePool (manifests.build_inference_pool) is an optional child whose API may be
   missing: its outcome becomes the status's InferencePool condition, never a failed reconcile.
 - `resync_forever` reconciles every endpoint once per period (drift correction).
@@ -32,7 +37,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import kopf
+from llmendpoints_common import gateway_token
 from llmendpoints_common.identity import EndpointRef
+from llmendpoints_common.model_names import Claim, creation_time, owner, served_model_name
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 
 from llmendpoints_operator import kube, manifests, status
@@ -49,6 +56,29 @@ from llmendpoints_operator.spec import Endpoint, InvalidSpecError
 _OTHER_WRITERS = (AUTOSCALING_KEY, ADAPTERS_KEY)
 
 Key = tuple[str, str]  # (namespace, endpoint name)
+
+# The Secrets the operator created for an endpoint (names, comma-separated), on the endpoint.
+SECRETS_CREATED = "llmendpoints.dev/secrets-created"
+
+
+def created_secrets(endpoint: Mapping[str, Any]) -> set[str]:
+    annotations = (endpoint.get("metadata") or {}).get("annotations") or {}
+    return {n for n in (annotations.get(SECRETS_CREATED) or "").split(",") if n}
+
+
+class NotOurSecret(kube.Conflict):
+    """A Secret the endpoint's pods would trust exists, and the operator did not make it."""
+
+    def __init__(self, name: str, what: str):
+        super().__init__(
+            409,
+            "SecretNotCreatedByOperator",
+            f"Secret {name} ({what}) exists and was not created by the operator for this "
+            "endpoint: its pods are not started with it. Delete it; the operator then creates "
+            "its own.",
+        )
+
+
 # kopf.Index[K, V] is a Mapping of K to a collection of V; so is a dict of lists in tests.
 Index = Mapping[Any, Collection[Any]]
 
@@ -82,6 +112,7 @@ class Indexes:
     runtime_deployments: Index  # Key -> status.DeploymentState
     claim_phases: Index  # (namespace, claim) -> phase
     claim_users: Index  # (namespace, claim) -> endpoint name
+    model_claims: Index  # served model name -> model_names.Claim of each endpoint declaring it
 
     @classmethod
     def of(cls, kwargs: Mapping[str, Any]) -> Indexes:
@@ -100,17 +131,19 @@ def _one(index: Index, key: Any) -> Any:
     return next(iter(store), None) if store else None
 
 
+# creationTimestamp: who keeps a served model name (model_name).
+_SNAPSHOT_METADATA = (
+    "name", "namespace", "uid", "generation", "labels", "creationTimestamp", "deletionTimestamp"
+)  # fmt: skip
+
+
 def snapshot(body: Mapping[str, Any]) -> dict[str, Any]:
     """What is needed to reconcile or publish an endpoint outside its own handlers."""
     meta = body.get("metadata") or {}
     return {
         "apiVersion": body.get("apiVersion", manifests.API_VERSION),
         "kind": body.get("kind", manifests.KIND),
-        "metadata": {
-            key: meta[key]
-            for key in ("name", "namespace", "uid", "generation", "labels", "deletionTimestamp")
-            if key in meta
-        },
+        "metadata": {key: meta[key] for key in _SNAPSHOT_METADATA if key in meta},
         # No copies: kopf parses every watch event into fresh dicts and never mutates them.
         "spec": body.get("spec") or {},
         "status": body.get("status") or {},
@@ -186,6 +219,11 @@ class Reconciler:
     ) -> None:
         self._kube = kube
         self._jobs_queue = jobs_queue
+        self._gateway_token_secret = (
+            gateway_token.read_secret(settings.gateway_token_secret_file)
+            if settings.gateway_token_secret_file
+            else None
+        )
         self.indexes = indexes
         self._settings = settings
         self._post_event = post_event
@@ -197,6 +235,11 @@ class Reconciler:
         self._published: dict[Key, dict[str, Any]] = {}
         # What the last reconcile did about each endpoint's InferencePool (status reports it).
         self._pools: dict[Key, status.InferencePoolState] = {}
+        # The served model name each endpoint declared when last seen (model_claims_changed).
+        self._served: dict[Key, str] = {}
+        # Secrets this process created, per endpoint (the annotation's record may not be in the
+        # snapshot a reconcile gets yet: the watch event of our own patch comes later).
+        self._created: defaultdict[Key, set[str]] = defaultdict(set)
 
     # --- the reconcile ------------------------------------------------------------------------
 
@@ -244,6 +287,7 @@ class Reconciler:
             client = self._kube()
             await self._ensure_admin_key(ep, endpoint, client, logger)
             await self._ensure_queue_creds(ep, endpoint, client, logger)
+            await self._ensure_gateway_token(ep, endpoint, client, logger)
             children = manifests.build_children(ep, self._settings)
             kopf.adopt(children, owner=endpoint)
             for child in children:
@@ -289,12 +333,60 @@ class Reconciler:
         A POST per reconcile rather than a read: the operator may create Secrets but not read
         them (its RBAC), so an existing one is known only by the API's Conflict."""
         secret = manifests.build_admin_key_secret(ep, secrets.token_urlsafe(32))
+        await self._create_once(secret, owner, client, logger, "the endpoint's admin key")
+
+    async def _ensure_gateway_token(
+        self, ep: Endpoint, owner: Mapping[str, Any], client: KubeApi, logger: logging.Logger
+    ) -> None:
+        """The endpoint's gateway token (with the gateway's token secret): derived from the
+        installation's secret and the endpoint's ``<namespace>/<name>``, what the gateway
+        presents to its pods instead of a client's key. Created once, like the admin key."""
+        if self._gateway_token_secret is None:
+            return
+        token = gateway_token.derive(self._gateway_token_secret, f"{ep.namespace}/{ep.name}")
+        secret = manifests.build_gateway_token_secret(ep, token)
+        await self._create_once(secret, owner, client, logger, "the gateway's token for its pods")
+
+    async def _create_once(
+        self,
+        secret: dict[str, Any],
+        owner: Mapping[str, Any],
+        client: KubeApi,
+        logger: logging.Logger,
+        what: str,
+    ) -> None:
+        """Create a Secret the endpoint's pods trust unless the operator made it already.
+
+        The operator may create Secrets, never read them (its RBAC), so an existing one is known
+        only by the API's Conflict -- and one planted under that name before the endpoint
+        existed (by anyone who may create Secrets in the namespace) would hand its author the
+        endpoint's admin key or the gateway's word at its pods. So each Secret the operator
+        creates is recorded on the endpoint (annotation ``SECRETS_CREATED``); a Conflict for a
+        Secret not recorded is refused (NotOurSecret: an Event, retried until the Secret is
+        deleted). Endpoints from before the record existed have their Deployment already: their
+        Secrets were made by this operator, before it."""
+        name = secret["metadata"]["name"]
+        meta = owner["metadata"]
+        key = (meta["namespace"], meta["name"])
         kopf.adopt(secret, owner=owner)
         try:
             await client.create(secret)
         except kube.Conflict:
-            return
-        logger.info("Created Secret %s (the endpoint's admin key)", secret["metadata"]["name"])
+            ours = self._created[key] | created_secrets(owner)
+            if name in ours or self.indexes.deployment(key):
+                return
+            raise NotOurSecret(name, what) from None
+        self._created[key].add(name)
+        await client.patch(
+            "llmendpoints.dev/v1alpha1",
+            "LLMEndpoint",
+            meta["namespace"],
+            meta["name"],
+            {"metadata": {"annotations": {SECRETS_CREATED: ",".join(
+                sorted(self._created[key] | created_secrets(owner))
+            )}}},
+        )  # fmt: skip
+        logger.info("Created Secret %s (%s)", name, what)
 
     async def _ensure_queue_creds(
         self, ep: Endpoint, owner: Mapping[str, Any], client: KubeApi, logger: logging.Logger
@@ -469,6 +561,7 @@ class Reconciler:
                 cluster_domain=self._settings.cluster_domain,
                 gateway_url=self._settings.gateway_url,
                 inference_pool=self._pools.get(key),
+                model_name=self.model_name(snapshot),
             )
             # Blocks other writers own: the autoscaler's and the adapter watcher's.
             others = {k: v for k, v in previous.items() if k not in _OTHER_WRITERS}
@@ -492,6 +585,50 @@ class Reconciler:
             self._published[key] = new
         for event in status.transition_events(previous, new):
             self._post_event(snapshot, event.type, event.reason, event.message)
+
+    def model_name(self, snapshot: Mapping[str, Any]) -> status.ModelNameState:
+        """The endpoint's served model name, and the older endpoint keeping it, if any.
+
+        From the raw spec, as the gateway reads it: an invalid spec is still routed, so it still
+        claims its name. The endpoint itself is counted whether or not the index has it yet."""
+        meta = snapshot["metadata"]
+        me = Claim(meta["namespace"], meta["name"], creation_time(meta.get("creationTimestamp")))
+        served = served_model_name(me.name, snapshot.get("spec"))
+        others = [c for c in self.indexes.model_claims.get(served, ()) if c.id != me.id]
+        keeper = owner([me, *others])
+        return status.ModelNameState(served, None if keeper is me else keeper.id)
+
+    async def model_claims_changed(
+        self, key: Key, served: str | None, logger: logging.Logger
+    ) -> None:
+        """Endpoint `key` was seen declaring the model name `served` (None: it was deleted).
+
+        If that is news (a new endpoint, a renamed model, a deletion), the other endpoints
+        declaring the names involved may have gained or lost them: their status is published
+        now. The index kopf passes has been updated for this event already. Otherwise nothing
+        (a dict lookup per event: status writes come through here too)."""
+        before = self._served.get(key)
+        if served == before:
+            return
+        if served is None:
+            self._served.pop(key, None)
+        else:
+            self._served[key] = served
+        for name in {before, served} - {None}:
+            for claim in list(self.indexes.model_claims.get(name, ())):
+                other = (claim.namespace, claim.name)
+                endpoint = self.indexes.endpoint(other)
+                if (
+                    other == key
+                    or endpoint is None
+                    or endpoint["metadata"].get("deletionTimestamp")
+                    or self.reconciling(other)  # it publishes when done
+                ):
+                    continue
+                try:
+                    await self.publish_status(endpoint)
+                except kube.ApiError as exc:  # the resync reports it
+                    logger.warning("Status of %s/%s not published: %s", *other, exc)
 
     def waiting_for_pool_api(self) -> list[dict[str, Any]]:
         """Endpoints whose InferencePool could not be created because its API is missing."""
@@ -543,6 +680,8 @@ class Reconciler:
             self._published.pop(key, None)
         for key in [k for k in self._pools if k not in endpoints]:
             self._pools.pop(key, None)
+        for key in [k for k in self._served if k not in endpoints]:
+            self._served.pop(key, None)
         for locks in (self._reconcile_locks, self._status_locks):
             for key in [k for k, lock in locks.items() if k not in endpoints]:
                 if not locks[key].locked():

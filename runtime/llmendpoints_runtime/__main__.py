@@ -14,12 +14,17 @@ from pathlib import Path
 
 logger = logging.getLogger("llmendpoints.main")
 
+# Each subcommand imports what it needs when it runs: the runtime's modules import vLLM, which
+# must come after _early_environment, and --version, demo-model or download should not pay for it.
+
 HF_TOKEN_SECRET_FILE = "/run/secrets/HF_TOKEN"  # BuildKit secret mount, see Dockerfile.runtime
 
 
 def _early_environment() -> str:
     """What must be in the environment before vLLM (and huggingface_hub) are first imported."""
     from llmendpoints_runtime import logs
+
+    _line_buffered_output()
 
     if os.environ.get("BASE_PATH"):
         # huggingface_hub reads HF_HOME once, at import time.
@@ -29,6 +34,22 @@ def _early_environment() -> str:
     logs.prepare_vllm_logging(log_format)
     logs.configure(log_format, os.environ.get("LLMEP_LOG_LEVEL", "info").strip().lower() or "info")
     return log_format
+
+
+def _line_buffered_output() -> None:
+    """Every log line reaches stdout when it is written, whatever stdout is.
+
+    Python buffers a stdout that is not a terminal in blocks: piped to a file or a log
+    collector without PYTHONUNBUFFERED, lines waited in memory (a check for a failed webhook's
+    line found none) and whatever was still there when a process ended abruptly was lost.
+    Ours is switched to line buffering here; vLLM's engine processes are started later with
+    this environment, and PYTHONUNBUFFERED makes theirs unbuffered (they are killed, not ended
+    cleanly, at shutdown).
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):  # not a TextIOWrapper
+            stream.reconfigure(line_buffering=True)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 
 def _serve() -> int:
@@ -44,7 +65,7 @@ def _serve() -> int:
     for warning in config.warnings:
         logger.warning(warning)
 
-    from llmendpoints_runtime.compose import build_runtime, create_app
+    from llmendpoints_runtime.compose import build_runtime, create_app, start_control_listener
     from llmendpoints_runtime.server import serve
 
     logger.info(
@@ -56,10 +77,16 @@ def _serve() -> int:
     )
     try:
         runtime = build_runtime(config)
+        app = create_app(runtime)
+        control = start_control_listener(runtime)
     except ConfigError as exc:
         print(f"llmendpoints-runtime: configuration error: {exc}", file=sys.stderr)
         return 2
-    serve(runtime, create_app(runtime))
+    if control is not None:
+        logger.info("probes and /metrics also on %s:%d", config.settings.host, control.port)
+    serve(runtime, app)
+    if control is not None:
+        control.close()
     from llmendpoints_runtime.health import EngineState
 
     code = 0

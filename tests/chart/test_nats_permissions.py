@@ -472,8 +472,15 @@ def test_the_chart_lets_the_gateway_keep_and_drive_batches_and_pods_run_them(cha
         )  # fmt: skip
         try:
             data = b"".join(
-                json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
-                            "body": {"model": "m", "messages": [{"role": "user", "content": "x"}]}}).encode() + b"\n"
+                json.dumps(
+                    {
+                        "custom_id": f"r{i}",
+                        "method": "POST",
+                        "url": "/v1/chat/completions",
+                        "body": {"model": "m", "messages": [{"role": "user", "content": "x"}]},
+                    }
+                ).encode()
+                + b"\n"
                 for i in range(10)
             )
             form = SimpleNamespace(fields={"purpose": "batch"}, file=io.BytesIO(data), filename="in.jsonl", size=len(data))  # fmt: skip
@@ -508,7 +515,13 @@ def test_the_chart_lets_the_gateway_keep_and_drive_batches_and_pods_run_them(cha
             record_key = names.kv_subject(names.BATCHES_BUCKET, names.batch_key("team", created.id))
             await _refused(pod.js.get_msg(names.kv_stream(names.BATCHES_BUCKET), subject=record_key, direct=True))  # fmt: skip
             await _refused(
-                pod.js.get_msg(objects.FILES_STREAM, subject=objects.meta_subject(names.object_name("team", shown["output_file_id"])), direct=True)
+                pod.js.get_msg(
+                    objects.FILES_STREAM,
+                    subject=objects.meta_subject(
+                        names.object_name("team", shown["output_file_id"])
+                    ),
+                    direct=True,
+                )
             )
             await _refused(pod.js.publish(record_key, b"forged"))
         finally:

@@ -8,21 +8,21 @@ last (on the runtime left).
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
+import proc_kit
 import pytest
 import yaml
+from integration.nats_kit import NatsServer
 
-from .harness import launch_gateway, launch_runtime, load_kit, webhook_receiver
+from .harness import launch_gateway, launch_runtime, webhook_receiver
 
 pytestmark = pytest.mark.engine
 
@@ -31,21 +31,6 @@ MODEL = "demo"
 ALICE, BOB = "sk-alice", "sk-bob"
 HEARTBEAT_TIMEOUT = 3
 MAX_NUM_SEQS = 8
-
-proc_kit = load_kit("proc_kit")
-
-
-def _load_queue_kit():
-    # tests/queue is not a package; its restartable nats-server is loaded by path.
-    path = Path(__file__).resolve().parents[1] / "queue" / "nats_kit.py"
-    spec = importlib.util.spec_from_file_location("queue_nats_kit", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["queue_nats_kit"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-nats_kit = _load_queue_kit()
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +47,7 @@ def logs(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def nats(logs):
-    server = nats_kit.NatsServer(
-        store_dir=logs / "nats", port=nats_kit.free_port(), log_path=logs / "nats.log"
-    )
-    (logs / "nats").mkdir()
+    server = NatsServer(store_dir=logs / "nats", log_path=logs / "nats.log")
     server.start()
     yield server
     server.stop()

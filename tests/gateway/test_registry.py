@@ -83,7 +83,8 @@ async def test_a_suspended_replica_keeps_its_series():
     text = _series(metrics)
     # A static backend has no pod: its label is host:port.
     assert (
-        'llmendpoints_gateway_in_flight_requests{endpoint="default/e",replica="127.0.0.1:9001"} 0.0' in text
+        'llmendpoints_gateway_in_flight_requests{endpoint="default/e",replica="127.0.0.1:9001"} 0.0'
+        in text
     )
 
 
@@ -168,3 +169,19 @@ def test_a_discovered_endpoint_is_held_for_at_least_its_own_start_up():
     assert reg.get("ns/big").hold_seconds(600) == 5400 + SCHEDULING_MARGIN_SECONDS
     assert reg.get("ns/plain").hold_seconds(600) == 3600 + SCHEDULING_MARGIN_SECONDS  # CRD default
     assert reg.upsert("static", ["m"], Strategy.PREFIX_AWARE).hold_seconds(600) == 600
+
+
+def test_a_model_name_stays_with_the_endpoint_that_claimed_it_first():
+    """An endpoint author elsewhere cannot take another team's traffic by serving a model of the
+    same name: `model` routes to the oldest claimant, whatever order the gateway sees them in,
+    and to the next one only once it is gone."""
+    reg = Registry(GatewayMetrics(), hold_queue_length=10, load_factor=1.25)
+    newer = reg.upsert("chat", ["llama"], Strategy.PREFIX_AWARE, namespace="b", created=200.0)
+    older = reg.upsert("chat", ["llama"], Strategy.PREFIX_AWARE, namespace="a", created=100.0)
+    assert reg.by_model("llama") is older
+    assert reg.model_claims["llama"] == ("a/chat", ("b/chat",))
+    # Re-listing (a resync, an edit of the newer one) changes nothing.
+    reg.upsert("chat", ["llama", "other"], Strategy.PREFIX_AWARE, namespace="b", created=200.0)
+    assert reg.by_model("llama") is older and reg.by_model("other") is newer
+    reg.remove("a/chat")
+    assert reg.by_model("llama") is newer

@@ -245,7 +245,9 @@ async def test_the_batch_lane_waits_for_every_job(connection):
             )
             await service.submit(
                 parse_job_request(
-                    json.dumps({"input": {"prompt": "hi"}, "policy": {"lowPriority": True}}).encode()
+                    json.dumps(
+                        {"input": {"prompt": "hi"}, "policy": {"lowPriority": True}}
+                    ).encode()
                 ),
                 sync=False,
                 owner="alice",
@@ -335,9 +337,7 @@ async def test_another_driver_takes_over_and_answers_each_request_once(connectio
 
 async def test_keys_are_bounded(connection):
     _, api = make_drivers(connection, "g1")
-    tight = BatchAPI(
-        api.store, api.runner, BatchLimits(max_files_per_key=1, min_window_seconds=1)
-    )
+    tight = BatchAPI(api.store, api.runner, BatchLimits(max_files_per_key=1, min_window_seconds=1))
     await tight.create_file(upload([chat_line(0)]), "carol")
     refused = await tight.openai(BatchCall("POST", "files", "carol", upload=upload([chat_line(0)])))
     assert refused.status == 429
