@@ -34,9 +34,7 @@ import io
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,51 +44,16 @@ import httpx
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+# The test kits: the one nats-server launcher, the runtime's and the gateway's.
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "runtime")]
+
+from gateway.harness import launch_gateway  # noqa: E402
+from integration.nats_kit import NatsServer  # noqa: E402
+from runtime_process import launch_runtime  # noqa: E402
+
 ENDPOINT = "bench"
 MODEL = "demo"
 KEY = "sk-bench"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("API_KEY", "MAX_", "LLMEP_", "GATEWAY_", "JOBS_"))
-    }
-    env.update(extra)
-    return env
-
-
-def start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        argv,
-        env=env,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        cwd=REPO,
-        start_new_session=True,
-    )
-
-
-def wait_http(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not up in {timeout} s")
 
 
 def chat_body(i: int, tokens: int) -> dict:
@@ -263,54 +226,27 @@ def main() -> None:
     from llmendpoints_runtime.demo import write_demo_model
 
     model = write_demo_model(tmp / "model")
-    procs: list[subprocess.Popen] = []
+    nats = NatsServer(store_dir=tmp / "nats", log_path=tmp / "nats.log")
+    servers: list = []
     try:
-        nats_port = free_port()
-        (tmp / "nats.conf").write_text("max_payload: 33554432\n")
-        nats = start(
-            [
-                str(BIN / "nats-server"),
-                "-c",
-                str(tmp / "nats.conf"),
-                "-js",
-                "-sd",
-                str(tmp / "js"),
-                "-a",
-                "127.0.0.1",
-                "-p",
-                str(nats_port),
-            ],
-            {},
-            tmp / "nats.log",
-        )
-        procs.append(nats)
-        queue = f"nats://127.0.0.1:{nats_port}"
-        time.sleep(0.5)
-        pods = []
+        nats.start()
         extra = {"LLMEP_BATCH_MAX_SHARE": str(args.max_share)} if args.max_share else {}
-        for i in range(args.replicas):
-            port = free_port()
-            env = clean_env(
-                MODEL_NAME=str(model),
-                OPENAI_SERVED_MODEL_NAME_OVERRIDE=MODEL,
-                MAX_MODEL_LEN="512",
-                HOST="127.0.0.1",
-                PORT=str(port),
-                VLLM_CPU_KVCACHE_SPACE="1",
-                HF_HUB_OFFLINE="1",
-                VLLM_NO_USAGE_STATS="1",
-                JOBS_QUEUE_URL=queue,
+        replicas = [
+            launch_runtime(
+                model,
+                tmp,
+                JOBS_QUEUE_URL=nats.url,
                 ENDPOINT_ID=ENDPOINT,
                 MAX_NUM_SEQS=str(args.max_num_seqs),
                 LLMEP_LOG_LEVEL="warning",
                 **extra,
             )
-            procs.append(
-                start([str(BIN / "llmendpoints-runtime"), "serve"], env, tmp / f"pod{i}.log")
-            )
-            pods.append(f"http://127.0.0.1:{port}")
-        for pod, proc in zip(pods, procs[1:], strict=True):
-            wait_http(pod + "/ready?strict=1", proc)
+            for _ in range(args.replicas)
+        ]
+        servers += replicas
+        for replica in replicas:
+            replica.wait_http("/ready?strict=1", timeout=900)
+        pods = [replica.url for replica in replicas]
         endpoints = tmp / "endpoints.yaml"
         endpoints.write_text(
             yaml.safe_dump(
@@ -320,23 +256,15 @@ def main() -> None:
                 }
             )
         )
-        gw_port = free_port()
-        gateway = start(
-            [sys.executable, "-m", "llmendpoints_gateway", "serve"],
-            clean_env(
-                HOST="127.0.0.1",
-                PORT=str(gw_port),
-                GATEWAY_ENDPOINTS_FILE=str(endpoints),
-                JOBS_QUEUE_URL=queue,
-                GATEWAY_METRICS_PORT="0",
-                LLMEP_LOG_LEVEL="warning",
-                GATEWAY_PROBE_INTERVAL_SECONDS="0.2",
-            ),
-            tmp / "gateway.log",
+        gateway = launch_gateway(
+            tmp,
+            GATEWAY_ENDPOINTS_FILE=str(endpoints),
+            JOBS_QUEUE_URL=nats.url,
+            LLMEP_LOG_LEVEL="warning",
         )
-        procs.append(gateway)
-        url = f"http://127.0.0.1:{gw_port}"
-        wait_http(url + "/health", gateway)
+        servers.append(gateway)
+        gateway.wait_http("/health")
+        url = gateway.url
         batches = Batches(url)
         deadline = time.monotonic() + 60
         while (
@@ -413,13 +341,9 @@ def main() -> None:
                     )
                 throughput[side].append(args.throughput_requests / seconds)
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        for server in reversed(servers):
+            server.stop()
+        nats.stop()
 
     def median(side: str, key: str) -> float:
         return statistics.median(r[key] for r in phases[side])

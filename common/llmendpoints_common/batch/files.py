@@ -45,6 +45,11 @@ class FileRecord(BaseModel):
     def decode(cls, data: bytes) -> FileRecord:
         return cls.model_validate_json(data)
 
+    def visible(self, owner: str, now: float) -> FileRecord | None:
+        """Itself to its owner until it expires; None to anyone else, or once expired (both
+        stores answer such a file as one that does not exist)."""
+        return self if self.owner == owner and now < self.expires_at else None
+
     def to_openai(self) -> dict[str, Any]:
         """OpenAI's ``FileObject``."""
         return {

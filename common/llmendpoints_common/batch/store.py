@@ -170,9 +170,7 @@ class LocalBatchStore:
             record = FileRecord.model_validate(json.loads(path.read_bytes()))
         except (FileNotFoundError, ValueError):
             return None
-        if record.owner != owner or record.expires_at <= self._clock():
-            return None
-        return record
+        return record.visible(owner, self._clock())
 
     async def open_file(self, owner: str, file_id: str) -> IO[bytes] | None:
         if await self.file(owner, file_id) is None:

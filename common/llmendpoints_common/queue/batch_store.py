@@ -130,10 +130,7 @@ class NatsBatchStore:
         found = await self._read(key)
         if found is None:
             return None
-        record = FileRecord.decode(found[0])
-        if record.owner != owner or record.expires_at <= self._clock():
-            return None
-        return record
+        return FileRecord.decode(found[0]).visible(owner, self._clock())
 
     async def open_file(self, owner: str, file_id: str) -> IO[bytes] | None:
         if await self.file(owner, file_id) is None:
