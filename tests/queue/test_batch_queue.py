@@ -85,6 +85,24 @@ def chat_line(i: int, **extra) -> dict:
     return {"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
 
 
+def batch_body(file_id: str, **extra) -> bytes:
+    """``POST /v1/batches``'s body: chat completions in the 24 h window."""
+    return json.dumps(
+        {
+            "input_file_id": file_id,
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+            **extra,
+        }
+    ).encode()
+
+
+async def start_batch(api: BatchAPI, owner: str, lines: list[dict | str]):
+    """An input file of ``lines`` and a batch on it (its record)."""
+    file = await api.create_file(upload(lines), owner)
+    return await api.create_batch(batch_body(file["id"]), owner)
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def connection(nats_server):
     connection = await QueueConnection.connect(nats_server.url, name="batch", layout=LAYOUT)
@@ -153,14 +171,7 @@ async def test_a_batch_completes_with_every_request_answered_once(connection):
                 "POST",
                 "batches",
                 "alice",
-                body=json.dumps(
-                    {
-                        "input_file_id": file["id"],
-                        "endpoint": "/v1/chat/completions",
-                        "completion_window": "24h",
-                        "metadata": {"run": "one"},
-                    }
-                ).encode(),
+                body=batch_body(file["id"], metadata={"run": "one"}),
             )
         )
         assert created.status == 200, created.body
@@ -195,17 +206,7 @@ async def test_a_bad_file_fails_the_batch_naming_its_lines(connection):
     await drivers.start()
     try:
         lines = [chat_line(0), "not json", chat_line(0), chat_line(2, model="other")]
-        file = await api.create_file(upload(lines), "alice")
-        created = await api.create_batch(
-            json.dumps(
-                {
-                    "input_file_id": file["id"],
-                    "endpoint": "/v1/chat/completions",
-                    "completion_window": "24h",
-                }
-            ).encode(),
-            "alice",
-        )
+        created = await start_batch(api, "alice", lines)
         failed = await wait_batch(api, "alice", created.id, {"failed"})
         codes = [(e["code"], e["line"]) for e in failed["errors"]["data"]]
         assert codes == [
@@ -224,17 +225,7 @@ async def test_the_batch_lane_waits_for_every_job(connection):
     service = QueueJobService(connection, ENDPOINT)
     await drivers.start()
     try:
-        file = await api.create_file(upload([chat_line(i) for i in range(6)]), "alice")
-        created = await api.create_batch(
-            json.dumps(
-                {
-                    "input_file_id": file["id"],
-                    "endpoint": "/v1/chat/completions",
-                    "completion_window": "24h",
-                }
-            ).encode(),
-            "alice",
-        )
+        created = await start_batch(api, "alice", [chat_line(i) for i in range(6)])
         # The batch's first window is queued before any worker runs...
         await wait_batch(api, "alice", created.id, {"in_progress"})
         for _ in range(3):
@@ -272,17 +263,7 @@ async def test_no_batch_request_runs_without_batch_slots(connection):
     worker = make_worker(connection, engine, slots=4, batch_slots=0)
     await worker.start()
     try:
-        file = await api.create_file(upload([chat_line(0)]), "alice")
-        created = await api.create_batch(
-            json.dumps(
-                {
-                    "input_file_id": file["id"],
-                    "endpoint": "/v1/chat/completions",
-                    "completion_window": "24h",
-                }
-            ).encode(),
-            "alice",
-        )
+        created = await start_batch(api, "alice", [chat_line(0)])
         await wait_batch(api, "alice", created.id, {"in_progress"})
         await asyncio.sleep(1.5)  # several of the worker's polls
         assert engine.ran == []
@@ -307,17 +288,7 @@ async def test_another_driver_takes_over_and_answers_each_request_once(connectio
     await worker.start()
     second = None
     try:
-        file = await api.create_file(upload([chat_line(i) for i in range(40)]), "alice")
-        created = await api.create_batch(
-            json.dumps(
-                {
-                    "input_file_id": file["id"],
-                    "endpoint": "/v1/chat/completions",
-                    "completion_window": "24h",
-                }
-            ).encode(),
-            "alice",
-        )
+        created = await start_batch(api, "alice", [chat_line(i) for i in range(40)])
         deadline = time.monotonic() + 30
         while len(engine.ran) < 10 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -351,13 +322,7 @@ async def test_keys_are_bounded(connection):
             "POST",
             "batches",
             "dave",
-            body=json.dumps(
-                {
-                    "input_file_id": file["id"],
-                    "endpoint": "/v1/chat/completions",
-                    "completion_window": "24h",
-                }
-            ).encode(),
+            body=batch_body(file["id"]),
         )
     )
     assert refused.status == 429
