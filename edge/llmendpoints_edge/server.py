@@ -183,18 +183,24 @@ def protocol_class(
     )
 
 
-def serve(app: Any, component: Drainable, settings: EdgeSettings, **uvicorn_options: Any) -> None:
-    """Serve ``app`` on the edge's settings (address, header bounds, drain) until a signal ends
-    the drain of ``component``; ``uvicorn_options`` are what differs between the two servers."""
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_config=None,  # logging is configured by logs.configure
-        http=protocol_class(settings.request_read_timeout_seconds, settings.max_header_bytes),
+def uvicorn_config(app: Any, settings: EdgeSettings, **uvicorn_options: Any) -> uvicorn.Config:
+    """uvicorn's configuration on the edge's settings; ``uvicorn_options`` are what differs
+    between the two servers."""
+    options: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "log_config": None,  # logging is configured by logs.configure
+        "http": protocol_class(settings.request_read_timeout_seconds, settings.max_header_bytes),
+        "timeout_keep_alive": settings.keep_alive_timeout_seconds,
         # By the time uvicorn shuts down, the drain has already waited; only stragglers remain.
-        timeout_graceful_shutdown=5,
-        lifespan="on",
-        **uvicorn_options,
-    )
+        "timeout_graceful_shutdown": 5,
+        "lifespan": "on",
+    }
+    return uvicorn.Config(app, **(options | uvicorn_options))
+
+
+def serve(app: Any, component: Drainable, settings: EdgeSettings, **uvicorn_options: Any) -> None:
+    """Serve ``app`` on the edge's settings (address, header bounds, keep-alive, drain) until a
+    signal ends the drain of ``component``."""
+    config = uvicorn_config(app, settings, **uvicorn_options)
     DrainingServer(config, component, settings.drain_timeout_seconds).run()

@@ -109,6 +109,5 @@ def serve(settings: GatewaySettings) -> None:
         settings,
         loop="uvloop",
         access_log=False,  # the gateway writes its own access line with routing fields
-        timeout_keep_alive=30,
         backlog=4096,
     )
