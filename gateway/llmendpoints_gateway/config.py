@@ -97,8 +97,18 @@ class GatewaySettings(EdgeSettings):
         DEFAULT_LOAD_FACTOR,
         gt=1.0,
         validation_alias="GATEWAY_LOAD_FACTOR",
-        description="Prefix-aware routing: a replica takes a prefix's requests until it carries "
-        "this many times the mean in-flight load, then they spill to the next replica.",
+        description="Prefix-aware routing: a replica takes requests (even those whose prefix it "
+        "holds) only while it carries less than this many times the mean in-flight load; "
+        "beyond, they spill to the next best replica.",
+    )
+    engine_load_interval_seconds: float = Field(
+        1.0,
+        ge=0,
+        validation_alias="GATEWAY_ENGINE_LOAD_INTERVAL_SECONDS",
+        description="Prefix-aware routing: how often each ready replica's engine load "
+        "(running and waiting requests, KV-cache usage, adapters, prefix-cache counters) is "
+        "read from its /metrics, by each gateway process (0: never; the scorer then weighs "
+        "this process's own in-flight requests).",
     )
     probe_interval_seconds: float = Field(
         0.5,

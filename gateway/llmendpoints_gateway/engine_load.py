@@ -11,8 +11,8 @@ vLLM's), what the engine reports about itself:
 - ``vllm:cache_config_info`` (num_gpu_blocks x block_size: how many tokens its KV cache holds,
   which sizes the prefix index's memory of that replica).
 
-`EngineLoadFeed` scrapes every replica it is given every `interval` seconds (default 0.5 s, so a
-sample is at most about a second old when read), all at once with bounded concurrency and a short
+`EngineLoadFeed` scrapes every replica it is given every `interval` seconds (the gateway's
+GATEWAY_ENGINE_LOAD_INTERVAL_SECONDS, 1 s: a sample is at most about a second old when read), all at once with bounded concurrency and a short
 timeout; a replica that fails keeps its last sample, which ages (the scorer ignores old ones);
 replicas no longer given are dropped. No per-request round trip: the request path only reads
 the latest samples.
@@ -185,6 +185,17 @@ class EngineLoadFeed:
     clock: Callable[[], float] = time.monotonic
     _replicas: dict[str, _Replica] = field(default_factory=dict)
     _session: aiohttp.ClientSession | None = None
+    _task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self.run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.close()
 
     def get(self, replica: str) -> EngineLoad | None:
         state = self._replicas.get(replica)

@@ -36,9 +36,8 @@ from llmendpoints_gateway.metering import (
 )
 from llmendpoints_gateway.metrics import GatewayMetrics
 from llmendpoints_gateway.proxy import Meter, UpstreamFailed, bad_gateway, forward, upstream_headers
-from llmendpoints_gateway.registry import Endpoint, NoReplicaLeft, Registry
+from llmendpoints_gateway.registry import Endpoint, NoReplicaLeft, Registry, RouteKey
 from llmendpoints_gateway.request import Disconnect, RequestLog
-from llmendpoints_gateway.routing import prefix_key
 
 logger = logging.getLogger("llmendpoints.gateway")
 
@@ -171,7 +170,9 @@ class OpenAIRoutes:
         state.record_kind = "openai"  # admitted: it is a request of the key's, billed or not
         if metered.ask_usage:
             body = with_usage_option(body, payload)
-        prefix = prefix_key(upstream_path, payload)
+        route = self.registry.route_key(ep, upstream_path, payload)
+        if route is not None:
+            state.prompt_chars = route.chars
         del payload  # a held request keeps its body, not a parsed copy of it
 
         def meter(status: int, is_sse: bool) -> Meter | None:
@@ -187,12 +188,12 @@ class OpenAIRoutes:
         headers = upstream_headers(
             scope["headers"], state.request_id, token=self.token(ep.id), caller=caller
         )
-        await self._forward(ep, prefix, path_qs, headers, body, receive, send, state, meter, caller)
+        await self._forward(ep, route, path_qs, headers, body, receive, send, state, meter, caller)
 
     async def _forward(
         self,
         ep: Endpoint,
-        prefix: bytes | None,
+        route: RouteKey | None,
         path_qs: str,
         headers: dict[str, str],
         body: bytes,
@@ -210,7 +211,7 @@ class OpenAIRoutes:
                 try:
                     async with self.registry.lease(
                         ep,
-                        prefix,
+                        route,
                         hold_timeout=self.hold_timeout_seconds,
                         gone=disconnected.wait,
                         exclude=tried,

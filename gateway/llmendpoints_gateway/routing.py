@@ -35,11 +35,13 @@ class Strategy(enum.StrEnum):
 
 
 class Outcome(enum.StrEnum):
-    """How a replica was chosen (a metric label)."""
+    """How a replica was chosen (a metric label; prefix-aware's are scoring.Reason's)."""
 
-    AFFINITY = "affinity"  # the prefix's own replica
-    SPILLED = "spilled"  # its own replica was over its bound; the next one on the ring
-    LEAST_LOADED = "least_loaded"  # no prefix key, or the least-loaded strategy
+    AFFINITY = "affinity"  # where its longest cached prefix is (or, cached nowhere, its home)
+    SPILLED = "spilled"  # that replica was at its load bound; the next best took it
+    LOAD = "load"  # the replica that starts it soonest, no cached prefix deciding
+    ADAPTER = "adapter"  # its LoRA adapter being active there decided it
+    LEAST_LOADED = "least_loaded"  # the least-loaded strategy
     ROUND_ROBIN = "round_robin"
     RETRY = "retry"  # the first choice failed before answering
 

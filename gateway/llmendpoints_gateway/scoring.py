@@ -129,15 +129,20 @@ def choose(
     adapter: str | None = None,
     load_factor: float = DEFAULT_LOAD_FACTOR,
     weights: Weights = DEFAULT_WEIGHTS,
+    home: Sequence[str] = (),
 ) -> Choice | None:
     """The replica that starts the request soonest among those within the load bound.
 
     `request_blocks`: the request's whole blocks; `matched`: leading blocks each replica holds
     (PrefixIndex.longest_match); `typical_blocks`: a typical request's uncached prefill (the
-    caller's moving average, at least 1); `adapter`: the LoRA adapter the request names, if any.
+    caller's moving average, at least 1); `adapter`: the LoRA adapter the request names, if any;
+    `home`: the request's replicas in its consistent-hash order (routing.HashRing.walk of its
+    prefix key), which breaks ties -- so a prefix nobody holds yet goes to the same replica
+    from every gateway process, each of which only knows what it sent itself.
     None when there is no candidate."""
     if not candidates:
         return None
+    rank = {replica: i for i, replica in enumerate(home)}
     typical = max(1.0, typical_blocks)
     bound = load_bound(sum(c.in_flight for c in candidates), len(candidates), load_factor)
     use_engine = all(
@@ -157,8 +162,9 @@ def choose(
         for c in candidates
     ]
     eligible = [s for s in scores if not s.bounded]
-    best = min(eligible, key=_order)
-    return Choice(best.replica, _reason(best, scores, eligible), tuple(scores))
+    last = len(rank)
+    best = min(eligible, key=lambda s: _order(s, rank.get(s.replica, last)))
+    return Choice(best.replica, _reason(best, scores, eligible, home), tuple(scores))
 
 
 def _score(
@@ -212,23 +218,35 @@ def _adapter_cost(
     return w.adapter_no_slot_requests * typical
 
 
-def _order(s: Score) -> tuple[float, int, int, str]:
-    # Ties: the longer cached prefix, then fewer of our requests, then a stable name order.
-    return (s.cost, -s.matched, s.in_flight, s.replica)
+def _order(s: Score, home_rank: int = 0) -> tuple[float, int, int, int, str]:
+    # Ties: the longer cached prefix, then the request's place on the hash ring (the same in
+    # every gateway process), then fewer of our requests, then a stable name order.
+    return (s.cost, -s.matched, home_rank, s.in_flight, s.replica)
 
 
-def _reason(best: Score, scores: Sequence[Score], eligible: Sequence[Score]) -> Reason:
+def _reason(
+    best: Score, scores: Sequence[Score], eligible: Sequence[Score], home: Sequence[str] = ()
+) -> Reason:
     longest = max(s.matched for s in scores)
+    # Where a prefix nobody holds a block of goes: its home on the ring (the first candidate
+    # in `home` order), where its blocks will be.
+    by_name = {s.replica: s for s in scores}
+    own = next((by_name[r] for r in home if r in by_name), None) if longest == 0 else None
     if (
         longest > 0
         and best.matched < longest
         and any(s.bounded and s.matched == longest for s in scores)
-    ):
+    ) or (own is not None and own.bounded):
         return Reason.SPILL
     if best.adapter_cost == 0 and any(s.adapter_cost > 0 for s in eligible):
-        without = min(eligible, key=lambda s: _order(_without_adapter(s)))
+        rank = {replica: i for i, replica in enumerate(home)}
+        without = min(
+            eligible, key=lambda s: _order(_without_adapter(s), rank.get(s.replica, len(rank)))
+        )
         if without.replica != best.replica:
             return Reason.ADAPTER
+    if own is not None and best.replica == own.replica:
+        return Reason.AFFINITY
     if longest > 0 and best.matched == longest:
         return Reason.AFFINITY
     return Reason.LOAD

@@ -21,6 +21,7 @@ from llmendpoints_gateway.app import Gateway
 from llmendpoints_gateway.config import GatewaySettings
 from llmendpoints_gateway.discovery.kube import KubeDiscovery
 from llmendpoints_gateway.discovery.static import StaticDiscovery
+from llmendpoints_gateway.engine_load import EngineLoadFeed
 from llmendpoints_gateway.jobs import JobGateway
 from llmendpoints_gateway.keys import KeyRing
 from llmendpoints_gateway.limiter import Limiter
@@ -84,6 +85,14 @@ def build(settings: GatewaySettings) -> Gateway:
         )
         parts += [queue, signals, gateway.jobs, publisher, JobUsageMeter(queue, metering.job_usage)]
     parts += [limiter, discovery]
+    if settings.engine_load_interval_seconds > 0:
+        # One feed per process over every endpoint's replicas (the scorer's engine load).
+        registry.feed = EngineLoadFeed(
+            targets=registry.engine_targets,
+            interval=settings.engine_load_interval_seconds,
+            on_sample=registry.engine_sampled,
+        )
+        parts.append(registry.feed)
     if settings.metrics_port:
         parts.append(MetricsServer(metrics, settings.host, settings.metrics_port))
     gateway.started.extend(part.start for part in parts)
