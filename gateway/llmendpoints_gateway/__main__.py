@@ -24,6 +24,7 @@ from llmendpoints_gateway.config import GatewaySettings
 from llmendpoints_gateway.metering import USAGE_COLUMNS, summarize
 from llmendpoints_gateway.server import serve
 from llmendpoints_gateway.usage import read_usage
+from llmendpoints_gateway.workers import WorkerSlot, die_with_supervisor
 
 
 def _settings_help() -> str:
@@ -40,13 +41,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command")
-    commands.add_parser(
+    serve_cmd = commands.add_parser(
         "serve",
         help="run the gateway (settings from the environment)",
         description="Run the gateway. Configuration comes from the environment.",
         epilog=_settings_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    # A worker of several (GATEWAY_WORKERS > 1), as its supervisor starts it (workers.py).
+    for option in ("--worker", "--listen-fd", "--metrics-fd", "--supervisor-pid", "--drain-fd"):
+        serve_cmd.add_argument(option, help=argparse.SUPPRESS)
     usage = commands.add_parser(
         "usage",
         help="export usage per key, endpoint and model from the shared queue (JOBS_QUEUE_URL)",
@@ -70,7 +74,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"llmendpoints-gateway: {where}: {error['msg']}", file=sys.stderr)
         return 2
     configure(settings.log_format, settings.log_level)
-    serve(settings)
+    worker = None
+    if getattr(args, "worker", None):
+        index, _, count = args.worker.partition("/")
+        worker = WorkerSlot(
+            int(index), int(count), int(args.listen_fd), int(args.metrics_fd),
+            int(args.supervisor_pid), int(args.drain_fd),
+        )  # fmt: skip
+        die_with_supervisor(worker.supervisor_pid)
+    serve(settings, worker)
     return 0
 
 

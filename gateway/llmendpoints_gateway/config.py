@@ -101,6 +101,16 @@ class GatewaySettings(EdgeSettings):
         "holds) only while it carries less than this many times the mean in-flight load; "
         "beyond, they spill to the next best replica.",
     )
+    workers: int = Field(
+        1,
+        ge=0,
+        le=64,
+        validation_alias="GATEWAY_WORKERS",
+        description="Processes serving the port (SO_REUSEPORT), each using up to one core; they "
+        "share limits, usage and signals through JOBS_QUEUE_URL and split the hold bounds. 1: a "
+        "single process; 0: one per CPU of the pod (its CPU limit, else the CPUs it may run "
+        "on), 1 without JOBS_QUEUE_URL.",
+    )
     engine_load_interval_seconds: float = Field(
         1.0,
         ge=0,

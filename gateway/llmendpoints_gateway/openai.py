@@ -18,10 +18,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
 from llmendpoints_common import gateway_token
 from llmendpoints_common.errors import APIError, BadRequestError, NotFoundError
-from llmendpoints_edge.asgi import Receive, Scope, Send, send_json
+from llmendpoints_edge.asgi import Receive, Scope, Send, raw_body, send_json
 from llmendpoints_edge.body import ClientGone, parse_object
 from llmendpoints_edge.paths import encode
 
@@ -38,6 +37,7 @@ from llmendpoints_gateway.metrics import GatewayMetrics
 from llmendpoints_gateway.proxy import Meter, UpstreamFailed, bad_gateway, forward, upstream_headers
 from llmendpoints_gateway.registry import Endpoint, NoReplicaLeft, Registry, RouteKey
 from llmendpoints_gateway.request import Disconnect, RequestLog
+from llmendpoints_gateway.upstream import UpstreamPool
 
 logger = logging.getLogger("llmendpoints.gateway")
 
@@ -70,7 +70,7 @@ class OpenAIRoutes:
         access: Access,
         limiter: Limiter,
         metrics: GatewayMetrics,
-        session: Callable[[], aiohttp.ClientSession],
+        pool: UpstreamPool,
         hold_timeout_seconds: float,
         *,
         token_secret: bytes | None = None,
@@ -80,7 +80,7 @@ class OpenAIRoutes:
         self.access = access
         self.limiter = limiter
         self.metrics = metrics
-        self.session = session
+        self.pool = pool
         self.hold_timeout_seconds = hold_timeout_seconds
         self.token_secret = token_secret
         self.default_max_tokens = default_max_tokens
@@ -188,7 +188,9 @@ class OpenAIRoutes:
         headers = upstream_headers(
             scope["headers"], state.request_id, token=self.token(ep.id), caller=caller
         )
-        await self._forward(ep, route, path_qs, headers, body, receive, send, state, meter, caller)
+        await self._forward(
+            ep, route, path_qs, headers, body, receive, send, state, meter, caller, raw_body(scope)
+        )
 
     async def _forward(
         self,
@@ -202,6 +204,7 @@ class OpenAIRoutes:
         state: RequestLog,
         meter: Callable[[int, bool], Meter | None],
         caller: str,
+        raw: Any = None,
     ) -> None:
         disconnected = Disconnect(receive)
         failures: list[UpstreamFailed] = []
@@ -221,7 +224,7 @@ class OpenAIRoutes:
                         state.replica, state.outcome = lease.replica, str(lease.outcome)
                         result = await disconnected.run(
                             forward(
-                                self.session(),
+                                self.pool,
                                 lease.replica,
                                 "POST",
                                 path_qs,
@@ -230,6 +233,7 @@ class OpenAIRoutes:
                                 send,
                                 retriable_503=len(ep.ready) > 1 and not tried,
                                 meter=meter,
+                                raw=raw,
                             )
                         )
                 except NoReplicaLeft:

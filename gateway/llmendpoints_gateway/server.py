@@ -13,6 +13,9 @@ DRAIN_TIMEOUT_SECONDS. A second signal exits at once.
 
 from __future__ import annotations
 
+import socket
+import sys
+
 from llmendpoints_common.gateway_token import read_secret
 from llmendpoints_edge.server import serve as serve_edge
 
@@ -31,16 +34,26 @@ from llmendpoints_gateway.queue import SharedQueue
 from llmendpoints_gateway.registry import Registry
 from llmendpoints_gateway.signals import SignalPublisher
 from llmendpoints_gateway.usage import JobUsageMeter, Metering, UsagePublisher
+from llmendpoints_gateway.workers import (
+    DrainBoard,
+    PodDrain,
+    Supervisor,
+    WorkerSlot,
+    worker_count,
+)
 
 
-def build(settings: GatewaySettings) -> Gateway:
+def build(settings: GatewaySettings, worker: WorkerSlot | None = None) -> Gateway:
+    """The gateway's parts; ``worker``: this process is one of several (workers.py), which
+    share the pod's hold bounds and report the engines' own counters once (worker 0)."""
     metrics = GatewayMetrics(key_labels=settings.metrics_key_labels)
     registry = Registry(
         metrics,
-        settings.hold_queue_length,
+        worker.share(settings.hold_queue_length) if worker else settings.hold_queue_length,
         settings.load_factor,
         hold_key_share=settings.hold_key_share,
-        hold_max_bytes=settings.hold_max_bytes,
+        hold_max_bytes=worker.share(settings.hold_max_bytes) if worker else settings.hold_max_bytes,
+        count_engine_hits=worker is None or worker.index == 0,
     )
     keys = KeyRing.from_settings(
         settings.api_keys.get_secret_value() if settings.api_keys else None,
@@ -73,7 +86,10 @@ def build(settings: GatewaySettings) -> Gateway:
     )
     parts: list = []
     if queue is not None:
-        signals = SignalPublisher(queue, settings.gateway_id)
+        # Each process publishes its own held count (the autoscaler sums the gateways').
+        signals = SignalPublisher(
+            queue, f"{settings.gateway_id}-{worker.index}" if worker else settings.gateway_id
+        )
         registry.on_held = signals.held_changed
         gateway.jobs = JobGateway(
             queue,
@@ -93,18 +109,30 @@ def build(settings: GatewaySettings) -> Gateway:
             on_sample=registry.engine_sampled,
         )
         parts.append(registry.feed)
-    if settings.metrics_port:
+    if worker is not None:
+        sock = socket.socket(fileno=worker.metrics_fd)
+        parts.append(MetricsServer(metrics, "127.0.0.1", sock.getsockname()[1], sock))
+    elif settings.metrics_port:
         parts.append(MetricsServer(metrics, settings.host, settings.metrics_port))
     gateway.started.extend(part.start for part in parts)
     gateway.stopped.extend(part.stop for part in reversed(parts))
     return gateway
 
 
-def serve(settings: GatewaySettings) -> None:
-    gateway = build(settings)
+def serve(settings: GatewaySettings, worker: WorkerSlot | None = None) -> None:
+    """Serve until drained: one process, or with GATEWAY_WORKERS > 1 a supervisor of workers
+    (workers.py), each of which comes back here with its ``worker`` slot."""
+    if worker is None:
+        count = worker_count(settings)
+        if count > 1:
+            sys.exit(Supervisor(settings, count).run())
+    gateway = build(settings, worker)
+    drain = gateway
+    if worker is not None and worker.drain_fd >= 0:
+        drain = PodDrain(gateway, DrainBoard(worker.drain_fd, worker.count), worker.index)
     serve_edge(
         gateway,
-        gateway,
+        drain,
         host=settings.host,
         port=settings.port,
         header_timeout=settings.request_read_timeout_seconds,
@@ -114,4 +142,5 @@ def serve(settings: GatewaySettings) -> None:
         access_log=False,  # the gateway writes its own access line with routing fields
         timeout_keep_alive=30,
         backlog=4096,
+        sockets=[socket.socket(fileno=worker.listen_fd)] if worker else None,
     )
