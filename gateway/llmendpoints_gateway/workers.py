@@ -186,6 +186,27 @@ def listening_socket(host: str, port: int, backlog: int = 4096) -> socket.socket
     return sock
 
 
+class SupervisorMetrics:
+    """The supervisor's own series, served after the workers' sum."""
+
+    def __init__(self) -> None:
+        disable_created_metrics()  # as the workers' (metrics.py)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.running = Gauge(
+            "llmendpoints_gateway_workers",
+            "Worker processes of this gateway pod running now (GATEWAY_WORKERS).",
+            registry=self.registry,
+        )
+        self.restarts = Counter(
+            "llmendpoints_gateway_worker_restarts",
+            "Worker processes restarted after exiting on their own.",
+            registry=self.registry,
+        )
+
+    def render(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
 class Supervisor:
     def __init__(self, settings: GatewaySettings, count: int) -> None:
         self.settings = settings
@@ -196,18 +217,7 @@ class Supervisor:
         self._listen: list[socket.socket] = []
         self._metrics: list[socket.socket] = []
         self._signals = 0
-        disable_created_metrics()  # as the workers' (metrics.py)
-        self._registry = CollectorRegistry(auto_describe=True)
-        self._running = Gauge(
-            "llmendpoints_gateway_workers",
-            "Worker processes of this gateway pod running now (GATEWAY_WORKERS).",
-            registry=self._registry,
-        )
-        self._restarts = Counter(
-            "llmendpoints_gateway_worker_restarts",
-            "Worker processes restarted after exiting on their own.",
-            registry=self._registry,
-        )
+        self.metrics = SupervisorMetrics()
         self._wake: asyncio.Event | None = None
 
     def run(self) -> int:
@@ -216,9 +226,7 @@ class Supervisor:
                 listening_socket(self.settings.host, self.settings.port) for _ in range(self.count)
             ]
         except OSError as exc:
-            logger.error(
-                "cannot listen on %s:%d: %s", self.settings.host, self.settings.port, exc
-            )
+            logger.error("cannot listen on %s:%d: %s", self.settings.host, self.settings.port, exc)
             return 1
         self._metrics = [listening_socket("127.0.0.1", 0, 64) for _ in range(self.count)]
         self._board = DrainBoard.create(self.count)
@@ -270,14 +278,14 @@ class Supervisor:
                 process_group=0,
             )
             self._procs[index] = proc
-            self._running.inc()
+            self.metrics.running.inc()
             self._board.set(index, 1)  # busy until it says otherwise
             logger.info("worker %d started (pid %d)", index, proc.pid)
             if self.stopping:  # the signal came while it was being started
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)
             code = await proc.wait()
-            self._running.dec()
+            self.metrics.running.dec()
             del self._procs[index]
             self._board.set(index, 0)  # gone: nothing of the pod's waits on it
             if self.stopping:
@@ -304,7 +312,7 @@ class Supervisor:
             logger.warning(
                 "worker %d exited with status %d; restarting in %.1f s", index, code, delay
             )
-            self._restarts.inc()
+            self.metrics.restarts.inc()
             assert self._wake is not None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), delay)
@@ -341,8 +349,7 @@ class Supervisor:
         timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_SECONDS)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             texts = await asyncio.gather(*(self._scrape(session, port) for port in ports))
-        body = merge([t for t in texts if t is not None])
-        body += generate_latest(self._registry).decode()
+        body = merge([t for t in texts if t is not None]) + self.metrics.render()
         return web.Response(body=body.encode(), headers={"content-type": CONTENT_TYPE})
 
     @staticmethod
