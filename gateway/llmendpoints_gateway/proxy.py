@@ -171,8 +171,9 @@ async def forward(
             {"type": "http.response.start", "status": conn.status, "headers": response_headers}
         )
         relay = _Relay(conn, reader, raw if raw is not None and raw.ready else None)
-        conn.attach(relay.feed, relay.poke)
+        conn.attach(relay.feed, relay.poke, relay.flush)
         status = conn.status
+        last = b""
         try:
             await relay.run(send)
         except UpstreamError as exc:
@@ -185,9 +186,9 @@ async def forward(
             await relay.out(send, b"data: " + json.dumps(event).encode() + b"\n\n")
             status = 502
         else:
-            if reader is not None and (tail := reader.flush()):
-                await relay.out(send, tail)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            # The last read's bytes and the reader's tail leave with the end of the answer.
+            last = relay.take() + (reader.flush() if reader is not None else b"")
+        await send({"type": "http.response.body", "body": last, "more_body": False})
         return UpstreamResult(
             status, first_byte, time.perf_counter() - started, relay.received, reader
         )
@@ -267,34 +268,47 @@ def _content_type(headers: list[tuple[bytes, bytes]]) -> bytes:
 class _Relay:
     """Moves one answer's body from the replica's connection to the client's.
 
-    ``feed`` runs in the upstream connection's callback: the chunk goes through the metering
-    reader and, with a RawBody, straight to the client connection -- no task switch. The
-    request's task (``run``) sleeps until the answer ends, waking only to wait for a slow
-    client (reading from the replica is paused meanwhile) or, without a RawBody, to send what
-    was queued."""
+    ``feed`` and ``flush`` run in the upstream connection's callback: each chunk goes through
+    the metering reader, and what one read from the replica brought goes, with a RawBody,
+    straight to the client connection in one write -- no task switch. The request's task
+    (``run``) sleeps until the answer ends, waking only to wait for a slow client (reading from
+    the replica is paused meanwhile) or, without a RawBody, to send what was queued. The read
+    that completes the answer is left for the task, which sends it with the answer's end (one
+    write: the last chunk and the terminator)."""
 
     def __init__(self, conn: Connection, reader: Meter | None, raw: Any) -> None:
         self.conn = conn
         self.reader = reader
         self.raw = raw
         self.received = 0
+        self._out: list[bytes] = []  # this read's chunks, as the reader passed them
         self._queue: list[bytes] = []
         self._wake: asyncio.Future[None] | None = None
 
     def feed(self, chunk: bytes) -> None:
         self.received += len(chunk)
         out = chunk if self.reader is None else self.reader.feed(chunk)
-        if not out:
+        if out:
+            self._out.append(out)
+
+    def flush(self) -> None:
+        if not self._out or self.conn.complete:
             return
+        data = self.take()
         raw = self.raw
         if raw is None:
-            self._queue.append(out)
+            self._queue.append(data)
             self.poke()
-        elif not raw.write(out):
+        elif not raw.write(data):
             self.conn.pause_reading()  # the client is gone: the disconnect watcher cancels us
         elif raw.paused:
             self.conn.pause_reading()
             self.poke()
+
+    def take(self) -> bytes:
+        data = self._out[0] if len(self._out) == 1 else b"".join(self._out)
+        self._out.clear()
+        return data
 
     def poke(self) -> None:
         if self._wake is not None and not self._wake.done():

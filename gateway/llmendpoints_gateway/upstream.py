@@ -74,6 +74,7 @@ class Connection(asyncio.Protocol):
         self._first: asyncio.Future[None] = self.loop.create_future()
         self._pending: list[bytes] = []
         self.sink: Callable[[bytes], None] | None = None
+        self.on_read: Callable[[], None] | None = None  # after each read's chunks went to sink
         self.on_end: Callable[[], None] | None = None  # completion or failure after the head
 
     # -- the exchange (the request's task) --
@@ -90,13 +91,22 @@ class Connection(asyncio.Protocol):
         """Until the first body bytes (or the end of a body-less answer) are in."""
         await self._first
 
-    def attach(self, sink: Callable[[bytes], None], on_end: Callable[[], None]) -> None:
+    def attach(
+        self,
+        sink: Callable[[bytes], None],
+        on_end: Callable[[], None],
+        on_read: Callable[[], None] | None = None,
+    ) -> None:
         """From now on every body chunk goes to ``sink`` as it arrives (what arrived before
-        first); ``on_end`` is called when the answer completes or the connection fails."""
+        first); ``on_read`` is called after the chunks of each read from the socket (one read
+        can carry several: they can leave in one write); ``on_end`` when the answer completes
+        or the connection fails."""
         pending, self._pending = self._pending, []
-        self.sink, self.on_end = sink, on_end
+        self.sink, self.on_end, self.on_read = sink, on_end, on_read
         for chunk in pending:
             sink(chunk)
+        if pending and on_read is not None:
+            on_read()
 
     def pause_reading(self) -> None:
         if self._reading and self.transport is not None and not self.closed:
@@ -137,6 +147,8 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError(f"invalid HTTP answer: {exc}", answered=True))
             self.close()
+        if self.on_read is not None:
+            self.on_read()
 
     def eof_received(self) -> bool:
         return False  # close the transport: connection_lost follows
