@@ -34,7 +34,8 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "runtime"))
+# The tests' kits (tests/conftest.py puts the same two folders on the path).
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "runtime")]
 
 from runtime_process import launch_runtime  # noqa: E402
 

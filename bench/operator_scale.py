@@ -36,7 +36,8 @@ from typing import Any
 import psutil
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+# The tests' kits (tests/conftest.py puts the same two folders on the path).
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "runtime")]
 
 from integration.kube_emulator import (  # noqa: E402
     CHILD_RESOURCES,

@@ -48,7 +48,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench" / "out"
-sys.path.insert(0, str(REPO / "tests"))
+# The tests' kits (tests/conftest.py puts the same two folders on the path).
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "runtime")]
 
 from gateway.harness import Process, launch_gateway, launch_standin  # noqa: E402
 from integration.nats_kit import nats_server  # noqa: E402

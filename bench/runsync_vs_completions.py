@@ -35,7 +35,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 # The same launcher as the runtime tests: a clean environment, whatever the caller's shell holds.
-sys.path.insert(0, str(REPO / "tests" / "runtime"))
+# The tests' kits (tests/conftest.py puts the same two folders on the path).
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "runtime")]
 
 from runtime_process import launch_runtime  # noqa: E402
 

@@ -4,6 +4,7 @@
     runtime replica 1            http://127.0.0.1:8001   the demo model, a worker of the queue
     runtime replica 2            http://127.0.0.1:8002   the same
     gateway                      http://127.0.0.1:8080   one URL: keys, limits, routing, holds
+    gateway /metrics             http://127.0.0.1:9090   its own port, as in the chart
 
 The replicas are staggered: the second starts when the first's server listens, so that the two
 never import vLLM at the same time on two cores; each has a small context (MAX_MODEL_LEN) and KV
@@ -14,8 +15,10 @@ group, which gets SIGTERM (a drain) and then SIGKILL; nothing is left behind.
 Everything listens on 127.0.0.1 only. Ports, keys and the model can be changed from the
 environment (STACK_* below); the README's tour uses the defaults. Logs go to STACK_DIR.
 
-Adding a setting to every replica (the tenancy work's NATS credentials, the gateway->pod token)
-is one entry in `runtime_env` / `gateway_env`; a file they need goes in `write_files`.
+The gateway reaches the replicas as in a cluster: with the endpoint's gateway token (derived from
+a secret written to STACK_DIR, as the operator does), never with the client's key; the replicas
+trust the caller's name it sends next to that token. A setting for every replica is one entry in
+`runtime_env` / `gateway_env`; a file they need goes in `write_files`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -37,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 ENDPOINT = "demo"
+ENDPOINT_ID = f"default/{ENDPOINT}"  # a static endpoint's namespace is "default"
 STOP_GRACE_SECONDS = 20.0  # SIGTERM -> SIGKILL: a runtime drains, then stops its engine
 
 
@@ -48,6 +53,7 @@ class StackConfig:
     nats_port: int = 4222
     replica_ports: tuple[int, ...] = (8001, 8002)
     gateway_port: int = 8080
+    gateway_metrics_port: int = 9090
     tenant_key: str = "sk-tenant-a"
     tenant_rpm: int = 10
     admin_key: str = "sk-admin"
@@ -63,6 +69,7 @@ class StackConfig:
             nats_port=int(env.get("STACK_NATS_PORT", "4222")),
             replica_ports=tuple(int(p) for p in ports.split(",") if p.strip()),
             gateway_port=int(env.get("STACK_GATEWAY_PORT", "8080")),
+            gateway_metrics_port=int(env.get("STACK_GATEWAY_METRICS_PORT", "9090")),
             tenant_key=env.get("STACK_TENANT_KEY", "sk-tenant-a"),
             tenant_rpm=int(env.get("STACK_TENANT_RPM", "10")),
             admin_key=env.get("STACK_ADMIN_KEY", "sk-admin"),
@@ -95,7 +102,7 @@ def base_env() -> dict[str, str]:
     return keep
 
 
-def runtime_env(config: StackConfig, port: int) -> dict[str, str]:
+def runtime_env(config: StackConfig, port: int, files: dict[str, Path]) -> dict[str, str]:
     return {
         **base_env(),
         "MODEL_NAME": str(config.model),
@@ -106,6 +113,7 @@ def runtime_env(config: StackConfig, port: int) -> dict[str, str]:
         "PORT": str(port),
         "JOBS_QUEUE_URL": config.nats_url,
         "ENDPOINT_ID": ENDPOINT,
+        "GATEWAY_TOKEN_FILE": str(files["gateway_token"]),
         "LOG_FORMAT": "text",
     }
 
@@ -115,6 +123,8 @@ def gateway_env(config: StackConfig, files: dict[str, Path]) -> dict[str, str]:
         **base_env(),
         "HOST": config.host,
         "PORT": str(config.gateway_port),
+        "GATEWAY_METRICS_PORT": str(config.gateway_metrics_port),
+        "GATEWAY_TOKEN_SECRET_FILE": str(files["gateway_token_secret"]),
         "GATEWAY_ENDPOINTS_FILE": str(files["endpoints"]),
         "API_KEYS_FILE": str(files["keys"]),
         "JOBS_QUEUE_URL": config.nats_url,
@@ -149,7 +159,25 @@ def write_files(config: StackConfig) -> dict[str, Path]:
         )
     )
     keys.chmod(0o600)
-    return {"endpoints": endpoints, "keys": keys}
+    # The gateway token: the secret the gateway holds, and the endpoint's token the replicas
+    # hold (in a cluster: the chart's Secret and the operator's <endpoint>-gateway-token).
+    from llmendpoints_common import gateway_token
+
+    secret_file = config.state / "gateway-token-secret"
+    if not secret_file.is_file():
+        secret_file.write_text(secrets.token_urlsafe(36))
+    secret_file.chmod(0o600)
+    token_file = config.state / "gateway-token"
+    token_file.write_text(
+        gateway_token.derive(gateway_token.read_secret(str(secret_file)), ENDPOINT_ID)
+    )
+    token_file.chmod(0o600)
+    return {
+        "endpoints": endpoints,
+        "keys": keys,
+        "gateway_token_secret": secret_file,
+        "gateway_token": token_file,
+    }
 
 
 # ------------------------------------------------------------------ processes
@@ -207,7 +235,8 @@ class Stack:
         config, began = self.config, time.monotonic()
         if not (config.model / "config.json").is_file():
             raise StackError(f"no model at {config.model} (make demo-model writes the demo model)")
-        for port in (config.nats_port, config.gateway_port, *config.replica_ports):
+        ports = (config.nats_port, config.gateway_port, config.gateway_metrics_port)
+        for port in (*ports, *config.replica_ports):
             if not port_free(config.host, port):
                 raise StackError(
                     f"port {port} on {config.host} is taken (STACK_*_PORT variables move the stack)"
@@ -229,7 +258,7 @@ class Stack:
         # imports are done and its engine is loading), so the two never import vLLM at once.
         for i, port in enumerate(config.replica_ports, 1):
             self._child(f"replica-{i}", [str(BIN / "llmendpoints-runtime"), "serve"],
-                        runtime_env(config, port))  # fmt: skip
+                        runtime_env(config, port, files))  # fmt: skip
             self._wait(lambda port=port: answers(config.url(port)), f"replica {i}", 300)
         for i, port in enumerate(config.replica_ports, 1):
             self._wait(
@@ -285,6 +314,7 @@ LLM Endpoints stack (demo model: random weights, gibberish answers)
 
   gateway     {c.url(c.gateway_port)}/v1            OpenAI API, model "demo"
               {c.url(c.gateway_port)}/v2/{ENDPOINT}       RunPod job API
+              {c.url(c.gateway_metrics_port)}/metrics     its Prometheus metrics
 {replicas}
   queue       {c.nats_url}
 
@@ -337,12 +367,13 @@ def ready(url: str) -> bool:
 
 def _gateway_ready_replicas(config: StackConfig) -> int:
     try:
-        with urllib.request.urlopen(config.url(config.gateway_port) + "/metrics", timeout=2) as r:
+        metrics = config.url(config.gateway_metrics_port) + "/metrics"
+        with urllib.request.urlopen(metrics, timeout=2) as r:
             text = r.read().decode()
     except (urllib.error.URLError, OSError):
         return 0
     for line in text.splitlines():
-        if line.startswith(f'llmendpoints_gateway_ready_replicas{{endpoint="{ENDPOINT}"}}'):
+        if line.startswith(f'llmendpoints_gateway_ready_replicas{{endpoint="{ENDPOINT_ID}"}}'):
             return int(float(line.rsplit(" ", 1)[1]))
     return 0
 

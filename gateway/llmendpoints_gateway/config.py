@@ -72,6 +72,13 @@ class GatewaySettings(EdgeSettings):
         "not (no key configured: every request is refused); false: endpoints with no key "
         "anywhere are open.",
     )
+    endpoint_keys: bool = Field(
+        False,
+        validation_alias="GATEWAY_ENDPOINT_KEYS",
+        description="Kubernetes: also accept each endpoint's own keys (spec.api.apiKeysSecretRef), "
+        "read from the endpoint's namespace (needs `get` on Secrets there). Off: the gateway's "
+        "keys are its tenant keys alone (GATEWAY_KEYS_NAMESPACE).",
+    )
     token_secret_file: str | None = Field(
         None,
         validation_alias="GATEWAY_TOKEN_SECRET_FILE",

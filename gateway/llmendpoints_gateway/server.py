@@ -79,7 +79,11 @@ def build(settings: GatewaySettings, worker: WorkerSlot | None = None) -> Gatewa
         discovery = StaticDiscovery(settings.endpoints_file, registry, settings.probe_interval_seconds)
     else:
         discovery = KubeDiscovery(
-            registry, keys, namespace=settings.namespace, keys_namespace=settings.keys_namespace
+            registry,
+            keys,
+            namespace=settings.namespace,
+            keys_namespace=settings.keys_namespace,
+            endpoint_keys=settings.endpoint_keys,
         )
     gateway = Gateway(
         settings, Access(keys, registry), registry, metrics, limiter, metering, token_secret=token_secret

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
+from llmendpoints_common.gateway_token import read_secret
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -115,6 +116,13 @@ class OperatorSettings(BaseSettings):
         "gateway holds requests while an endpoint has no replica, and the autoscaler reads them "
         "in the queue).",
     )
+    gateway_token_secret_file: str | None = Field(
+        None,
+        description="File with the secret the gateway derives its per-endpoint tokens from (the "
+        "chart mounts the same Secret into the gateway): the operator writes each endpoint's "
+        "token into <endpoint>-gateway-token, mounted into its pods as GATEWAY_TOKEN_FILE, so "
+        "the gateway reaches the pods without a client's key. Unset: no gateway token.",
+    )
     inference_pool_default: bool = Field(
         False,
         description="Whether endpoints that do not set spec.api.inferencePool.enabled get an "
@@ -182,6 +190,16 @@ class OperatorSettings(BaseSettings):
                 "the URL must not hold one (it would reach every pod)"
             )
         return self
+
+    @field_validator("gateway_token_secret_file")
+    @classmethod
+    def _token_secret_readable(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                read_secret(value)
+            except OSError as exc:
+                raise ValueError(f"cannot read {value!r}: {exc.strerror}") from None
+        return value
 
     @property
     def scales_to_zero(self) -> bool:

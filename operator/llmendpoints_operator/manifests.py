@@ -37,6 +37,11 @@ ANNOTATION_CHAT_TEMPLATE_HASH = f"{GROUP}/chat-template-sha256"
 CONTAINER_NAME = "runtime"
 HTTP_PORT = 8000
 HTTP_PORT_NAME = "http"
+# The runtime's control port (LLMEP_CONTROL_PORT): /health, /ready, /ping and /metrics answered
+# by a process of their own, whatever the event loop carries. The kubelet's probes and the
+# autoscaler's scrape go there: a loaded pod stays visible to both (docs/operator.md).
+CONTROL_PORT = 8001
+CONTROL_PORT_NAME = "control"
 MODEL_CACHE_PATH = "/models"
 CHAT_TEMPLATE_DIR = "/etc/llmendpoints/chat-template"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -77,6 +82,10 @@ def adapters_configmap_name(endpoint_name: str) -> str:
 
 def cache_claim_name(endpoint_name: str) -> str:
     return f"{endpoint_name}-model-cache"
+
+
+def gateway_token_secret_name(endpoint_name: str) -> str:
+    return f"{endpoint_name}-gateway-token"
 
 
 def admin_key_secret_name(endpoint_name: str) -> str:
@@ -169,6 +178,7 @@ def build_env(ep: Endpoint) -> list[dict[str, Any]]:
         ("DRAIN_TIMEOUT_SECONDS", str(engine.drain_timeout_seconds)),
         ("HOST", "0.0.0.0"),
         ("PORT", str(HTTP_PORT)),
+        ("LLMEP_CONTROL_PORT", str(CONTROL_PORT)),
         ("LOG_FORMAT", "json"),
     ]
     env: list[dict[str, Any]] = [
@@ -287,7 +297,7 @@ def _resources(ep: Endpoint, settings: OperatorSettings) -> dict[str, Any]:
 
 def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
     return {
-        "httpGet": {"path": path, "port": HTTP_PORT_NAME},
+        "httpGet": {"path": path, "port": CONTROL_PORT_NAME},
         "periodSeconds": period,
         "timeoutSeconds": timeout,
         "failureThreshold": failures,
@@ -361,6 +371,31 @@ def chat_template_hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+GATEWAY_TOKEN_DIR = "/etc/llmendpoints/gateway-token"
+GATEWAY_TOKEN_FILE = "token"
+
+
+def gateway_token_env(settings: OperatorSettings) -> list[dict[str, Any]]:
+    if not settings.gateway_token_secret_file:
+        return []
+    return [{"name": "GATEWAY_TOKEN_FILE", "value": f"{GATEWAY_TOKEN_DIR}/{GATEWAY_TOKEN_FILE}"}]
+
+
+def _gateway_token_volumes(ep: Endpoint, settings: OperatorSettings) -> tuple[list, list]:
+    """The endpoint's gateway token: what the gateway presents instead of a client's key (the
+    runtime believes its x-llmep-caller only with it). A directory mount, like the keys."""
+    if not settings.gateway_token_secret_file:
+        return [], []
+    volume = {
+        "name": "gateway-token",
+        "secret": {
+            "secretName": gateway_token_secret_name(ep.name),
+            "items": [{"key": GATEWAY_TOKEN_FILE, "path": GATEWAY_TOKEN_FILE}],
+        },
+    }
+    return [volume], [{"name": "gateway-token", "mountPath": GATEWAY_TOKEN_DIR, "readOnly": True}]
+
+
 def _queue_volumes(ep: Endpoint, settings: OperatorSettings) -> tuple[list, list]:
     """The endpoint's creds file (per-endpoint credentials only). A directory mount: a creds
     file replaced in the Secret reaches running pods, which read it at each reconnect."""
@@ -381,14 +416,19 @@ def build_pod_template(ep: Endpoint, settings: OperatorSettings) -> dict[str, An
     engine = spec.engine
     volumes, mounts = _volumes(ep)
     queue_volumes, queue_mounts = _queue_volumes(ep, settings)
-    volumes, mounts = [*volumes, *queue_volumes], [*mounts, *queue_mounts]
+    token_volumes, token_mounts = _gateway_token_volumes(ep, settings)
+    volumes = [*volumes, *queue_volumes, *token_volumes]
+    mounts = [*mounts, *queue_mounts, *token_mounts]
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": engine.image or settings.runtime_image,
         "command": ["llmendpoints-runtime"],
         "args": ["serve"],
-        "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        "env": [*build_env(ep), *queue_env(ep, settings)],
+        "ports": [
+            {"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"},
+            {"name": CONTROL_PORT_NAME, "containerPort": CONTROL_PORT, "protocol": "TCP"},
+        ],
+        "env": [*build_env(ep), *queue_env(ep, settings), *gateway_token_env(settings)],
         "resources": _resources(ep, settings),
         "volumeMounts": mounts,
         # The HTTP server answers from the first second; the startup probe's budget covers the
@@ -434,7 +474,7 @@ def build_pod_template(ep: Endpoint, settings: OperatorSettings) -> dict[str, An
 
     annotations = {
         "prometheus.io/scrape": "true",
-        "prometheus.io/port": str(HTTP_PORT),
+        "prometheus.io/port": str(CONTROL_PORT),
         "prometheus.io/path": "/metrics",
     }
     if spec.model.chat_template is not None:
@@ -494,7 +534,16 @@ def build_service(ep: Endpoint) -> dict[str, Any]:
                     "targetPort": HTTP_PORT_NAME,
                     "protocol": "TCP",
                     "appProtocol": "http",
-                }
+                },
+                # Listed so that the EndpointSlices carry it: the autoscaler scrapes there.
+                # It serves nothing the http port does not (probes and /metrics).
+                {
+                    "name": CONTROL_PORT_NAME,
+                    "port": CONTROL_PORT,
+                    "targetPort": CONTROL_PORT_NAME,
+                    "protocol": "TCP",
+                    "appProtocol": "http",
+                },
             ],
         },
     }
@@ -595,6 +644,19 @@ def build_admin_key_secret(ep: Endpoint, key: str) -> dict[str, Any]:
         "metadata": _metadata(ep, admin_key_secret_name(ep.name)),
         "type": "Opaque",
         "data": {ADMIN_KEY_FILE: base64.b64encode(key.encode()).decode()},
+    }
+
+
+def build_gateway_token_secret(ep: Endpoint, token: str) -> dict[str, Any]:
+    """The endpoint's gateway token (``llmendpoints_common.gateway_token.derive`` of the
+    installation's secret and ``<namespace>/<name>``: the reconcile's one impure input is the
+    secret). Created once, like the admin key."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(ep, gateway_token_secret_name(ep.name)),
+        "type": "Opaque",
+        "data": {GATEWAY_TOKEN_FILE: base64.b64encode(token.encode()).decode()},
     }
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import kopf
+from llmendpoints_common import gateway_token
 from llmendpoints_common.identity import EndpointRef
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 
@@ -49,6 +50,29 @@ from llmendpoints_operator.spec import Endpoint, InvalidSpecError
 _OTHER_WRITERS = (AUTOSCALING_KEY, ADAPTERS_KEY)
 
 Key = tuple[str, str]  # (namespace, endpoint name)
+
+# The Secrets the operator created for an endpoint (names, comma-separated), on the endpoint.
+SECRETS_CREATED = "llmendpoints.dev/secrets-created"
+
+
+def created_secrets(endpoint: Mapping[str, Any]) -> set[str]:
+    annotations = (endpoint.get("metadata") or {}).get("annotations") or {}
+    return {n for n in (annotations.get(SECRETS_CREATED) or "").split(",") if n}
+
+
+class NotOurSecret(kube.Conflict):
+    """A Secret the endpoint's pods would trust exists, and the operator did not make it."""
+
+    def __init__(self, name: str, what: str):
+        super().__init__(
+            409,
+            "SecretNotCreatedByOperator",
+            f"Secret {name} ({what}) exists and was not created by the operator for this "
+            "endpoint: its pods are not started with it. Delete it; the operator then creates "
+            "its own.",
+        )
+
+
 # kopf.Index[K, V] is a Mapping of K to a collection of V; so is a dict of lists in tests.
 Index = Mapping[Any, Collection[Any]]
 
@@ -186,6 +210,11 @@ class Reconciler:
     ) -> None:
         self._kube = kube
         self._jobs_queue = jobs_queue
+        self._gateway_token_secret = (
+            gateway_token.read_secret(settings.gateway_token_secret_file)
+            if settings.gateway_token_secret_file
+            else None
+        )
         self.indexes = indexes
         self._settings = settings
         self._post_event = post_event
@@ -197,6 +226,9 @@ class Reconciler:
         self._published: dict[Key, dict[str, Any]] = {}
         # What the last reconcile did about each endpoint's InferencePool (status reports it).
         self._pools: dict[Key, status.InferencePoolState] = {}
+        # Secrets this process created, per endpoint (the annotation's record may not be in the
+        # snapshot a reconcile gets yet: the watch event of our own patch comes later).
+        self._created: defaultdict[Key, set[str]] = defaultdict(set)
 
     # --- the reconcile ------------------------------------------------------------------------
 
@@ -244,6 +276,7 @@ class Reconciler:
             client = self._kube()
             await self._ensure_admin_key(ep, endpoint, client, logger)
             await self._ensure_queue_creds(ep, endpoint, client, logger)
+            await self._ensure_gateway_token(ep, endpoint, client, logger)
             children = manifests.build_children(ep, self._settings)
             kopf.adopt(children, owner=endpoint)
             for child in children:
@@ -289,12 +322,60 @@ class Reconciler:
         A POST per reconcile rather than a read: the operator may create Secrets but not read
         them (its RBAC), so an existing one is known only by the API's Conflict."""
         secret = manifests.build_admin_key_secret(ep, secrets.token_urlsafe(32))
+        await self._create_once(secret, owner, client, logger, "the endpoint's admin key")
+
+    async def _ensure_gateway_token(
+        self, ep: Endpoint, owner: Mapping[str, Any], client: KubeApi, logger: logging.Logger
+    ) -> None:
+        """The endpoint's gateway token (with the gateway's token secret): derived from the
+        installation's secret and the endpoint's ``<namespace>/<name>``, what the gateway
+        presents to its pods instead of a client's key. Created once, like the admin key."""
+        if self._gateway_token_secret is None:
+            return
+        token = gateway_token.derive(self._gateway_token_secret, f"{ep.namespace}/{ep.name}")
+        secret = manifests.build_gateway_token_secret(ep, token)
+        await self._create_once(secret, owner, client, logger, "the gateway's token for its pods")
+
+    async def _create_once(
+        self,
+        secret: dict[str, Any],
+        owner: Mapping[str, Any],
+        client: KubeApi,
+        logger: logging.Logger,
+        what: str,
+    ) -> None:
+        """Create a Secret the endpoint's pods trust unless the operator made it already.
+
+        The operator may create Secrets, never read them (its RBAC), so an existing one is known
+        only by the API's Conflict -- and one planted under that name before the endpoint
+        existed (by anyone who may create Secrets in the namespace) would hand its author the
+        endpoint's admin key or the gateway's word at its pods. So each Secret the operator
+        creates is recorded on the endpoint (annotation ``SECRETS_CREATED``); a Conflict for a
+        Secret not recorded is refused (NotOurSecret: an Event, retried until the Secret is
+        deleted). Endpoints from before the record existed have their Deployment already: their
+        Secrets were made by this operator, before it."""
+        name = secret["metadata"]["name"]
+        meta = owner["metadata"]
+        key = (meta["namespace"], meta["name"])
         kopf.adopt(secret, owner=owner)
         try:
             await client.create(secret)
         except kube.Conflict:
-            return
-        logger.info("Created Secret %s (the endpoint's admin key)", secret["metadata"]["name"])
+            ours = self._created[key] | created_secrets(owner)
+            if name in ours or self.indexes.deployment(key):
+                return
+            raise NotOurSecret(name, what) from None
+        self._created[key].add(name)
+        await client.patch(
+            "llmendpoints.dev/v1alpha1",
+            "LLMEndpoint",
+            meta["namespace"],
+            meta["name"],
+            {"metadata": {"annotations": {SECRETS_CREATED: ",".join(
+                sorted(self._created[key] | created_secrets(owner))
+            )}}},
+        )  # fmt: skip
+        logger.info("Created Secret %s (%s)", name, what)
 
     async def _ensure_queue_creds(
         self, ep: Endpoint, owner: Mapping[str, Any], client: KubeApi, logger: logging.Logger

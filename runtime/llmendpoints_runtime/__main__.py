@@ -21,6 +21,8 @@ def _early_environment() -> str:
     """What must be in the environment before vLLM (and huggingface_hub) are first imported."""
     from llmendpoints_runtime import logs
 
+    _line_buffered_output()
+
     if os.environ.get("BASE_PATH"):
         # huggingface_hub reads HF_HOME once, at import time.
         os.environ.setdefault("HF_HOME", os.environ["BASE_PATH"])
@@ -29,6 +31,22 @@ def _early_environment() -> str:
     logs.prepare_vllm_logging(log_format)
     logs.configure(log_format, os.environ.get("LLMEP_LOG_LEVEL", "info").strip().lower() or "info")
     return log_format
+
+
+def _line_buffered_output() -> None:
+    """Every log line reaches stdout when it is written, whatever stdout is.
+
+    Python buffers a stdout that is not a terminal in blocks: piped to a file or a log
+    collector without PYTHONUNBUFFERED, lines waited in memory (a check for a failed webhook's
+    line found none) and whatever was still there when a process ended abruptly was lost.
+    Ours is switched to line buffering here; vLLM's engine processes are started later with
+    this environment, and PYTHONUNBUFFERED makes theirs unbuffered (they are killed, not ended
+    cleanly, at shutdown).
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):  # not a TextIOWrapper
+            stream.reconfigure(line_buffering=True)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 
 def _serve() -> int:
@@ -44,7 +62,7 @@ def _serve() -> int:
     for warning in config.warnings:
         logger.warning(warning)
 
-    from llmendpoints_runtime.compose import build_runtime, create_app
+    from llmendpoints_runtime.compose import build_runtime, create_app, start_control_listener
     from llmendpoints_runtime.server import serve
 
     logger.info(
@@ -56,10 +74,16 @@ def _serve() -> int:
     )
     try:
         runtime = build_runtime(config)
+        app = create_app(runtime)
+        control = start_control_listener(runtime)
     except ConfigError as exc:
         print(f"llmendpoints-runtime: configuration error: {exc}", file=sys.stderr)
         return 2
-    serve(runtime, create_app(runtime))
+    if control is not None:
+        logger.info("probes and /metrics also on %s:%d", config.settings.host, control.port)
+    serve(runtime, app)
+    if control is not None:
+        control.close()
     from llmendpoints_runtime.health import EngineState
 
     code = 0

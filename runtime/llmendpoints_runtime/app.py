@@ -49,7 +49,7 @@ from llmendpoints_runtime.config import RuntimeConfig
 from llmendpoints_runtime.control_routes import control_denied, is_control_path
 from llmendpoints_runtime.engine import Engine
 from llmendpoints_runtime.errors import OpenAIShapedErrors, install_exception_handlers
-from llmendpoints_runtime.health import EngineState, Health
+from llmendpoints_runtime.health import EngineState, Health, Probe
 from llmendpoints_runtime.metrics import CONTENT_TYPE, RuntimeMetrics
 from llmendpoints_runtime.middleware import BodyGuard, RequestContext
 from llmendpoints_runtime.openapi import openapi_builder
@@ -86,6 +86,9 @@ class Runtime:
     drain_deadline: float | None = None
     # Run once the engine is ready, in order (the LoRA adapter reconciler starts here).
     on_ready: list[Callable[[], None]] = field(default_factory=list)
+    # Tasks run on the event loop from the server's start to its end (the control port's
+    # publisher), cancelled at shutdown.
+    on_serving: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     # Ends the process as SIGTERM would (the engine watcher calls it when the engine dies).
     request_stop: Callable[[], None] = field(default=lambda: os.kill(os.getpid(), signal.SIGTERM))
 
@@ -213,10 +216,30 @@ def _not_ready_error(health: Health) -> ServiceUnavailableError:
     return ServiceUnavailableError(f"the engine is not available: {health.reason or health.state}")
 
 
-def _probe_response(probe) -> Response:
+def _probe_response(probe: Probe) -> Response:
     if probe.status == 204:
         return Response(status_code=204)
     return JSONResponse(probe.body, status_code=probe.status)
+
+
+def liveness_now(runtime: Runtime) -> Probe:
+    """/health's answer (on the main port and the control port alike)."""
+    if runtime.engine.dead() and runtime.health.state is not EngineState.FAILED:
+        # The engine watcher says so within moments; a probe in between need not wait.
+        runtime.health.engine_failed(
+            f"{runtime.engine.death_reason()}; restarting the container is the only remedy"
+        )
+    return runtime.health.liveness()
+
+
+def metrics_now(runtime: Runtime) -> bytes:
+    """/metrics' body: ours, then vLLM's series (safe from any thread: prometheus_client's
+    collectors lock, and the gauges' sources read counters)."""
+    runtime.metrics.engine_ready.set(1 if runtime.health.ready else 0)
+    vllm_registry = (
+        runtime.engine.prometheus_registry() if runtime.engine.client is not None else None
+    )
+    return runtime.metrics.render(vllm_registry)
 
 
 def probe_router(runtime: Runtime) -> APIRouter:
@@ -224,12 +247,7 @@ def probe_router(runtime: Runtime) -> APIRouter:
 
     @router.get("/health", include_in_schema=False)
     async def health() -> Response:
-        if runtime.engine.dead() and runtime.health.state is not EngineState.FAILED:
-            # The engine watcher says so within moments; a probe in between need not wait.
-            runtime.health.engine_failed(
-                f"{runtime.engine.death_reason()}; restarting the container is the only remedy"
-            )
-        return _probe_response(runtime.health.liveness())
+        return _probe_response(liveness_now(runtime))
 
     @router.get("/ready", include_in_schema=False)
     async def ready(strict: bool = False) -> Response:
@@ -241,11 +259,7 @@ def probe_router(runtime: Runtime) -> APIRouter:
 
     @router.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
-        runtime.metrics.engine_ready.set(1 if runtime.health.ready else 0)
-        vllm_registry = (
-            runtime.engine.prometheus_registry() if runtime.engine.client is not None else None
-        )
-        return Response(runtime.metrics.render(vllm_registry), media_type=CONTENT_TYPE)
+        return Response(metrics_now(runtime), media_type=CONTENT_TYPE)
 
     return router
 
@@ -259,6 +273,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         task = asyncio.create_task(_start_engine(runtime)) if start_engine else None
+        serving = [asyncio.create_task(run()) for run in runtime.on_serving]
         try:
             yield
         finally:
@@ -268,6 +283,8 @@ def create_app(
                     await task
             await _drain_features(runtime)
             await runtime.engine.shutdown()
+            for running in serving:  # last: the control port says "draining" to the end
+                running.cancel()
 
     app = FastAPI(title="LLM Endpoints runtime", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.runtime = runtime
@@ -339,6 +356,15 @@ def _name(function: Callable[..., Any]) -> str:
 
 async def _start_engine(runtime: Runtime) -> None:
     await runtime.engine.start()
+    if runtime.health.state is EngineState.FAILED:
+        # The engine never came up (a missing or corrupt model, a crash at load or warm-up):
+        # it cannot in this process either. Exit as after a later death, so that `make serve`
+        # ends with the cause and Kubernetes restarts the container (or shows CrashLoopBackOff
+        # with the cause as the last log line) instead of a Running pod answering 503 for ever.
+        await _stop_after_engine_failure(
+            runtime, f"engine failed to start: {runtime.health.reason}"
+        )
+        return
     if (
         runtime.health.state is EngineState.READY
         and runtime.config.settings.max_concurrency is None
@@ -379,9 +405,15 @@ async def _watch_engine(runtime: Runtime) -> None:
         await asyncio.sleep(ENGINE_WATCH_INTERVAL_SECONDS)
     reason = f"{engine.death_reason()}; the process exits to be restarted"
     runtime.health.engine_failed(reason)
+    await _stop_after_engine_failure(runtime, f"engine died: {reason}")
+
+
+async def _stop_after_engine_failure(runtime: Runtime, what: str) -> None:
+    """503 everywhere for ENGINE_DEATH_EXIT_DELAY_SECONDS, then stop as on SIGTERM; the
+    process exits 1 (``__main__``: the engine's state is FAILED)."""
     runtime.metrics.engine_ready.set(0)
     delay = runtime.config.settings.engine_death_exit_delay_seconds
-    logger.error("engine died: %s; answering 503 everywhere, exiting in %.0f s", reason, delay)
+    logger.error("%s; answering 503 everywhere, exiting in %.0f s", what, delay)
     # Load balancers that only poll /ping (SageMaker, RunPod) see the 503 and take the pod out
     # before its connections start being refused; queued and running jobs fail meanwhile.
     await asyncio.sleep(delay)

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from llmendpoints_common.jobs.models import DEFAULT_EXECUTION_TIMEOUT_MS, DEFAULT_TTL_MS
 from starlette.types import ASGIApp
 
-from llmendpoints_runtime import adapters, app
+from llmendpoints_runtime import adapters, app, control_listener
 from llmendpoints_runtime.adapters import AdapterReconciler
 from llmendpoints_runtime.admission import AdmissionQueue, default_max_concurrency
 from llmendpoints_runtime.app import Runtime
@@ -32,7 +32,7 @@ from llmendpoints_runtime.jobs.queue_worker import (
 from llmendpoints_runtime.jobs.settings import JobSettings
 from llmendpoints_runtime.jobs.wiring import JobFeature, build_job_feature
 from llmendpoints_runtime.media_fetch import MediaFetcher, media_policy
-from llmendpoints_runtime.metrics import RuntimeMetrics
+from llmendpoints_runtime.metrics import CONTENT_TYPE, RuntimeMetrics
 from llmendpoints_runtime.sagemaker import build_sagemaker_router
 
 
@@ -111,6 +111,29 @@ def create_app(runtime: Runtime, *, start_engine: bool = True) -> ASGIApp:
     sagemaker = build_sagemaker_router(engine, target=_same_app)
     routers: list[APIRouter] = [*jobs.routers(openai_target=_same_app), sagemaker]
     return app.create_app(runtime, routers, start_engine=start_engine)
+
+
+def start_control_listener(runtime: Runtime) -> control_listener.ControlPort | None:
+    """Probes and /metrics on LLMEP_CONTROL_PORT, answered by a process of their own
+    (control_listener); None when the port is not set. ConfigError when it cannot listen."""
+    settings = runtime.config.settings
+    if settings.control_port is None:
+        return None
+    if settings.control_port == settings.port:
+        raise ConfigError("LLMEP_CONTROL_PORT", f"must differ from PORT ({settings.port})")
+    surface = control_listener.ControlSurface(
+        liveness=lambda: app.liveness_now(runtime),
+        readiness=lambda strict: runtime.health.readiness(strict=strict),
+        metrics=lambda: (app.metrics_now(runtime), CONTENT_TYPE),
+    )
+    try:
+        port = control_listener.start(surface, settings.host, settings.control_port, thread=False)
+    except OSError as exc:
+        raise ConfigError("LLMEP_CONTROL_PORT", str(exc)) from None
+    # Published from the event loop, which stays responsive under load (a thread did not get
+    # the GIL often enough); the first publication is already there.
+    runtime.on_serving.append(port.publisher.run)
+    return port
 
 
 def adapter_reconciler(runtime: Runtime) -> AdapterReconciler:

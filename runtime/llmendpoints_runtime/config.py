@@ -20,7 +20,8 @@ import re
 from argparse import Namespace
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from llmendpoints_common.fair_use import DEFAULT_MAX_N
 from llmendpoints_common.identity import EndpointRef
@@ -122,6 +123,15 @@ class RuntimeSettings(EdgeSettings):
         description="After the engine core dies: how long the process answers 503 everywhere (load "
         "balancers polling /ping see it; jobs fail naming the cause) before it drains and exits "
         "with status 1 so that it is restarted.",
+    )
+    control_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        validation_alias="LLMEP_CONTROL_PORT",
+        description="A second port (on HOST) answering /health, /ready, /ping and /metrics from "
+        "a process of its own, whatever the event loop is doing: for the kubelet's probes and "
+        "the autoscaler's scrape under load (the operator sets it). Unset: no such port.",
     )
     startup_log_interval_seconds: float = Field(
         10.0,
@@ -334,6 +344,40 @@ def _lora_modules(name: str, value: str) -> list[str]:
     if not modules:
         return []
     return ["--lora-modules", *(json.dumps(m) for m in modules)]
+
+
+def check_start_adapters(engine_args: Any) -> None:
+    """LORA_MODULES that cannot load, refused before the engine starts (ConfigError).
+
+    vLLM finds a rank above max_lora_rank only once the engine is up, and fails the whole start
+    with "LoRA rank 16 is greater than max_lora_rank 8". A local adapter's rank is in its
+    adapter_config.json: checked here, naming the variable to change. (Adapters from the hub
+    are checked by vLLM when they load; the start then fails with its message.)
+    """
+    modules = getattr(engine_args, "lora_modules", None) or []
+    if not modules:
+        return
+    if not getattr(engine_args, "enable_lora", False):
+        raise ConfigError("LORA_MODULES", "serving LoRA adapters needs ENABLE_LORA=1")
+    limit = int(engine_args.max_lora_rank)
+    for module in modules:
+        rank = _local_adapter_rank(module.path)
+        if rank is not None and rank > limit:
+            raise ConfigError(
+                "MAX_LORA_RANK",
+                f"adapter {module.name!r} in LORA_MODULES ({module.path}) has rank {rank}, above "
+                f"MAX_LORA_RANK={limit}: set MAX_LORA_RANK to at least {rank}",
+            )
+
+
+def _local_adapter_rank(path: str) -> int | None:
+    """``r`` from a local adapter's adapter_config.json; None when there is none to read."""
+    config = Path(path).expanduser() / "adapter_config.json"
+    try:
+        rank = json.loads(config.read_text()).get("r")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return rank if isinstance(rank, int) else None
 
 
 def _worker_use_ray(name: str, value: str) -> list[str]:
@@ -749,6 +793,7 @@ def load_config(env: Mapping[str, str]) -> RuntimeConfig:
     if engine_args.api_key:
         # vLLM would enforce its own key on its routes only; keys are ours to enforce everywhere.
         raise ConfigError("API_KEY", "set API_KEY or API_KEYS, not vLLM's --api-key")
+    check_start_adapters(engine_args)
 
     process_env: dict[str, str] = {}
     if settings.base_path:

@@ -39,11 +39,20 @@ def looks_like_path(model: str) -> bool:
 
 
 def model_path_problem(model: str) -> str | None:
-    """PURE but for one stat: a model given as a path that is not a directory (None: fine, or a
+    """PURE but for one stat: a model given as a path to no model directory (None: fine, or a
     Hub repo id). Without this, a typo'd path is looked up on the Hub, or, offline, accepted."""
     if model and looks_like_path(model) and not is_local_model(model):
-        return f"{model!r} is not a directory (a local model is a directory with config.json)"
+        return (
+            f"{model!r} is a path, and there is no model directory there "
+            "(a Hugging Face repo id has the form org/name)"
+        )
     return None
+
+
+def missing_local_model(model: str) -> str | None:
+    """Why MODEL_NAME cannot be loaded, when it is a path to no directory (the engine's check)."""
+    problem = model_path_problem(model)
+    return f"MODEL_NAME {problem}" if problem else None
 
 
 def offline() -> bool:

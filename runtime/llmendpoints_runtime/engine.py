@@ -27,7 +27,7 @@ from argparse import Namespace
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-from llmendpoints_runtime.download import download_model, is_local_model
+from llmendpoints_runtime.download import download_model, is_local_model, missing_local_model
 from llmendpoints_runtime.health import EngineState, Health
 from llmendpoints_runtime.media_fetch import MediaFetchError, MediaFetchLimits
 from llmendpoints_runtime.metrics import PHASES, RuntimeMetrics
@@ -246,6 +246,8 @@ class Engine:
 
     async def _download(self) -> None:
         model, revision = self.args.model, self.args.revision
+        if problem := missing_local_model(model):
+            raise FileNotFoundError(problem)
         if is_local_model(model):
             logger.info("model %s is a local directory; nothing to download", model)
             return
@@ -307,7 +309,8 @@ class Engine:
         await self.client.reset_mm_cache()
         supported_tasks = await self.client.get_supported_tasks()
         logger.info("supported tasks: %s", ", ".join(supported_tasks))
-        app = build_app(self.args, supported_tasks, self.client.model_config)
+        with _root_log_level_kept():
+            app = build_app(self.args, supported_tasks, self.client.model_config)
         # vLLM's handler for EngineDeadError sets ``app.state.server.should_exit``; its own
         # launcher puts the uvicorn server there. Ours stops the process its own way (the
         # engine watcher in app.py), so vLLM gets a harmless stand-in instead of an
@@ -475,6 +478,26 @@ class Engine:
     def unfinished_requests(self) -> int:
         """Requests the engine holds, running or waiting."""
         return self.client.get_num_unfinished_requests() if self.client is not None else 0
+
+
+@contextlib.contextmanager
+def _root_log_level_kept():
+    """Undo what importing vLLM's SageMaker router does to the root logger's level.
+
+    ``build_app`` imports ``model_hosting_container_standards``, which sets the root logger to
+    ERROR (its SAGEMAKER_CONTAINER_LOG_LEVEL / LOG_LEVEL, default ERROR) at import; vLLM puts
+    the handlers' levels back (``_restore_handler_levels``) but not the logger's. Every logger
+    that inherits the root's level -- other libraries' warnings, asyncio's -- went silent below
+    ERROR for the rest of the process (seen: the job API's failed webhook attempts, until our
+    own loggers got their level explicitly, logs.OWN_LOGGERS).
+    """
+    root = logging.getLogger()
+    level = root.level
+    try:
+        yield
+    finally:
+        if root.level != level:
+            root.setLevel(level)
 
 
 # Between SIGTERM and SIGKILL for the engine's processes at shutdown.

@@ -9,9 +9,9 @@ import json
 import os
 import tempfile
 
-from llmendpoints_edge.logs import configure
+from llmendpoints_edge.logs import OWN_LOGGERS, configure
 
-__all__ = ["configure", "prepare_vllm_logging"]
+__all__ = ["OWN_LOGGERS", "configure", "prepare_vllm_logging"]
 
 
 def prepare_vllm_logging(log_format: str) -> None:

@@ -7,21 +7,19 @@ mints creds the way the operator and the gateway's init container do.
 from __future__ import annotations
 
 import base64
-import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from integration.nats_kit import _free_port
+from integration.nats_kit import NatsServer, running_nats
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-NATS_SERVER = BIN / "nats-server"
 
 
 @dataclass
@@ -65,34 +63,16 @@ def lay_out(docs: list[dict[str, Any]], root: Path) -> tuple[ChartNats, dict[str
     return nats, pod
 
 
-@dataclass
-class RunningNats:
-    url: str
-    log: Path
-
-    def violations(self) -> list[str]:
-        return [line for line in self.log.read_text().splitlines() if "Violation" in line]
-
-
 @contextmanager
-def running(nats: ChartNats) -> Iterator[RunningNats]:
+def running(nats: ChartNats) -> Iterator[NatsServer]:
     """nats-server on the chart's configuration; only the addresses are changed (loopback,
     free ports: the client port and the monitoring port, which the chart binds to 127.0.0.1)."""
-    port, monitor = _free_port(), _free_port()
-    log = nats.root / "nats.log"
-    with log.open("wb") as handle:
-        proc = subprocess.Popen(
-            [str(NATS_SERVER), "-c", str(nats.config), "-a", "127.0.0.1", "-p", str(port),
-             "-m", str(monitor)],
-            env={**os.environ, "POD_NAME": "llmendpoints-nats-0"},
-            stdout=handle, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 30
-        while "Server is ready" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.05)
-        yield RunningNats(f"nats://127.0.0.1:{port}", log)
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with running_nats(
+        nats.root,
+        nats.config.read_text(),
+        config_path=nats.config,
+        monitor_port=free_port(),
+        env={"POD_NAME": "llmendpoints-nats-0"},
+        store_flags=False,  # the chart's jetstream block, its store moved under root
+    ) as server:
+        yield server

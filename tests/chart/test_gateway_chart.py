@@ -75,6 +75,7 @@ def test_every_gateway_document_validates_strictly(
             "ClusterRoleBinding",
             "Role",  # list/watch of the key Secrets' namespace
             "RoleBinding",
+            "Secret",  # the gateway token secret (generated once, kept)
         ]
     )
     for doc in docs:
@@ -144,11 +145,17 @@ def test_gateway_rbac_reads_only_what_discovery_needs(helm: Path, tmp_path: Path
         for g in rule["apiGroups"]
         for r in rule["resources"]
     }
+    # No Secret of any other namespace: the tenant keys are read in the key namespace alone.
     assert grants == {
         ("llmendpoints.dev", "llmendpoints"): {"list", "watch"},
         ("discovery.k8s.io", "endpointslices"): {"list", "watch"},
-        ("", "secrets"): {"get"},  # named key Secrets only: no list, no watch
     }
+    with_endpoint_keys = _gateway_docs(
+        render(helm, tmp_path, {"gateway": {"enabled": True, "endpointKeys": True}})
+    )
+    rules = _one(with_endpoint_keys, "ClusterRole")["rules"]
+    # only when asked for: endpoints' own keys, by name (no list, no watch)
+    assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]} in rules
     binding = _one(docs, "ClusterRoleBinding")
     account = _one(docs, "ServiceAccount")["metadata"]["name"]
     assert binding["subjects"][0]["name"] == account
@@ -284,3 +291,47 @@ def test_gateway_workers_follow_the_pods_cpus(
     docs = render(helm, tmp_path, {**values, "gateway": gateway})
     entry = _env(docs, "llmendpoints-gateway")["GATEWAY_WORKERS"]
     assert entry.get("valueFrom", entry.get("value")) == expected
+
+
+def _token_file(pod: dict[str, Any], variable: str) -> tuple[str, str]:
+    """(Secret name, file path) of the gateway token secret the pod's container reads."""
+    (container,) = pod["containers"]
+    path = next(e["value"] for e in container["env"] if e["name"] == variable)
+    mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    assert mount.get("readOnly") is True
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert [item["path"] for item in volume["secret"]["items"]] == [path.rsplit("/", 1)[1]]
+    return volume["secret"]["secretName"], path
+
+
+def test_the_gateway_and_the_operator_read_one_generated_token_secret(
+    helm: Path, tmp_path: Path
+) -> None:
+    """The gateway presents, and the operator writes into each endpoint's pods, tokens derived
+    from one secret: both mount the same Secret; nobody else (runtime pods get only their own
+    endpoint's token, from the operator)."""
+    import base64
+
+    docs = render(helm, tmp_path, {"gateway": {"enabled": True}})
+    pods = dict(pod_specs(docs))
+    gateway = _token_file(pods["llmendpoints-gateway"], "GATEWAY_TOKEN_SECRET_FILE")
+    operator = _token_file(pods["llmendpoints"], "LLMEP_OPERATOR_GATEWAY_TOKEN_SECRET_FILE")
+    assert gateway[0] == operator[0]
+    (secret,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == gateway[0]]
+    assert len(base64.b64decode(secret["data"]["secret"])) == 48
+    mounted_by = [
+        name
+        for name, pod in pods.items()
+        if any((v.get("secret") or {}).get("secretName") == gateway[0] for v in pod["volumes"])
+    ]
+    assert sorted(mounted_by) == ["llmendpoints", "llmendpoints-gateway"]
+    # Yours instead: nothing generated, both read it.
+    docs = render(
+        helm, tmp_path, {"gateway": {"enabled": True, "tokenSecret": {"existingSecret": "mine"}}}
+    )
+    pods = dict(pod_specs(docs))
+    assert _token_file(pods["llmendpoints-gateway"], "GATEWAY_TOKEN_SECRET_FILE")[0] == "mine"
+    assert (
+        _token_file(pods["llmendpoints"], "LLMEP_OPERATOR_GATEWAY_TOKEN_SECRET_FILE")[0] == "mine"
+    )
+    assert not [d for d in docs if d["kind"] == "Secret" and "secret" in (d.get("data") or {})]

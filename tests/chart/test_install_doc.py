@@ -220,17 +220,24 @@ def test_monitoring_scrapes_the_gateway_too(helm: Path, tmp_path: Path, installe
     )
     docs = render(helm, tmp_path, values)
     monitors = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceMonitor"}
-    assert set(monitors) == {"llmendpoints", "llmendpoints-gateway"}
-    for monitor in monitors.values():
-        assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-        assert monitor["spec"]["endpoints"][0]["honorLabels"] is True
-    gateway = monitors["llmendpoints-gateway"]
-    assert gateway["spec"]["endpoints"][0] == {
-        **gateway["spec"]["endpoints"][0],
-        "port": "http",
+    assert set(monitors) == {"llmendpoints"}
+    assert monitors["llmendpoints"]["spec"]["endpoints"][0]["honorLabels"] is True
+    # The gateway is scraped on its pods' metrics port: no Service exposes /metrics.
+    pods = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PodMonitor"}
+    gateway = pods["llmendpoints-gateway"]
+    assert gateway["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert gateway["spec"]["podMetricsEndpoints"][0] == {
+        **gateway["spec"]["podMetricsEndpoints"][0],
+        "port": "metrics",
         "path": "/metrics",
+        "honorLabels": True,
     }
-    only(docs, "PodMonitor")
+    service = next(
+        d
+        for d in docs
+        if d["kind"] == "Service" and d["metadata"]["name"] == "llmendpoints-gateway"
+    )
+    assert [p["name"] for p in service["spec"]["ports"]] == ["http"]
     dashboards = [
         d for d in docs if d["kind"] == "ConfigMap" and "llmendpoints.json" in d.get("data", {})
     ]

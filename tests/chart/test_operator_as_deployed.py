@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sys
 import urllib.error
 import urllib.request
@@ -14,16 +13,11 @@ from pathlib import Path
 
 import pytest
 from integration.kube_emulator import Cluster, wait_for
+from ports import free_port
 
 from .helm_kit import only, render
 
 pytestmark = [pytest.mark.helm, pytest.mark.kube]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> tuple[int, str] | None:
@@ -35,7 +29,7 @@ def _get(url: str) -> tuple[int, str] | None:
 
 
 async def test_operator_answers_its_probes_as_the_chart_runs_it(helm: Path, tmp_path: Path) -> None:
-    metrics_port, health_port = _free_port(), _free_port()
+    metrics_port, health_port = free_port(), free_port()
     docs = render(
         helm, tmp_path, {"operator": {"metricsPort": metrics_port, "healthPort": health_port}}
     )

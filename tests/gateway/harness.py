@@ -1,101 +1,34 @@
 """Real processes for gateway tests: the gateway (`python -m llmendpoints_gateway serve`), the
-runtime on the demo model, and the stand-in backend (bench/gateway_standin.py) for failures that
-a real engine cannot be made to have on cue (a crash before the first byte, a cut mid-stream)."""
+runtime on the demo model (launched by tests/runtime/runtime_process.py) and the stand-in
+backend (bench/gateway_standin.py) for failures that a real engine cannot be made to have on cue
+(a crash before the first byte, a cut mid-stream)."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+import runtime_process
 import yaml
+from ports import free_port
+from runtime_process import RuntimeServer, ServedProcess, clean_env
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 STANDIN = REPO / "bench" / "gateway_standin.py"
 
 
-def load_kit(name: str):
-    """A helper module of tests/runtime (``proc_kit``: the engine's processes), loaded by path:
-    neither test folder is a package."""
-    path = REPO / "tests" / "runtime" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def clean_env(**overrides: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("API_KEY", "GATEWAY_", "MAX_", "SM_VLLM_", "LLMEP_", "KUBE"))
-        and k not in ("MODEL_NAME", "PORT", "HOST", "JOBS_QUEUE_URL", "DRAIN_TIMEOUT_SECONDS")
-    }
-    env.update(overrides)
-    return env
-
-
 @dataclass
-class Process:
-    process: subprocess.Popen
-    port: int
-    log_path: Path
+class Process(ServedProcess):
     metrics_port: int | None = None  # the gateway's /metrics (GATEWAY_METRICS_PORT)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port or self.port}/metrics"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_http(self, path: str, want: int = 200, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"exited with {self.process.returncode}:\n{self.log()[-4000:]}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(self.url + path, timeout=2.0).status_code == want:
-                    return
-            time.sleep(0.1)
-        raise TimeoutError(
-            f"{path} did not answer {want} within {timeout} s:\n{self.log()[-3000:]}"
-        )
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        # Each process runs in a session of its own: nothing it started (vLLM's engine core)
-        # outlives it.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        return self.process.returncode
 
 
 def _spawn(argv: list[str], env: dict[str, str], port: int, log_path: Path) -> Process:
@@ -158,26 +91,9 @@ def launch_standin(
     return _spawn(argv, clean_env(), port, log_dir / f"standin-{name}-{port}.log")
 
 
-def runtime_env(model_path: Path, port: int, **overrides: str) -> dict[str, str]:
-    env = clean_env(
-        MODEL_NAME=str(model_path),
-        MAX_MODEL_LEN="512",
-        HOST="127.0.0.1",
-        PORT=str(port),
-        ENABLE_PREFIX_CACHING="true",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
+def launch_runtime(model_path: Path, log_dir: Path, **overrides: str) -> RuntimeServer:
+    """The real runtime (runtime_process's launcher); gateway tests name its models with
+    SERVED_MODEL_NAME, so the launcher's default name override is left out."""
+    return runtime_process.launch_runtime(
+        model_path, log_dir, unset=("OPENAI_SERVED_MODEL_NAME_OVERRIDE",), **overrides
     )
-    env.update(overrides)
-    return env
-
-
-def launch_runtime(
-    model_path: Path, log_dir: Path, port: int | None = None, **overrides: str
-) -> Process:
-    port = port or free_port()
-    env = runtime_env(model_path, port, **overrides)
-    runtime_bin = Path(PYTHON).parent / "llmendpoints-runtime"
-    return _spawn([str(runtime_bin), "serve"], env, port, log_dir / f"runtime-{port}.log")

@@ -387,7 +387,10 @@ def test_a_client_that_leaves_while_held_is_dropped(gateway):
         time.sleep(0.05)
     assert _metric(gateway, "llmendpoints_gateway_held_requests", endpoint="default/never") == 0
     assert (
-        _metric(gateway, "llmendpoints_gateway_requests_total", endpoint="default/never", code="499") == 1
+        _metric(
+            gateway, "llmendpoints_gateway_requests_total", endpoint="default/never", code="499"
+        )
+        == 1
     )
     gone = _metric(
         gateway,

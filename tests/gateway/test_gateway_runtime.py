@@ -16,13 +16,14 @@ from pathlib import Path
 
 import httpx
 import openai
+import proc_kit
 import pytest
 from integration.nats_kit import nats_server
+from runtime_process import RuntimeServer
 
-from .harness import Process, launch_runtime, load_kit, running_gateway, write_endpoints
+from .harness import launch_runtime, running_gateway, write_endpoints
 
 pytestmark = pytest.mark.engine
-proc_kit = load_kit("proc_kit")
 
 SYSTEM = "You are a helpful assistant who answers briefly and in plain words. " * 3
 
@@ -79,24 +80,24 @@ def gateway(logs, replicas, queue_url):
         yield gw
 
 
-def _metric_sum(url: str, name: str, **labels: str) -> float:
+def _metric_sum(metrics_url: str, name: str, **labels: str) -> float:
     total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
 
-def _ready(replica: Process) -> bool:
+def _ready(replica: RuntimeServer) -> bool:
     try:
         return httpx.get(replica.url + "/ready?strict=1", timeout=5).status_code == 200
     except httpx.TransportError:
         return False  # not even listening yet
 
 
-def _finished(replica: Process, reason: str | None = None) -> float:
+def _finished(replica: RuntimeServer, reason: str | None = None) -> float:
     labels = {"finished_reason": reason} if reason else {}
-    return _metric_sum(replica.url, "vllm:request_success_total", **labels)
+    return _metric_sum(replica.url + "/metrics", "vllm:request_success_total", **labels)
 
 
 def test_a_request_is_held_while_the_only_replica_starts(gateway, replicas):
@@ -111,7 +112,12 @@ def test_a_request_is_held_while_the_only_replica_starts(gateway, replicas):
     caller = threading.Thread(target=call)
     caller.start()
     deadline = time.monotonic() + 30
-    while _metric_sum(gateway.url, "llmendpoints_gateway_held_requests", endpoint="other") != 1:
+    while (
+        _metric_sum(
+            gateway.metrics_url, "llmendpoints_gateway_held_requests", endpoint="default/other"
+        )
+        != 1
+    ):
         assert time.monotonic() < deadline, "the request was not held"
         time.sleep(0.1)
     assert not _ready(replicas["e2"])  # still starting
@@ -120,7 +126,12 @@ def test_a_request_is_held_while_the_only_replica_starts(gateway, replicas):
     for replica in replicas.values():
         replica.wait_http("/ready?strict=1", timeout=900)
     deadline = time.monotonic() + 10
-    while _metric_sum(gateway.url, "llmendpoints_gateway_ready_replicas", endpoint="chat") != 2:
+    while (
+        _metric_sum(
+            gateway.metrics_url, "llmendpoints_gateway_ready_replicas", endpoint="default/chat"
+        )
+        != 2
+    ):
         assert time.monotonic() < deadline
         time.sleep(0.1)
 
@@ -162,7 +173,8 @@ def test_requests_go_to_the_endpoint_serving_their_model(gateway, replicas):
 def test_a_conversation_stays_on_the_replica_that_has_its_prefix_cached(gateway, replicas):
     before = {name: _finished(r) for name, r in replicas.items()}
     hits_before = {
-        name: _metric_sum(r.url, "vllm:prefix_cache_hits_total") for name, r in replicas.items()
+        name: _metric_sum(r.url + "/metrics", "vllm:prefix_cache_hits_total")
+        for name, r in replicas.items()
     }
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0)
     messages = [
@@ -178,7 +190,10 @@ def test_a_conversation_stays_on_the_replica_that_has_its_prefix_cached(gateway,
     served = {name: _finished(r) - before[name] for name, r in replicas.items()}
     assert sorted(served.values()) == [0, 5], served
     home = max(served, key=served.get)
-    assert _metric_sum(replicas[home].url, "vllm:prefix_cache_hits_total") > hits_before[home]
+    assert (
+        _metric_sum(replicas[home].url + "/metrics", "vllm:prefix_cache_hits_total")
+        > hits_before[home]
+    )
 
 
 def test_a_client_disconnect_aborts_the_request_in_the_engine(gateway, replicas):
@@ -187,7 +202,10 @@ def test_a_client_disconnect_aborts_the_request_in_the_engine(gateway, replicas)
     def totals():
         return (
             sum(_finished(r, "length") for r in replicas.values()),
-            sum(_metric_sum(r.url, "vllm:generation_tokens_total") for r in replicas.values()),
+            sum(
+                _metric_sum(r.url + "/metrics", "vllm:generation_tokens_total")
+                for r in replicas.values()
+            ),
         )
 
     finished_before, tokens_before = totals()
@@ -209,8 +227,11 @@ def test_a_client_disconnect_aborts_the_request_in_the_engine(gateway, replicas)
     try:
         # The runtimes' API processes (not frozen) see the disconnect and let the request go.
         proc_kit.wait_until(
-            lambda: not any(
-                _metric_sum(r.url, "llmendpoints_requests_in_flight") for r in replicas.values()
+            lambda: (
+                not any(
+                    _metric_sum(r.url + "/metrics", "llmendpoints_requests_in_flight")
+                    for r in replicas.values()
+                )
             ),
             20,
             "the runtimes still count the request in flight after the client left",
@@ -218,7 +239,9 @@ def test_a_client_disconnect_aborts_the_request_in_the_engine(gateway, replicas)
     finally:
         frozen.__exit__(None, None, None)
     deadline = time.monotonic() + 20
-    while any(_metric_sum(r.url, "vllm:num_requests_running") for r in replicas.values()):
+    while any(
+        _metric_sum(r.url + "/metrics", "vllm:num_requests_running") for r in replicas.values()
+    ):
         assert time.monotonic() < deadline, "the engine kept running the request"
         time.sleep(0.05)
     finished, tokens = totals()

@@ -63,6 +63,7 @@ async def gateway(cluster: Cluster, logs: Path) -> AsyncIterator[Process]:
         KUBECONFIG=str(cluster.write_kubeconfig(logs / "kubeconfig")),
         GATEWAY_KEYS_NAMESPACE=KEYS_NS,
         GATEWAY_REQUIRE_KEYS="false",  # endpoints without keys stay open in this module
+        GATEWAY_ENDPOINT_KEYS="true",  # and an endpoint's own keys (apiKeysSecretRef) count
     )
     try:
         await _until(lambda: _status(gw, "/health") == 200, "the gateway listens")
@@ -291,7 +292,11 @@ async def test_a_rotated_token_is_read_again_on_401(cluster, logs, standins):
     )
     try:
         gw = launch_gateway(
-            logs, KUBECONFIG=str(kubeconfig("first")), GATEWAY_KEYS_NAMESPACE="token-keys"
+            logs,
+            KUBECONFIG=str(kubeconfig("first")),
+            GATEWAY_KEYS_NAMESPACE="token-keys",
+            GATEWAY_REQUIRE_KEYS="false",
+            GATEWAY_ENDPOINT_KEYS="true",  # the endpoints' own keys, as the module's gateway
         )
         try:
             await _until(lambda: _status(gw, "/health") == 200, "the gateway listens")

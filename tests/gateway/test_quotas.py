@@ -39,6 +39,7 @@ KEYS = {
     "tpm": {"key": "sk-tpm-1", "limits": {"tokensPerMinute": 40}},
     "conc": {"key": "sk-conc-1", "limits": {"maxConcurrent": 2}},
     "jobs": {"key": "sk-jobs-1", "limits": {"requestsPerMinute": 3}},
+    "retry": {"key": "sk-retry-1", "limits": {"requestsPerMinute": 3}},
     "meter": {"key": "sk-meter-1", "endpoints": ["metered", "fragile"]},
     "revoked": {"key": "sk-revoked-1", "endpoints": ["demo"]},
     "demo-only": {"key": "sk-demo-only-1", "endpoints": ["demo"]},
@@ -326,6 +327,50 @@ def test_jobs_count_against_the_same_limits(gateways):
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
     assert refused.headers["x-ratelimit-remaining-requests"] == "0"
     assert httpx.post(gateways[0].url + CHAT, json=chat(), headers=_auth("jobs")).status_code == 429
+
+
+def _fail(queue_url: str, job_id: str) -> None:
+    """A worker takes the job and it fails (the queue's own record functions, as a pod's)."""
+    import asyncio
+
+    from llmendpoints_common.jobs.models import JobStatus
+    from llmendpoints_common.jobs.record import claim, finish
+    from llmendpoints_common.queue.client import QueueConnection
+    from llmendpoints_common.queue.state import JobStates
+
+    async def work() -> None:
+        connection = await QueueConnection.connect(queue_url, name="test-worker")
+        try:
+            states = JobStates(connection.js, "default/demo")
+            now = time.time()
+            await states.update(job_id, lambda r: claim(r, now=now, worker="w"))
+            await states.update(
+                job_id, lambda r: finish(r, JobStatus.FAILED, now=now, error={"message": "x"})
+            )
+        finally:
+            await connection.close()
+
+    asyncio.run(work())
+
+
+def test_each_retry_is_one_of_the_keys_requests(gateways, queue_url):
+    """A /retry runs the job again: it counts against the key's requests, so retrying a failed
+    job cannot get around requestsPerMinute."""
+    _fresh_window()
+    base = [gw.url + "/v2/demo" for gw in gateways]
+    run = httpx.post(base[0] + "/run", json={"input": {"prompt": "hi"}}, headers=_auth("retry"))
+    assert run.status_code == 200, run.text
+    job_id = run.json()["id"]
+    for gateway in base[1], base[0]:  # requests 2 and 3, one on each gateway
+        _fail(queue_url, job_id)
+        retried = httpx.post(f"{gateway}/retry/{job_id}", headers=_auth("retry"))
+        assert retried.status_code == 200, retried.text
+    _fail(queue_url, job_id)
+    refused = httpx.post(f"{base[1]}/retry/{job_id}", headers=_auth("retry"))
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
+    # The refused retry left the job as it was.
+    status = httpx.get(f"{base[0]}/status/{job_id}", headers=_auth("retry"))
+    assert status.json()["status"] == "FAILED"
 
 
 # ------------------------------------------------------------------ metering

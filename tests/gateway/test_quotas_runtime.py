@@ -20,13 +20,11 @@ import httpx
 import openai
 import pytest
 import yaml
-from integration.nats_kit import nats_server
-
-from .harness import Process, launch_gateway, launch_runtime
-
-# tests/runtime is not a package: its stream-holding client is imported from its folder.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 from held_stream import HeldStream
+from integration.nats_kit import nats_server
+from runtime_process import RuntimeServer
+
+from .harness import launch_gateway, launch_runtime
 
 pytestmark = pytest.mark.engine
 
@@ -74,7 +72,7 @@ def runtime(demo_model, logs, queue_url):
         proc.stop()
 
 
-def _write(path: Path, runtime: Process, keys: list[dict]) -> None:
+def _write(path: Path, runtime: RuntimeServer, keys: list[dict]) -> None:
     document = {
         "endpoints": [{"name": "demo", "models": ["demo"], "backends": [runtime.url]}],
         "apiKeys": keys,
@@ -135,25 +133,25 @@ def _until(condition, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def _metric(url: str, name: str, **labels: str) -> float:
+def _metric(metrics_url: str, name: str, **labels: str) -> float:
     total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
 
-def _engine_tokens(runtime: Process) -> tuple[float, float]:
+def _engine_tokens(runtime: RuntimeServer) -> tuple[float, float]:
     return (
-        _metric(runtime.url, "vllm:prompt_tokens_total"),
-        _metric(runtime.url, "vllm:generation_tokens_total"),
+        _metric(runtime.url + "/metrics", "vllm:prompt_tokens_total"),
+        _metric(runtime.url + "/metrics", "vllm:generation_tokens_total"),
     )
 
 
 def _gateway_tokens(gateways, key: str) -> tuple[float, float]:
     return tuple(
         sum(
-            _metric(gw.url, "llmendpoints_gateway_key_tokens_total", key=key, kind=kind)
+            _metric(gw.metrics_url, "llmendpoints_gateway_key_tokens_total", key=key, kind=kind)
             for gw in gateways
         )
         for kind in ("prompt", "completion")
@@ -226,7 +224,9 @@ def test_the_tokens_counted_are_the_engines_own_for_answers_streams_and_jobs(gat
     assert engine[0] > seen[0] + job_usage["input"]  # plus the two streams' prompts
     assert (
         sum(
-            _metric(gw.url, "llmendpoints_gateway_key_requests_total", key="meter", code="200")
+            _metric(
+                gw.metrics_url, "llmendpoints_gateway_key_requests_total", key="meter", code="200"
+            )
             for gw in gateways
         )
         == 5

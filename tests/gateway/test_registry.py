@@ -83,7 +83,8 @@ async def test_a_suspended_replica_keeps_its_series():
     text = _series(metrics)
     # A static backend has no pod: its label is host:port.
     assert (
-        'llmendpoints_gateway_in_flight_requests{endpoint="default/e",replica="127.0.0.1:9001"} 0.0' in text
+        'llmendpoints_gateway_in_flight_requests{endpoint="default/e",replica="127.0.0.1:9001"} 0.0'
+        in text
     )
 
 
@@ -238,3 +239,19 @@ async def test_lease_counts_what_was_sent_since_the_engine_sample():
             assert lease.replica == "http://a"
     assert ep.sent_since == {"http://a": 2}
     assert ep.loads == {}
+
+
+def test_a_model_name_stays_with_the_endpoint_that_claimed_it_first():
+    """An endpoint author elsewhere cannot take another team's traffic by serving a model of the
+    same name: `model` routes to the oldest claimant, whatever order the gateway sees them in,
+    and to the next one only once it is gone."""
+    reg = Registry(GatewayMetrics(), hold_queue_length=10, load_factor=1.25)
+    newer = reg.upsert("chat", ["llama"], Strategy.PREFIX_AWARE, namespace="b", created=200.0)
+    older = reg.upsert("chat", ["llama"], Strategy.PREFIX_AWARE, namespace="a", created=100.0)
+    assert reg.by_model("llama") is older
+    assert reg.model_claims["llama"] == ("a/chat", ("b/chat",))
+    # Re-listing (a resync, an edit of the newer one) changes nothing.
+    reg.upsert("chat", ["llama", "other"], Strategy.PREFIX_AWARE, namespace="b", created=200.0)
+    assert reg.by_model("llama") is older and reg.by_model("other") is newer
+    reg.remove("a/chat")
+    assert reg.by_model("llama") is newer

@@ -11,8 +11,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
+from ports import free_port
 
-from .kube_emulator import Cluster, Operator, free_port
+from .kube_emulator import Cluster, Operator
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

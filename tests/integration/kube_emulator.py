@@ -31,7 +31,6 @@ import datetime
 import itertools
 import os
 import pathlib
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -438,12 +437,6 @@ class Operator:
             session.get(f"http://127.0.0.1:{self.metrics_port}/metrics") as response,
         ):
             return await response.text()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def wait_for(

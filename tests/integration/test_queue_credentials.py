@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import socket
-import subprocess
 import time
 
 import nats.errors
@@ -26,18 +24,12 @@ from llmendpoints_common.queue.client import QueueConnection
 from llmendpoints_common.queue.trust import Installation, mint, server_config
 
 from .kube_emulator import CHILD_RESOURCES, LLMEP, Cluster, Operator, endpoint, until
-from .nats_kit import nats_server_binary
+from .nats_kit import running_nats
 
 pytestmark = [pytest.mark.kube, pytest.mark.asyncio(loop_scope="module")]
 
 SECRETS = CHILD_RESOURCES["Secret"]
 DEPLOYMENTS = CHILD_RESOURCES["Deployment"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -51,29 +43,14 @@ def queue(tmp_path_factory, request):
     (keys / "account").write_text(installation.account.seed)
     (keys / "account-signing").write_text(installation.account_signing.seed)
     (tmp / "auth.conf").write_text(server_config(installation))
-    (tmp / "nats.conf").write_text(f"jetstream {{ store_dir: {tmp / 'js'} }}\ninclude auth.conf\n")
-    port = _free_port()
-    log = tmp / "nats.log"
-    with log.open("wb") as handle:
-        proc = subprocess.Popen(
-            [nats_server_binary(), "-c", str(tmp / "nats.conf"), "-a", "127.0.0.1", "-p", str(port)],
-            stdout=handle, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while "Server is ready" not in log.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-        time.sleep(0.05)
-    url = f"nats://127.0.0.1:{port}"
-    request.module.OPERATOR_ENV = {
-        "LLMEP_OPERATOR_JOBS_QUEUE_URL": url,
-        "LLMEP_OPERATOR_JOBS_QUEUE_KEYS_DIR": str(keys),
-        "LLMEP_OPERATOR_RESYNC_SECONDS": "3",
-    }
-    try:
-        yield url, installation, log
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    config = f"jetstream {{ store_dir: {tmp / 'js'} }}\ninclude auth.conf\n"
+    with running_nats(tmp, config, config_path=tmp / "nats.conf", store_flags=False) as server:
+        request.module.OPERATOR_ENV = {
+            "LLMEP_OPERATOR_JOBS_QUEUE_URL": server.url,
+            "LLMEP_OPERATOR_JOBS_QUEUE_KEYS_DIR": str(keys),
+            "LLMEP_OPERATOR_RESYNC_SECONDS": "3",
+        }
+        yield server.url, installation, server.log_path
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

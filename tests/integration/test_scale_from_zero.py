@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,6 +24,7 @@ from llmendpoints_common.jobs.models import parse_job_request
 from llmendpoints_common.queue import signals
 from llmendpoints_common.queue.client import QueueConnection, QueueJobService
 from llmendpoints_operator import manifests
+from ports import free_port
 
 from .kube_emulator import CHILD_RESOURCES, LLMEP, Cluster, Operator, endpoint, wait_for
 from .nats_kit import nats_server
@@ -48,18 +48,12 @@ SCALING = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class SlowPods:
     """Stand-in pods of one endpoint that follow its Deployment's replicas and become ready
     COLD_START seconds after they are asked for. They report an idle /metrics."""
 
     def __init__(self, cluster: Cluster, name: str, subnet: int) -> None:
-        self.cluster, self.name, self.subnet, self.port = cluster, name, subnet, _free_port()
+        self.cluster, self.name, self.subnet, self.port = cluster, name, subnet, free_port()
         self._runners: list[web.AppRunner] = []
 
     async def _start_pod(self) -> None:
@@ -150,7 +144,7 @@ async def cluster() -> AsyncIterator[Cluster]:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def operator(cluster, nats_url, tmp_path_factory) -> AsyncIterator[tuple[Operator, int]]:
     tmp = tmp_path_factory.mktemp("operator")
-    metrics_port = _free_port()
+    metrics_port = free_port()
     operator = Operator(
         cluster.write_kubeconfig(tmp / "kubeconfig"),
         tmp / "operator.log",
@@ -444,3 +438,46 @@ async def test_a_request_held_by_the_gateway_is_answered_after_the_scale_from_ze
         gateway.stop()
         if backend is not None:
             backend.stop()
+
+
+async def test_a_replica_that_never_gets_ready_goes_back_to_zero_once_its_job_is_gone(
+    cluster, operator, nats_url
+):
+    """Woken from zero by a queued job; the pod never becomes ready (no GPU free, an image that
+    does not pull: here, no pod at all); the job is cancelled before any pod could take it.
+    Nothing waits for the endpoint any more: after scaleToZeroAfterSeconds it is back at zero,
+    and the status says why -- not "hold at 1: no ready replica to measure yet" for ever."""
+    op, _ = operator
+    name = "stuck"
+    connection = await QueueConnection.connect(nats_url, name="test-client")
+    jobs = QueueJobService(connection, f"{NS}/{name}")
+    try:
+        await cluster.create(
+            LLMEP, NS, endpoint(name, NS, {"model": {"name": "org/model"}, "scaling": SCALING})
+        )
+        await _until(op, lambda: _replicas(cluster, name) == 0, "a Deployment at 0")
+        job = await jobs.submit(
+            parse_job_request(b'{"input": {"prompt": "a"}}'), sync=False, owner="alice"
+        )
+        await _until(op, lambda: _replicas(cluster, name) == 1, "0 -> 1 for the queued job")
+        # While the job waits, the replica that is not ready is kept, whatever the idle time.
+        await asyncio.sleep(2 * IDLE_AFTER + SCALING["intervalSeconds"])
+        assert _replicas(cluster, name) == 1
+        assert "waiting for it: 1 queued job(s)" in _status(cluster, name)["autoscaling"]["reason"]
+
+        cancelled = time.time()
+        await jobs.cancel(job.id, owner="alice")
+        await _until(op, lambda: _replicas(cluster, name) == 0, "back to zero", timeout=30)
+        assert time.time() - cancelled >= IDLE_AFTER - 1
+        decision = await _last_decision(op, cluster, name, to=0)
+        assert (
+            "no replica became ready and nothing is held, queued or running" in (decision["reason"])
+        )
+        await _until(op, lambda: _status(cluster, name).get("phase") == "ScaledToZero", "phase")
+        st = _status(cluster, name)
+        assert "no replica became ready" in st["autoscaling"]["scaledToZero"]["reason"]
+        ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+        assert ready["reason"] == "ScaledToZero" and "no replica became ready" in ready["message"]
+        assert "ScaleToZero" in [e["reason"] for e in cluster.events(NS, name)]
+    finally:
+        await connection.nc.drain()

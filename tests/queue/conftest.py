@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import pytest
-from nats_kit import running_nats
+from integration.nats_kit import running_nats
 
 
 @pytest.fixture(scope="module")

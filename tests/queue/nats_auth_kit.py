@@ -6,22 +6,26 @@ for each role. Permission violations show in the server's log as "Violation" lin
 from __future__ import annotations
 
 import contextlib
-import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from integration.nats_kit import NatsServer, running_nats
 from llmendpoints_common.queue.trust import Installation, mint, server_config
-from nats_kit import NATS_SERVER, free_port
 
 
 @dataclass
 class AuthNats:
-    url: str
-    log_path: Path
+    server: NatsServer
     installation: Installation
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def violations(self) -> list[str]:
+        return self.server.violations()
 
     def creds(self, role: str, endpoint: str | None = None) -> str:
         """A fresh creds file's text for the role (and endpoint)."""
@@ -32,20 +36,6 @@ class AuthNats:
         path.write_text(self.creds(role, endpoint))
         return str(path)
 
-    def violations(self) -> list[str]:
-        return [line for line in self.log_path.read_text().splitlines() if "Violation" in line]
-
-
-def wait_listening(port: int, process: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"nats-server exited:\n{log_path.read_text()[-3000:]}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
-        time.sleep(0.02)
-    raise TimeoutError("nats-server did not listen within 60 s")
-
 
 @contextlib.contextmanager
 def auth_nats(tmp: Path, config: str | None = None) -> Iterator[AuthNats]:
@@ -55,32 +45,13 @@ def auth_nats(tmp: Path, config: str | None = None) -> Iterator[AuthNats]:
     nats-server resolves includes from the including file's folder)."""
     installation = Installation.generate()
     (tmp / "auth").mkdir(exist_ok=True)
-    (tmp / "config").mkdir(exist_ok=True)
     (tmp / "auth" / "auth.conf").write_text(server_config(installation))
-    port = free_port()
-    conf = tmp / "config" / "nats.conf"
-    conf.write_text(
-        config
-        or (
-            "max_payload: 33554432\n"
-            f"jetstream {{ store_dir: {tmp / 'js'} }}\n"
-            "include ../auth/auth.conf\n"
-        )
+    config = config or (
+        "max_payload: 33554432\n"
+        f"jetstream {{ store_dir: {tmp / 'js'} }}\n"
+        "include ../auth/auth.conf\n"
     )
-    log_path = tmp / "nats.log"
-    with log_path.open("ab") as handle:
-        process = subprocess.Popen(
-            [str(NATS_SERVER), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port)],
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        wait_listening(port, process, log_path)
-        yield AuthNats(f"nats://127.0.0.1:{port}", log_path, installation)
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
+    with running_nats(
+        tmp, config, config_path=tmp / "config" / "nats.conf", store_flags=False
+    ) as server:
+        yield AuthNats(server, installation)

@@ -142,9 +142,9 @@ async def test_wait_returns_current_state_when_time_runs_out(service):
 
 
 async def test_unreachable_queue_is_503_with_retry_after(tmp_path):
-    from nats_kit import NatsServer, free_port
+    from integration.nats_kit import NatsServer
 
-    server = NatsServer(store_dir=tmp_path, port=free_port(), log_path=tmp_path / "log")
+    server = NatsServer(store_dir=tmp_path, log_path=tmp_path / "log")
     server.start()
     connection = await QueueConnection.connect(server.url, name="t", request_timeout=1.0)
     service = QueueJobService(connection, "tests/gone")

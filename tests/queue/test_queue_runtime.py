@@ -7,17 +7,17 @@ matters only at the end: the SIGKILL test kills one runtime, the NATS restart te
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import proc_kit
 import pytest
-from nats_kit import NatsServer, free_port
+import runtime_process as kit
+from integration.nats_kit import NatsServer
 
 pytestmark = pytest.mark.engine
 
@@ -33,21 +33,6 @@ LONG = {
 }
 
 
-def _load_kit(name: str):
-    # Launcher and /proc helpers live in tests/runtime; load them by path (neither test folder
-    # is a package).
-    path = Path(__file__).resolve().parents[1] / "runtime" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-kit = _load_kit("runtime_process")
-proc_kit = _load_kit("proc_kit")
-
-
 @pytest.fixture(scope="module")
 def demo_model(tmp_path_factory) -> Path:
     from llmendpoints_runtime.demo import write_demo_model
@@ -58,7 +43,7 @@ def demo_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def nats(tmp_path_factory) -> Iterator[NatsServer]:
     tmp = tmp_path_factory.mktemp("nats-shared")
-    server = NatsServer(store_dir=tmp, port=free_port(), log_path=tmp / "nats.log")
+    server = NatsServer(store_dir=tmp, log_path=tmp / "nats.log")
     server.start()
     yield server
     server.stop()

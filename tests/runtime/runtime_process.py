@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 RUNTIME_BIN = Path(sys.executable).parent / "llmendpoints-runtime"
@@ -36,19 +36,13 @@ def check_model_server(url: str) -> dict[str, str]:
     return {row.split()[0]: row for row in rows}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @dataclass
-class RuntimeServer:
+class ServedProcess:
+    """A server this test started, in a session of its own, listening on loopback ``port``."""
+
     process: subprocess.Popen
     port: int
     log_path: Path
-    env: dict[str, str]
-    statuses_before_ready: list[int] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -59,6 +53,44 @@ class RuntimeServer:
 
     def client(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=kwargs.pop("timeout", 120.0), **kwargs)
+
+    def wait_http(self, path: str, want: int = 200, timeout: float = 60.0) -> None:
+        """Until ``path`` answers ``want``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._check_alive()
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(self.url + path, timeout=2.0).status_code == want:
+                    return
+            time.sleep(0.1)
+        raise TimeoutError(
+            f"{path} did not answer {want} within {timeout} s:\n{self.log()[-3000:]}"
+        )
+
+    def _check_alive(self) -> None:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        # The server runs in a session of its own: whatever it started and left behind (a test
+        # that SIGKILLs the runtime leaves vLLM's engine core) goes with it, so no engine
+        # outlives its test and eats the next one's cores and memory.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        return self.process.returncode
+
+
+@dataclass
+class RuntimeServer(ServedProcess):
+    env: dict[str, str] = field(default_factory=dict)
+    statuses_before_ready: list[int] = field(default_factory=list)
 
     def wait_listening(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
@@ -87,36 +119,33 @@ class RuntimeServer:
             time.sleep(0.5)
         raise TimeoutError(f"runtime not ready within {timeout} s:\n{self.log()[-3000:]}")
 
-    def _check_alive(self) -> None:
-        if self.process.poll() is not None:
-            raise RuntimeError(
-                f"runtime exited with {self.process.returncode}:\n{self.log()[-4000:]}"
-            )
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        # The server runs in a session of its own: whatever of its engine processes is left
-        # (a test that SIGKILLs the server leaves vLLM's engine core behind) goes with it, so
-        # no engine outlives its test and eats the next one's cores and memory.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        return self.process.returncode
-
-
-def runtime_env(model_path: Path, port: int, **overrides: str) -> dict[str, str]:
+def clean_env(**overrides: str) -> dict[str, str]:
+    """This process's environment without the settings of ours a developer's shell may hold:
+    none leaks into a server under test (runtime or gateway)."""
     env = {
         k: v
         for k, v in os.environ.items()
-        # A developer's shell must not leak settings into the server under test.
-        if not k.startswith(("API_KEY", "MAX_", "SM_VLLM_", "LLMEP_"))
-        and k not in ("MODEL_NAME", "PORT", "HOST")
+        if not k.startswith(("API_KEY", "GATEWAY_", "MAX_", "SM_VLLM_", "LLMEP_", "KUBE"))
+        and k
+        not in (
+            "MODEL_NAME",
+            "PORT",
+            "HOST",
+            "JOBS_QUEUE_URL",
+            "ENDPOINT_ID",
+            "DRAIN_TIMEOUT_SECONDS",
+        )
     }
+    env.update(overrides)
+    return env
+
+
+def runtime_env(
+    model_path: Path, port: int, *, unset: tuple[str, ...] = (), **overrides: str
+) -> dict[str, str]:
+    """The server's environment; ``unset`` names variables of this process it must not get."""
+    env = clean_env()
     env.update(
         MODEL_NAME=str(model_path),
         OPENAI_SERVED_MODEL_NAME_OVERRIDE="demo",
@@ -130,12 +159,16 @@ def runtime_env(model_path: Path, port: int, **overrides: str) -> dict[str, str]
         STARTUP_LOG_INTERVAL_SECONDS="5",
     )
     env.update(overrides)
+    for name in unset:
+        env.pop(name, None)
     return env
 
 
-def launch_runtime(model_path: Path, log_dir: Path, **overrides: str) -> RuntimeServer:
+def launch_runtime(
+    model_path: Path, log_dir: Path, *, unset: tuple[str, ...] = (), **overrides: str
+) -> RuntimeServer:
     port = free_port()
-    env = runtime_env(model_path, port, **overrides)
+    env = runtime_env(model_path, port, unset=unset, **overrides)
     log_path = log_dir / f"runtime-{port}.log"
     handle = log_path.open("wb")
     process = subprocess.Popen(
@@ -150,8 +183,10 @@ def launch_runtime(model_path: Path, log_dir: Path, **overrides: str) -> Runtime
 
 
 @contextlib.contextmanager
-def running_runtime(model_path: Path, log_dir: Path, **overrides: str) -> Iterator[RuntimeServer]:
-    server = launch_runtime(model_path, log_dir, **overrides)
+def running_runtime(
+    model_path: Path, log_dir: Path, *, unset: tuple[str, ...] = (), **overrides: str
+) -> Iterator[RuntimeServer]:
+    server = launch_runtime(model_path, log_dir, unset=unset, **overrides)
     try:
         server.wait_listening()
         server.wait_ready()

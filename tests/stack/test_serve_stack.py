@@ -21,18 +21,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ports import free_port
 
 pytestmark = pytest.mark.engine
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 DEMO_MODEL = ROOT / ".cache" / "demo-model"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def descendants(pid: int) -> set[int]:
@@ -89,12 +84,15 @@ def stack(tmp_path_factory):
     if not (DEMO_MODEL / "config.json").is_file():
         subprocess.run([BIN / "llmendpoints-runtime", "demo-model", DEMO_MODEL], check=True)
     state = tmp_path_factory.mktemp("stack")
-    ports = {name: free_port() for name in ("gateway", "replica1", "replica2", "nats")}
+    ports = {
+        name: free_port() for name in ("gateway", "gateway_metrics", "replica1", "replica2", "nats")
+    }
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
         "STACK_DIR": str(state),
         "STACK_GATEWAY_PORT": str(ports["gateway"]),
+        "STACK_GATEWAY_METRICS_PORT": str(ports["gateway_metrics"]),
         "STACK_REPLICA_PORTS": f"{ports['replica1']},{ports['replica2']}",
         "STACK_NATS_PORT": str(ports["nats"]),
     }
@@ -163,7 +161,7 @@ def test_the_readme_tour_runs_as_written(stack, capsys):
     rows = [line.split(",") for line in export.stdout.strip().splitlines()]
     header, body = rows[0], [dict(zip(rows[0], row, strict=True)) for row in rows[1:]]
     assert "key" in header and "requests" in header
-    tenant = [row for row in body if row["key"] == "tenant-a" and row["endpoint"] == "demo"]
+    tenant = [row for row in body if row["key"] == "tenant-a" and row["endpoint"] == "default/demo"]
     # The chat, then requests up to the limit of 10 (more if the minute turned meanwhile).
     assert tenant and int(tenant[0]["requests"]) >= 10
 
@@ -192,7 +190,7 @@ def test_every_component_s_metrics_pass_promtool(stack):
     reserves for recording rules): vLLM's names are its contract with every vLLM dashboard, not
     ours to change."""
     ports = stack["ports"]
-    gateway = httpx.get(f"http://127.0.0.1:{ports['gateway']}/metrics", timeout=10).text
+    gateway = httpx.get(f"http://127.0.0.1:{ports['gateway_metrics']}/metrics", timeout=10).text
     runtime = httpx.get(f"http://127.0.0.1:{ports['replica1']}/metrics", timeout=10).text
     for text in (gateway, runtime):
         assert "_created" not in text  # vLLM's series included

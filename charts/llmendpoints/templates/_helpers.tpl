@@ -278,3 +278,8 @@ credential and never the key that signs credentials. Runs the operator image (it
 {{- define "llmendpoints.hasQueue" -}}
 {{- if or .Values.queue.enabled .Values.queue.existingSecret .Values.queue.url }}true{{ end }}
 {{- end }}
+
+{{/* The Secret holding the gateway token secret (the gateway's and the operator's). */}}
+{{- define "llmendpoints.gateway.tokenSecret" -}}
+{{- .Values.gateway.tokenSecret.existingSecret | default (printf "%s-token" (include "llmendpoints.gateway.fullname" .)) }}
+{{- end }}

@@ -272,7 +272,9 @@ class KubeDiscovery:
         namespace: str | None = None,
         keys_namespace: str | None = None,
         auth: KubeAuth | None = None,
+        endpoint_keys: bool = False,
     ):
+        self.endpoint_keys = endpoint_keys
         self.registry = registry
         self.keys = keys
         self.namespace = namespace
@@ -476,7 +478,10 @@ class KubeDiscovery:
         self.registry.set_ready(view.id, list(backends), names=backends)
 
     async def _load_keys(self, view: EndpointView) -> None:
-        if view.keys_secret is None:
+        # An endpoint's own keys (apiKeysSecretRef) only with GATEWAY_ENDPOINT_KEYS: reading
+        # them takes `get` on Secrets in every namespace served; by default the gateway's keys
+        # are its tenant keys alone, in its key namespace.
+        if view.keys_secret is None or not self.endpoint_keys:
             self.keys.set_endpoint_keys(view.id, [])
             return
         secret_name, data_key = view.keys_secret

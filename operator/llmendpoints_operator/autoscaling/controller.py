@@ -92,7 +92,8 @@ class Subject:
     replicas: int  # the Deployment's spec.replicas now
     # The Deployment's status.readyReplicas: 0 with replicas > 0 means nothing to measure (the
     # tick is skipped, without a request: an endpoint whose pods are still loading costs no API
-    # calls). At 0 replicas the tick reads the outside work only.
+    # calls; at minReplicas 0 it reads the outside work only, as at 0 replicas, so that it can
+    # go back to zero when nothing waits any more).
     ready_replicas: int | None = None
 
     @property
@@ -205,12 +206,17 @@ class Autoscaler:
 
     async def tick(self, subject: Subject) -> Decision | None:
         """One decision for one endpoint, with all its I/O (None: nothing to measure)."""
-        if subject.ready_replicas == 0 and subject.replicas > 0:
-            return None  # starting: nothing to scrape, and the scale-up is already under way
+        starting = subject.ready_replicas == 0 and subject.replicas > 0
+        if starting and (subject.policy.min_replicas > 0 or self._outside is None):
+            return None  # nothing to scrape, and the scale-up is already under way
         namespace, name = subject.key
         memory = self._memory.setdefault(subject.key, _Memory())
         kube = self._kube()
-        if subject.replicas == 0:
+        if subject.replicas == 0 or starting:
+            # No ready pod (none asked for, or none ready yet): nothing to scrape. At minReplicas
+            # 0 the work that woke the endpoint may be gone meanwhile; without a tick, replicas
+            # that never get ready (no GPU free, an image that does not pull) would stay for
+            # good (decision.py, rule 7).
             result = ScrapeResult(Observation(0, 0, 0))
         else:
             result = await self._scrape(kube, subject, memory)

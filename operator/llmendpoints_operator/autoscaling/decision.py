@@ -34,9 +34,12 @@ How a decision is made (docs/autoscaling.md tells the same story for users):
    brings the endpoint from zero to 1 (it would otherwise wait forever) and keeps it from zero.
 7. Scale to zero (minReplicas 0): after `scaleToZeroAfterSeconds` of consecutive ticks in which
    every replica answered and nothing was in flight, queued, held, or queued / running as a
-   job, the endpoint goes to 0 (whatever its size). Otherwise the floor is 1: the ordinary
-   rules never take the last replica. Unknown outside work (the queue was not readable) is
-   never idle.
+   job, the endpoint goes to 0 (whatever its size). Ticks with no ready replica at all count
+   as idle too when nothing is held, queued or running for the endpoint: replicas woken by
+   work that went away (a purged job) and never ready (no GPU free, an image that does not
+   pull) do not pin their GPU request. Otherwise the floor is 1: the ordinary rules never
+   take the last replica. Unknown outside work (the queue was not readable) and a ready pod
+   that did not answer are never idle.
 """
 
 from __future__ import annotations
@@ -288,14 +291,20 @@ def _explain(rec: _Recommendation, current: Current, policy: ScalingPolicy) -> s
 def _unmeasured(
     history: History, current: Current, policy: ScalingPolicy, now: float, signals: dict
 ) -> Decision:
-    """Replicas exist but none answered: keep the size (only the user's bounds can move it)."""
+    """Replicas exist but none answered: keep the size (only the user's bounds can move it),
+    except that with no ready replica at all and nothing waiting for one, the idle clock of
+    rule 7 runs: replicas that never become ready (no GPU free, an image that does not pull)
+    must not hold a GPU request for ever once the work that woke them is gone."""
     obs = current.observation
+    nothing_waits = obs.ready == 0 and obs.outside is not None and not obs.outside.any
     if obs.failed:
         why = f"no ready replica answered /metrics ({obs.failed} failed)"
     else:
         why = "no ready replica to measure yet"
         if obs.outside is not None and obs.outside.any:
             why += f"; waiting for it: {outside_words(obs.outside)}"
+        elif nothing_waits:
+            why += "; nothing held, queued or running waits for it"
     kept = History(
         samples=tuple(s for s in history.samples if s.t > now - policy.stable_window_seconds),
         up=_trim(history.up, now - policy.scale_up_stabilization_seconds),
@@ -306,8 +315,17 @@ def _unmeasured(
         if history.panic_until and now < history.panic_until
         else None,
         capacity=history.capacity,
+        idle_since=(now if history.idle_since is None else history.idle_since)
+        if nothing_waits
+        else None,
     )
-    return finish(current.replicas, current.replicas, policy, why, kept, signals, burst=False)
+    if kept.idle_since is not None:
+        signals["idleSeconds"] = now - kept.idle_since
+    decision = finish(current.replicas, current.replicas, policy, why, kept, signals, burst=False)
+    return to_zero_if_idle(
+        decision, current, policy, now, idle_words="no replica became ready and nothing is "
+        "held, queued or running for it",
+    )  # fmt: skip
 
 
 def _demand(

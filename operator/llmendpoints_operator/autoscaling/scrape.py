@@ -23,6 +23,9 @@ from .decision import Observation
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 PORT_NAME = "http"
+# The runtime's control port (probes and /metrics from a process of their own, answered under
+# load): scraped where the Service lists it, else the http port (pods of older runtimes).
+CONTROL_PORT_NAME = "control"
 # vLLM's own series make a pod's /metrics a few hundred kB at most; refuse anything absurd.
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
@@ -91,9 +94,9 @@ def targets_from_endpointslices(
     API asks consumers to do."""
     ready: dict[str, ScrapeTarget] = {}
     for eps in slices:
-        port = next(
-            (p.get("port") for p in eps.get("ports") or () if p.get("name") == port_name), None
-        )
+        ports = {p.get("name"): p.get("port") for p in eps.get("ports") or ()}
+        port = ports.get(CONTROL_PORT_NAME) if port_name == PORT_NAME else None
+        port = port or ports.get(port_name)
         for endpoint in eps.get("endpoints") or ():
             addresses = endpoint.get("addresses") or ()
             if not addresses:

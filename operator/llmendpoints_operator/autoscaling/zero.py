@@ -43,9 +43,14 @@ def from_zero(
 
 
 def to_zero_if_idle(
-    decision: Decision, current: Current, policy: ScalingPolicy, now: float
+    decision: Decision,
+    current: Current,
+    policy: ScalingPolicy,
+    now: float,
+    idle_words: str = "nothing in flight, held, queued or running",
 ) -> Decision:
-    """7. The last replica goes after scaleToZeroAfterSeconds of provable idleness."""
+    """7. The last replica goes after scaleToZeroAfterSeconds of provable idleness
+    (``idle_words`` say what was proven, for the status)."""
     idle_since = decision.history.idle_since
     if policy.min_replicas > 0 or idle_since is None:
         return decision
@@ -60,7 +65,7 @@ def to_zero_if_idle(
         return decision
     why = (
         f"idle for {idle_for:.0f} s (scaleToZeroAfterSeconds {policy.scale_to_zero_after_seconds:g}):"
-        " nothing in flight, held, queued or running"
+        f" {idle_words}"
     )
     history = History(capacity=decision.history.capacity)
     return finish(

@@ -104,3 +104,61 @@ async def test_a_hold_writes_status_but_neither_replicas_nor_an_event() -> None:
     assert decision is not None and decision.replicas == 1
     assert [(kind, sub) for kind, sub, _ in kube.patches] == [("LLMEndpoint", "status")]
     assert events == []
+
+
+class FakeOutside:
+    def __init__(self, outside) -> None:
+        self.outside = outside
+        self.reads = 0
+
+    async def read(self, endpoint: str):
+        self.reads += 1
+        return self.outside
+
+    async def close(self) -> None:
+        pass
+
+
+def _starting(min_replicas: int) -> Subject:
+    """One replica asked for, none ready yet (the Deployment's readyReplicas is 0)."""
+    from dataclasses import replace
+
+    return replace(
+        SUBJECT,
+        policy=ScalingPolicy(minReplicas=min_replicas, maxReplicas=4, scaleToZeroAfterSeconds=0),
+        ready_replicas=0,
+    )
+
+
+async def test_an_endpoint_with_no_ready_replica_is_not_scraped_and_at_min_1_not_ticked() -> None:
+    from llmendpoints_operator.autoscaling.decision import Outside
+
+    scaler, kube, _ = _tick_setup(queue_depth=0)
+    outside = FakeOutside(Outside())
+    scaler.set_outside(outside)
+    assert await scaler.tick(_starting(min_replicas=1)) is None
+    assert kube.patches == [] and outside.reads == 0
+
+
+async def test_at_min_0_an_endpoint_with_no_ready_replica_goes_to_zero_when_nothing_waits():
+    from llmendpoints_operator.autoscaling.decision import Outside
+
+    scaler, kube, events = _tick_setup(queue_depth=0)
+    scaler.set_outside(FakeOutside(Outside()))
+    decision = await scaler.tick(_starting(min_replicas=0))  # nothing listed, nothing scraped
+    assert decision is not None and decision.to_zero
+    assert kube.patches[0][:2] == ("Deployment", None)
+    assert kube.patches[0][2]["spec"] == {"replicas": 0}
+    assert events == [("Normal", "ScaleToZero", decision.reason)]
+    assert "no replica became ready" in decision.reason
+
+
+async def test_at_min_0_a_replica_not_ready_yet_is_kept_while_its_work_waits():
+    from llmendpoints_operator.autoscaling.decision import Outside
+
+    scaler, kube, events = _tick_setup(queue_depth=0)
+    scaler.set_outside(FakeOutside(Outside(jobs_queued=1)))
+    decision = await scaler.tick(_starting(min_replicas=0))
+    assert decision is not None and decision.replicas == 1 and events == []
+    assert [kind for kind, _, _ in kube.patches] == ["LLMEndpoint"]  # status only
+    assert "waiting for it: 1 queued job(s)" in decision.reason

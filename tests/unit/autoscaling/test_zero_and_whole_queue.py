@@ -183,3 +183,78 @@ def test_the_idle_clock_survives_a_restart():
     assert restored.idle_since == 0
     decision = decide(restored, serving(1), p, IDLE_AFTER)
     assert decision.replicas == 0
+
+
+def never_ready(replicas: int, outside=NOTHING) -> Current:
+    """Replicas asked for, none ready (no GPU free, an image that does not pull...)."""
+    return Current(replicas, Observation(0, 0, 0, outside=outside))
+
+
+def test_replicas_that_never_get_ready_go_back_to_zero_once_nothing_waits_for_them():
+    """Woken from zero by a job that is purged before a pod is ready: the pod never gets
+    ready, and nothing waits for it any more. It must not pin its GPU request for ever."""
+    p = policy()
+    purged_at = 30.0
+
+    def current_at(t, replicas):
+        if replicas is None:
+            return at_zero(Outside(jobs_queued=1))
+        return never_ready(replicas, Outside(jobs_queued=1) if t < purged_at else NOTHING)
+
+    decisions, _ = run(p, current_at, 0, purged_at + IDLE_AFTER + 30)
+    assert decisions[0][2].from_zero
+    zero = [(t, d) for t, _, d in decisions if d.replicas == 0]
+    t, first = zero[0]
+    assert t == purged_at + IDLE_AFTER  # idle from the first tick after the purge
+    assert first.to_zero and event_reason(first) == "ScaleToZero"
+    assert "no replica became ready and nothing is held, queued or running" in first.reason
+    waiting = next(d for at, _, d in decisions if at == purged_at + 15)
+    assert waiting.replicas == 1
+    assert "no ready replica to measure yet; nothing held, queued or running waits" in (
+        waiting.reason
+    )
+    assert "idle 15 s of 120 s before scaling to zero" in waiting.reason
+    assert waiting.signals["idleSeconds"] == 15
+    # The status says why it is at zero, and keeps saying it.
+    block = status_block(None, 1, first, t)
+    assert block["scaledToZero"]["reason"] == first.reason
+
+
+@pytest.mark.parametrize(
+    "outside",
+    [
+        Outside(jobs_queued=1),  # the work that woke it still waits: keep waiting for the pod
+        Outside(held=1),
+        Outside(jobs_running=1),
+        Outside(jobs_queued_low_priority=1),
+        None,  # the queue could not be read: not provably idle
+    ],
+)
+def test_a_replica_that_is_not_ready_yet_is_kept_while_anything_may_wait_for_it(outside):
+    p = policy()
+    decisions, _ = run(p, lambda t, r: never_ready(r or 1, outside), 0, 3 * IDLE_AFTER)
+    assert all(d.replicas == 1 for _, _, d in decisions)
+    assert all("before scaling to zero" not in d.reason for _, _, d in decisions)
+
+
+def test_a_ready_replica_that_does_not_answer_is_not_idle():
+    p = policy()
+    unanswered = Current(1, Observation(0, 0, 0, failed=1, outside=NOTHING))
+    decisions, _ = run(p, lambda t, r: unanswered, 0, 3 * IDLE_AFTER)
+    assert all(d.replicas == 1 for _, _, d in decisions)
+
+
+def test_never_ready_replicas_keep_min_replicas():
+    p = policy(minReplicas=1)
+    decisions, _ = run(p, lambda t, r: never_ready(r or 1), 0, 3 * IDLE_AFTER)
+    assert all(d.replicas == 1 for _, _, d in decisions)
+
+
+def test_idle_ticks_before_and_after_the_first_ready_replica_are_one_idle_period():
+    p = policy()
+
+    def current_at(t, replicas):
+        return never_ready(replicas or 1) if t < 60 else serving(replicas or 1)
+
+    decisions, _ = run(p, current_at, 0, IDLE_AFTER + 30)
+    assert [t for t, _, d in decisions if d.to_zero] == [IDLE_AFTER]

@@ -27,9 +27,7 @@ async def client():
     executor = JobExecutor(engine, settings)
     app = FastAPI()
     install_exception_handlers(app)
-    app.include_router(
-        build_job_router(job_verbs(executor, engine, settings))
-    )
+    app.include_router(build_job_router(job_verbs(executor, engine, settings)))
     guarded = APIKeyMiddleware(app, KeyStore(("alice-key", "bob-key"), None), frozenset())
     transport = httpx.ASGITransport(app=guarded)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
@@ -81,9 +79,7 @@ async def test_admin_key_reaches_every_job_and_purges_all() -> None:
     executor = JobExecutor(engine, settings)
     app = FastAPI()
     install_exception_handlers(app)
-    app.include_router(
-        build_job_router(job_verbs(executor, engine, settings))
-    )
+    app.include_router(build_job_router(job_verbs(executor, engine, settings)))
     keys = KeyStore(("alice-key", "bob-key"), None, admin_keys=("root-key",))
     guarded = APIKeyMiddleware(app, keys, frozenset())
     admin = {"Authorization": "Bearer root-key"}

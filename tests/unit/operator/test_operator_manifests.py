@@ -89,12 +89,20 @@ def test_pod_follows_the_runtime_contract() -> None:
     )
     deployment = manifests.build_deployment(ep, SETTINGS, replicas=1)
     container = _container(deployment)
-    assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
-    assert container["startupProbe"]["httpGet"] == {"path": "/ready?strict=1", "port": "http"}
-    assert container["readinessProbe"]["httpGet"] == {"path": "/ready?strict=1", "port": "http"}
-    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["ports"] == [
+        {"name": "http", "containerPort": 8000, "protocol": "TCP"},
+        {"name": "control", "containerPort": 8001, "protocol": "TCP"},
+    ]
+    # Probes on the control port: answered by a thread of their own under load (issue 25).
+    assert container["startupProbe"]["httpGet"] == {"path": "/ready?strict=1", "port": "control"}
+    assert container["readinessProbe"]["httpGet"] == {
+        "path": "/ready?strict=1",
+        "port": "control",
+    }
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "control"}
     env = _env(ep)
     assert env["HOST"] == "0.0.0.0" and env["PORT"] == "8000"
+    assert env["LLMEP_CONTROL_PORT"] == "8001"
     assert env["BASE_PATH"] == "/models"
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     assert mounts["/models"]["name"] == "model-cache"

@@ -10,10 +10,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
+from llmendpoints_common.gateway_token import derive
 from llmendpoints_operator import kube, status
 from llmendpoints_operator.config import OperatorSettings
 from llmendpoints_operator.reconcile import (
+    SECRETS_CREATED,
     Indexes,
+    NotOurSecret,
     ReconcileMetrics,
     Reconciler,
     autoscaled_subjects,
@@ -163,8 +166,10 @@ async def test_a_new_endpoint_gets_its_children_a_status_and_a_created_event() -
     await world.reconcile(world.add("chat", FULL), trigger="create")
 
     assert world.kube.writes() == [
-        # Before anything that mounts it: the endpoint's admin key (created once, never updated).
+        # Before anything that mounts it: the endpoint's admin key (created once, never updated),
+        # recorded on the endpoint as the operator's own.
         ("create", "Secret", "chat-admin-key"),
+        ("patch", "LLMEndpoint", "chat"),
         ("apply", "ConfigMap", "chat-chat-template"),
         ("apply", "Service", "chat"),
         ("apply", "PodDisruptionBudget", "chat"),
@@ -429,3 +434,49 @@ async def test_the_operator_default_gives_every_endpoint_a_pool_unless_it_says_n
     await world.reconcile(world.add("no", no), trigger="create")
     assert ("InferencePool", NS, "yes") in world.kube.objects
     assert ("InferencePool", NS, "no") not in world.kube.objects
+
+
+async def test_a_secret_planted_under_the_admin_keys_name_is_refused_until_deleted() -> None:
+    """Anyone who may create Secrets in the namespace could plant <endpoint>-admin-key before
+    the endpoint exists, and so hold its admin key: the operator starts no pod with a Secret it
+    did not make (it cannot read Secrets, so it records the ones it creates)."""
+    world = World()
+    planted = {"kind": "Secret", "metadata": {"name": "chat-admin-key", "namespace": NS}}
+    world.kube.objects[("Secret", NS, "chat-admin-key")] = planted
+    endpoint = world.add("chat", {"model": {"name": "org/m"}})
+    with pytest.raises(NotOurSecret, match=r"chat-admin-key .* was not created by the operator"):
+        await world.reconcile(endpoint, trigger="create")
+    assert ("Deployment", NS, "chat") not in world.kube.objects
+    assert world.count("create", "error") == 1
+
+    del world.kube.objects[("Secret", NS, "chat-admin-key")]  # the admin removes it
+    await world.reconcile(endpoint)
+    assert world.kube.objects[("Secret", NS, "chat-admin-key")] is not planted
+    assert ("Deployment", NS, "chat") in world.kube.objects
+    annotations = world.kube.objects[("LLMEndpoint", NS, "chat")]["metadata"]["annotations"]
+    assert annotations[SECRETS_CREATED] == "chat-admin-key"
+    # A restarted operator (nothing in memory) reads the record from the endpoint.
+    again = World()
+    again.kube.objects = world.kube.objects
+    recorded = {**endpoint, "metadata": {**endpoint["metadata"], "annotations": annotations}}
+    await again.reconcile(recorded)
+
+
+async def test_the_gateway_token_is_derived_for_the_endpoint_and_mounted(tmp_path) -> None:
+    secret_file = tmp_path / "gateway-token-secret"
+    secret_file.write_bytes(b"an-installation-secret-of-32-bytes!!")
+    world = World(OperatorSettings(gateway_token_secret_file=str(secret_file)))
+    await world.reconcile(world.add("chat", {"model": {"name": "org/m"}}), trigger="create")
+    secret = world.kube.objects[("Secret", NS, "chat-gateway-token")]
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert token == derive(b"an-installation-secret-of-32-bytes!!", f"{NS}/chat")
+    pod = world.kube.objects[("Deployment", NS, "chat")]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["GATEWAY_TOKEN_FILE"] == "/etc/llmendpoints/gateway-token/token"
+    volume = next(v for v in pod["volumes"] if v["name"] == "gateway-token")
+    assert volume["secret"]["secretName"] == "chat-gateway-token"
+    # another endpoint's token is another token
+    await world.reconcile(world.add("other", {"model": {"name": "org/m"}}), trigger="create")
+    other = world.kube.objects[("Secret", NS, "other-gateway-token")]
+    assert other["data"]["token"] != secret["data"]["token"]

@@ -171,6 +171,48 @@ async def test_watcher_fails_the_engine_and_stops_the_process_when_the_core_dies
     assert runtime.health.liveness().status == 503
 
 
+class _EngineThatCannotStart:
+    def __init__(self, health) -> None:
+        self.health = health
+
+    async def start(self) -> None:  # what Engine.start does when the model does not load
+        self.health.engine_failed("RuntimeError: Engine core initialization failed")
+
+
+async def test_an_engine_that_cannot_start_fails_the_pod_then_stops_the_process():
+    from llmendpoints_runtime.app import _start_engine
+
+    runtime, _ = _runtime({"ENGINE_DEATH_EXIT_DELAY_SECONDS": "3"})
+    runtime.engine = _EngineThatCannotStart(runtime.health)  # type: ignore[assignment]
+    stops: list[bool] = []
+    runtime.request_stop = lambda: stops.append(True)
+    starting = asyncio.create_task(_start_engine(runtime))
+    await asyncio.sleep(0.5)
+    # 503 everywhere first, naming the cause, for ENGINE_DEATH_EXIT_DELAY_SECONDS ...
+    assert stops == [] and not starting.done()
+    ready = runtime.health.readiness(strict=False)
+    assert ready.status == 503 and "initialization failed" in ready.body["reason"]
+    assert runtime.health.liveness().status == 503
+    # ... then the process stops (and exits 1: its engine state is FAILED).
+    await asyncio.wait_for(starting, timeout=30)
+    assert stops == [True]
+    assert runtime.health.state is EngineState.FAILED
+
+
+async def test_a_sigterm_during_the_grace_period_is_left_to_end_the_process():
+    from llmendpoints_runtime.app import _start_engine
+
+    runtime, _ = _runtime({"ENGINE_DEATH_EXIT_DELAY_SECONDS": "1"})
+    runtime.engine = _EngineThatCannotStart(runtime.health)  # type: ignore[assignment]
+    stops: list[bool] = []
+    runtime.request_stop = lambda: stops.append(True)
+    starting = asyncio.create_task(_start_engine(runtime))
+    await asyncio.sleep(0.2)
+    runtime.health.start_draining()  # what server.py does on SIGTERM
+    await asyncio.wait_for(starting, timeout=30)
+    assert stops == []
+
+
 async def test_a_dead_engine_refuses_new_jobs():
     from llmendpoints_runtime.job_engine import JobEngineAdapter
 

@@ -15,15 +15,10 @@ import pytest
 import uvicorn
 from llmendpoints_edge.server import DEFAULT_MAX_HEADER_BYTES as MAX_HEADER_BYTES
 from llmendpoints_edge.server import protocol_class
+from ports import free_port
 
 DEADLINE = 1.0
 WAIT = 30.0  # generous: a condition to wait for, never a timing assertion
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def ok_app(scope, receive, send):

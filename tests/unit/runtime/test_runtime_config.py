@@ -292,3 +292,36 @@ def test_the_gateway_reads_the_webhook_settings_by_the_same_names():
         assert runtime.default == gateway.default, name
     settings = GatewaySettings(WEBHOOK_TIMEOUT_SECONDS="3", WEBHOOK_MAX_CONCURRENCY="5")
     assert (settings.webhook_timeout_seconds, settings.webhook_max_concurrency) == (3.0, 5)
+
+
+def _adapter(path, rank: int):
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps({"r": rank, "peft_type": "LORA"}))
+    return str(path)
+
+
+def test_a_start_adapter_above_max_lora_rank_is_refused_naming_the_variable(tmp_path):
+    modules = [{"name": "big", "path": _adapter(tmp_path / "big", 16)}]
+    with pytest.raises(ConfigError) as caught:
+        config(ENABLE_LORA="1", MAX_LORA_RANK="8", LORA_MODULES=json.dumps(modules))
+    assert caught.value.variable == "MAX_LORA_RANK"
+    assert "'big'" in str(caught.value) and "rank 16" in str(caught.value)
+    assert "MAX_LORA_RANK=8" in str(caught.value) and "at least 16" in str(caught.value)
+
+
+def test_a_start_adapter_within_max_lora_rank_and_the_default_rank_pass(tmp_path):
+    modules = [{"name": "ok", "path": _adapter(tmp_path / "ok", 8)}]
+    assert config(ENABLE_LORA="1", MAX_LORA_RANK="8", LORA_MODULES=json.dumps(modules))
+    assert config(ENABLE_LORA="1", LORA_MODULES=json.dumps(modules))  # vLLM's default: 16
+
+
+def test_hub_adapters_are_left_to_vllm_at_start():
+    modules = [{"name": "hub", "path": "org/adapter"}]
+    assert config(ENABLE_LORA="1", MAX_LORA_RANK="8", LORA_MODULES=json.dumps(modules))
+
+
+def test_start_adapters_need_enable_lora(tmp_path):
+    modules = [{"name": "ok", "path": _adapter(tmp_path / "ok", 8)}]
+    with pytest.raises(ConfigError) as caught:
+        config(LORA_MODULES=json.dumps(modules))
+    assert caught.value.variable == "LORA_MODULES" and "ENABLE_LORA" in str(caught.value)

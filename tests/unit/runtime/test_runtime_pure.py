@@ -369,3 +369,28 @@ def test_one_openapi_schema_with_vllms_operations_and_ours():
     }
     # Before the engine is up there is no vLLM schema: ours alone.
     assert sorted(merge_openapi(ours, None)["paths"]) == ["/invocations", "/run"]
+
+
+@pytest.mark.parametrize(
+    "model, refused",
+    [
+        ("/models/missing", True),
+        ("./missing", True),
+        ("~/missing", True),
+        ("org/name", False),  # a hub repo id: downloaded, not looked for on disk
+        ("gpt2", False),
+    ],
+)
+def test_a_model_path_with_no_directory_is_named_before_any_load(model, refused):
+    from llmendpoints_runtime.download import missing_local_model
+
+    problem = missing_local_model(model)
+    assert (problem is not None) == refused
+    if refused:
+        assert "MODEL_NAME" in problem and model in problem
+
+
+def test_an_existing_model_directory_is_not_refused(tmp_path):
+    from llmendpoints_runtime.download import missing_local_model
+
+    assert missing_local_model(str(tmp_path)) is None
