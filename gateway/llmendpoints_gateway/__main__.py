@@ -22,9 +22,10 @@ from pydantic import ValidationError
 from llmendpoints_gateway import __version__
 from llmendpoints_gateway.config import GatewaySettings
 from llmendpoints_gateway.metering import USAGE_COLUMNS, summarize
-from llmendpoints_gateway.server import serve
-from llmendpoints_gateway.usage import read_usage
-from llmendpoints_gateway.workers import WorkerSlot, die_with_supervisor
+from llmendpoints_gateway.workers import Supervisor, WorkerSlot, die_with_supervisor, worker_count
+
+# server.py (the whole gateway: discovery, NATS, the Kubernetes client) and usage.py are imported
+# where they are used: a supervisor of worker processes runs none of it (~100 MB less).
 
 
 def _settings_help() -> str:
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure(settings.log_format, settings.log_level)
     worker = None
+    if not getattr(args, "worker", None) and (count := worker_count(settings)) > 1:
+        return Supervisor(settings, count).run()
     if getattr(args, "worker", None):
         index, _, count = args.worker.partition("/")
         worker = WorkerSlot(
@@ -82,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             int(args.supervisor_pid), int(args.drain_fd),
         )  # fmt: skip
         die_with_supervisor(worker.supervisor_pid)
+    from llmendpoints_gateway.server import serve
+
     serve(settings, worker)
     return 0
 
@@ -114,6 +119,8 @@ def _usage(since: float, until: float | None, fmt: str) -> int:
     if until is not None and until <= since:
         print("llmendpoints-gateway usage: --until must be after --since", file=sys.stderr)
         return 2
+    from llmendpoints_gateway.usage import read_usage
+
     try:
         records = asyncio.run(
             read_usage(url, since, until, os.environ.get("JOBS_QUEUE_CREDS_FILE") or None)

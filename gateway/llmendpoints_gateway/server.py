@@ -14,7 +14,6 @@ DRAIN_TIMEOUT_SECONDS. A second signal exits at once.
 from __future__ import annotations
 
 import socket
-import sys
 
 from llmendpoints_common.gateway_token import read_secret
 from llmendpoints_edge.server import serve as serve_edge
@@ -34,13 +33,7 @@ from llmendpoints_gateway.queue import SharedQueue
 from llmendpoints_gateway.registry import Registry
 from llmendpoints_gateway.signals import SignalPublisher
 from llmendpoints_gateway.usage import JobUsageMeter, Metering, UsagePublisher
-from llmendpoints_gateway.workers import (
-    DrainBoard,
-    PodDrain,
-    Supervisor,
-    WorkerSlot,
-    worker_count,
-)
+from llmendpoints_gateway.workers import DrainBoard, PodDrain, WorkerSlot
 
 
 def build(settings: GatewaySettings, worker: WorkerSlot | None = None) -> Gateway:
@@ -124,12 +117,8 @@ def build(settings: GatewaySettings, worker: WorkerSlot | None = None) -> Gatewa
 
 
 def serve(settings: GatewaySettings, worker: WorkerSlot | None = None) -> None:
-    """Serve until drained: one process, or with GATEWAY_WORKERS > 1 a supervisor of workers
-    (workers.py), each of which comes back here with its ``worker`` slot."""
-    if worker is None:
-        count = worker_count(settings)
-        if count > 1:
-            sys.exit(Supervisor(settings, count).run())
+    """Serve until drained, as the one process or as ``worker`` of several (GATEWAY_WORKERS > 1:
+    the CLI runs workers.Supervisor instead, which starts them)."""
     gateway = build(settings, worker)
     drain = gateway
     if worker is not None and worker.drain_fd >= 0:
