@@ -20,7 +20,7 @@ import httpx
 import pytest
 from llmendpoints_gateway.routing import HashRing, hash64, prefix_key
 
-from .harness import Process, launch_standin, running_gateway, write_endpoints
+from .harness import Process, metric_sum, running_gateway, running_standins, write_endpoints
 
 CHAT = "/v1/chat/completions"
 MODEL = "scored-model"
@@ -49,12 +49,8 @@ def logs(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def standins(logs):
-    procs = {name: launch_standin(logs, name) for name in ("s1", "s2")}
-    for proc in procs.values():
-        proc.wait_http("/ready")
-    yield procs
-    for proc in procs.values():
-        proc.stop()
+    with running_standins(logs, "s1", "s2") as procs:
+        yield procs
 
 
 @pytest.fixture(scope="module")
@@ -108,12 +104,7 @@ def _wait(condition, what: str = "condition", timeout: float = 20) -> None:
 
 
 def _metric(gw: Process, name: str, **labels: str) -> float:
-    """Sum of the series of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for line in httpx.get(gw.metrics_url, timeout=5).text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return metric_sum(gw.metrics_url, name, **labels)
 
 
 def _requests(proc: Process) -> int:

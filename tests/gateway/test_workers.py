@@ -19,7 +19,7 @@ from llmendpoints_gateway.metrics_merge import merge
 from llmendpoints_gateway.workers import DrainBoard, PodDrain, WorkerSlot, pod_cpus, worker_count
 from prometheus_client.parser import text_string_to_metric_families
 
-from .harness import launch_standin, running_gateway, write_endpoints
+from .harness import metric_sum, running_gateway, running_standins, write_endpoints
 
 CHAT = "/v1/chat/completions"
 
@@ -131,22 +131,8 @@ def logs(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def standin(logs):
-    proc = launch_standin(logs, "w1")
-    proc.wait_http("/ready")
-    yield proc
-    proc.stop()
-
-
-def _metric(url: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in httpx.get(url, timeout=10).text.splitlines():
-        if (
-            line.startswith(name)
-            and line[len(name)] in " {"
-            and all(f'{k}="{v}"' in line for k, v in labels.items())
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    with running_standins(logs, "w1") as procs:
+        yield procs["w1"]
 
 
 def _wait(condition, what: str, timeout: float = 30) -> None:
@@ -169,24 +155,24 @@ def test_two_workers_count_every_request_once_and_a_dead_worker_comes_back(logs,
     ) as gw:
         workers = psutil.Process(gw.process.pid).children()
         assert len(workers) == 2
-        _wait(lambda: _metric(gw.metrics_url, "llmendpoints_gateway_workers") == 2, "2 workers")
+        _wait(lambda: metric_sum(gw.metrics_url, "llmendpoints_gateway_workers") == 2, "2 workers")
         body = {"model": "w-model", "messages": [{"role": "user", "content": "hi"}]}
         for _ in range(20):  # a connection each: the kernel spreads them over the workers
             with httpx.Client(base_url=gw.url, timeout=30) as client:
                 assert client.post(CHAT, json=body).status_code == 200
         requests = "llmendpoints_gateway_requests_total"
-        assert _metric(gw.metrics_url, requests, endpoint="default/w", code="200") == 20
-        assert _metric(gw.metrics_url, "llmendpoints_gateway_ready_replicas") == 1
+        assert metric_sum(gw.metrics_url, requests, endpoint="default/w", code="200") == 20
+        assert metric_sum(gw.metrics_url, "llmendpoints_gateway_ready_replicas") == 1
         # A worker dies: the other serves on; the supervisor starts a new one.
         workers[0].send_signal(signal.SIGKILL)
         for _ in range(10):
             with httpx.Client(base_url=gw.url, timeout=30) as client:
                 assert client.post(CHAT, json=body).status_code == 200
         _wait(
-            lambda: _metric(gw.metrics_url, "llmendpoints_gateway_worker_restarts_total") == 1,
+            lambda: metric_sum(gw.metrics_url, "llmendpoints_gateway_worker_restarts_total") == 1,
             "the restart",
         )
-        _wait(lambda: _metric(gw.metrics_url, "llmendpoints_gateway_workers") == 2, "2 workers")
+        _wait(lambda: metric_sum(gw.metrics_url, "llmendpoints_gateway_workers") == 2, "2 workers")
         assert len(psutil.Process(gw.process.pid).children()) == 2
         gw.process.send_signal(signal.SIGTERM)
         assert gw.process.wait(60) == 0
