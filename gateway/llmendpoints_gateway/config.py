@@ -127,6 +127,13 @@ class GatewaySettings(EdgeSettings):
         "read from its /metrics, by each gateway process (0: never; the scorer then weighs "
         "this process's own in-flight requests).",
     )
+    share_prefix_index: bool = Field(
+        True,
+        validation_alias="GATEWAY_SHARE_PREFIX_INDEX",
+        description="Prefix-aware routing with JOBS_QUEUE_URL: every gateway process (workers, "
+        "replicas) tells the others which prompt blocks it sent to which replica, so each "
+        "knows what all sent (batched every 20 ms on core NATS, 8 bytes per 256 characters).",
+    )
     probe_interval_seconds: float = Field(
         0.5,
         gt=0,

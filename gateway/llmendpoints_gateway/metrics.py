@@ -146,6 +146,13 @@ class GatewayMetrics:
             ["endpoint"],
             registry=r,
         )
+        self.shared_records = Counter(
+            "llmendpoints_gateway_prefix_index_shared_records",
+            "Routing records (a request's prompt blocks and the replica they went to) this "
+            "process sent to the other gateway processes, and received from them.",
+            ["direction"],
+            registry=r,
+        )
         self.engine_prefix_queries = Counter(
             "llmendpoints_gateway_engine_prefix_cache_queries",
             "Prompt tokens the endpoint's engines looked up in their prefix caches "

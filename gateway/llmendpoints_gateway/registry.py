@@ -31,7 +31,7 @@ from llmendpoints_gateway.engine_load import EngineLoad, EngineLoadFeed, hit_rat
 from llmendpoints_gateway.holding import HoldBudget, HoldQueue, hold_timeout
 from llmendpoints_gateway.metrics import GatewayMetrics
 from llmendpoints_gateway.prefix_index import PrefixIndex, block_hashes, render_prompt
-from llmendpoints_gateway.routing import Outcome, Router, Strategy, hash64, prefix_key
+from llmendpoints_gateway.routing import Outcome, Router, Strategy, hash64, home_key
 from llmendpoints_gateway.scoring import DEFAULT_WEIGHTS, Candidate, Reason, Weights, choose
 
 logger = logging.getLogger("llmendpoints.gateway.registry")
@@ -56,7 +56,7 @@ class RouteKey:
     model: str
     blocks: tuple[int, ...]  # prefix_index.block_hashes of its rendered prompt
     chars: int  # the rendered prompt's length: with prompt_tokens, the characters per token
-    ring: int | None  # hash of routing.prefix_key: its home on the ring, for ties
+    ring: int | None  # hash of routing.home_key: its home on the ring (scoring's ``home``)
 
     @classmethod
     def of(cls, path: str, payload: Mapping[str, Any], chunk_chars: int) -> RouteKey:
@@ -64,7 +64,7 @@ class RouteKey:
         model = model if isinstance(model, str) else ""
         text = render_prompt(path, payload)
         blocks = () if text is None else tuple(block_hashes(model, text, chunk_chars))
-        key = prefix_key(path, payload)
+        key = home_key(path, payload)
         return cls(model, blocks, len(text or ""), None if key is None else hash64(key))
 
 
@@ -138,6 +138,9 @@ class Registry:
         # Each ready replica's engine load (set by the composition root; None: not read, the
         # scorer weighs this process's in-flight requests alone).
         self.feed: EngineLoadFeed | None = None
+        # (endpoint id, replica, blocks) of every prefix-aware request routed: told to the other
+        # gateway processes (route_sharing.py), whose records come back through apply_shared.
+        self.on_record: Callable[[str, str, tuple[int, ...]], None] | None = None
         self.hold_queue_length = hold_queue_length
         self.hold_key_share = hold_key_share
         self.hold_budget = HoldBudget(hold_max_bytes)
@@ -212,6 +215,13 @@ class Registry:
             ep.index.set_kv_tokens(replica, new.kv_tokens)
             if self.count_engine_hits and queries > 0:
                 self.metrics.engine_prefix_cache(ep.id, hits, queries)
+
+    def apply_shared(self, endpoint_id: str, replica: str, blocks: list[int]) -> None:
+        """Another gateway process sent ``blocks`` to ``replica``: this index learns it too
+        (for a replica this process knows; a departed one's records are dropped)."""
+        ep = self.endpoints.get(endpoint_id)
+        if ep is not None and replica in ep.discovered and blocks:
+            ep.index.record(replica, blocks)
 
     def observe_prompt(self, endpoint_id: str | None, chars: int, prompt_tokens: int) -> None:
         """Metering saw a request's prompt_tokens: learn the endpoint's characters per token
@@ -423,6 +433,8 @@ class Registry:
         if blocks:
             ep.index.record(choice.replica, blocks)
             self.metrics.prefix_index(ep.id, chosen.matched, len(blocks))
+            if self.on_record is not None:
+                self.on_record(ep.id, choice.replica, blocks)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("endpoint %s: %s", ep.id, choice.log_line())
         return choice.replica, _OUTCOME[choice.reason]

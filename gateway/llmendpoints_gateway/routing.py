@@ -149,6 +149,27 @@ def prefix_key(path: str, body: Mapping[str, Any], max_chars: int = 4096) -> byt
     return text.encode("utf-8", "surrogatepass")
 
 
+def home_key(path: str, body: Mapping[str, Any]) -> bytes | None:
+    """Where a prefix-aware request lives on the hash ring when nothing decides otherwise
+    (scoring's ``home``): the model and the leading system/developer messages of a chat that
+    opens with them -- every conversation sharing an instruction shares a home, and keeps it as
+    it grows -- else ``prefix_key``."""
+    messages = body.get("messages")
+    if not (isinstance(messages, list) and messages and _instruction(messages[0])):
+        return prefix_key(path, body)
+    model = body.get("model")
+    parts = [model if isinstance(model, str) else ""]
+    for message in messages:
+        if not _instruction(message):
+            break
+        parts.append(f"{message.get('role')}\x1f{_content_text(message.get('content'))}")
+    return "\x1e".join(parts).encode("utf-8", "surrogatepass")
+
+
+def _instruction(message: Any) -> bool:
+    return isinstance(message, Mapping) and message.get("role") in ("system", "developer")
+
+
 def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content

@@ -27,6 +27,7 @@ score for debug logs. No I/O, no clock: the caller passes the engine loads and t
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -80,6 +81,10 @@ class Weights:
     adapter_free_slot_requests: float = 1.0
     adapter_no_slot_requests: float = 4.0
     max_engine_age_s: float = 5.0  # older samples do not count (the pod may be gone)
+    # A prefix no replica holds a block of leans to its home on the ring by this many blocks:
+    # near-ties break alike in every gateway process (each knows only what it sent), so a new
+    # system prompt lands on one replica, not one per process. 0: only exact ties go home.
+    home_blocks: float = 2.0
 
 
 DEFAULT_WEIGHTS = Weights()
@@ -161,6 +166,14 @@ def choose(
         )
         for c in candidates
     ]
+    if weights.home_blocks and home and max(s.matched for s in scores) == 0:
+        own = min(
+            (s for s in scores if s.replica in rank), key=lambda s: rank[s.replica], default=None
+        )
+        if own is not None and not own.bounded:
+            scores[scores.index(own)] = dataclasses.replace(
+                own, cost=own.cost - weights.home_blocks
+            )
     eligible = [s for s in scores if not s.bounded]
     last = len(rank)
     best = min(eligible, key=lambda s: _order(s, rank.get(s.replica, last)))

@@ -13,6 +13,7 @@ DRAIN_TIMEOUT_SECONDS. A second signal exits at once.
 
 from __future__ import annotations
 
+import os
 import socket
 
 from llmendpoints_common.gateway_token import read_secret
@@ -31,6 +32,7 @@ from llmendpoints_gateway.metrics import GatewayMetrics
 from llmendpoints_gateway.metrics_server import MetricsServer
 from llmendpoints_gateway.queue import SharedQueue
 from llmendpoints_gateway.registry import Registry
+from llmendpoints_gateway.route_sharing import RouteSharing
 from llmendpoints_gateway.signals import SignalPublisher
 from llmendpoints_gateway.usage import JobUsageMeter, Metering, UsagePublisher
 from llmendpoints_gateway.workers import DrainBoard, PodDrain, WorkerSlot
@@ -97,6 +99,17 @@ def build(settings: GatewaySettings, worker: WorkerSlot | None = None) -> Gatewa
             nudge=signals.nudge_soon,
         )
         parts += [queue, signals, gateway.jobs, publisher, JobUsageMeter(queue, metering.job_usage)]
+        if settings.share_prefix_index:
+            # What each process routed reaches every other's prefix index (a random suffix:
+            # two gateways on one host share a host name).
+            sharing = RouteSharing(
+                queue,
+                f"{settings.gateway_id}-{worker.index if worker else 0}-{os.urandom(3).hex()}",
+                registry.apply_shared,
+                metrics,
+            )
+            registry.on_record = sharing.record
+            parts.append(sharing)
     parts += [limiter, discovery]
     if settings.engine_load_interval_seconds > 0:
         # One feed per process over every endpoint's replicas (the scorer's engine load).

@@ -57,6 +57,7 @@ def _gateway_worker() -> GatewayMetrics:
     metrics.duration.labels("team-a/chat").observe(12.0)
     metrics.prefix_index("team-a/chat", 3, 8)
     metrics.engine_prefix_cache("team-a/chat", 300.0, 800.0)
+    metrics.shared_records.labels("sent").inc(4)
     return metrics
 
 
