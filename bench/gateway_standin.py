@@ -112,7 +112,12 @@ class Standin:
             "total_tokens": _prompt_words(request) + chunks,
         }
         if not request.get("stream"):
-            await asyncio.sleep(interval * chunks)
+            gone = asyncio.ensure_future(receive())  # http.disconnect if the client leaves
+            done, _ = await asyncio.wait({gone}, timeout=interval * chunks)
+            if done:
+                self.stats["disconnects"] += 1  # before a byte of the answer
+                return
+            gone.cancel()
             self.stats["prompt_tokens"] += usage["prompt_tokens"]
             self.stats["completion_tokens"] += usage["completion_tokens"]
             return await _json(

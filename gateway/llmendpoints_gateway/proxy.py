@@ -223,6 +223,9 @@ async def _exchange(pool: UpstreamPool, replica: str, request: bytes) -> Connect
             if exc.stale and attempt == 0:
                 continue
             raise UpstreamFailed(replica, exc.reason) from exc
+        except BaseException:
+            conn.close()  # cancelled (the client left): the replica must see it too
+            raise
     raise AssertionError("unreachable")
 
 

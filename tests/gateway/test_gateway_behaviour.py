@@ -304,6 +304,20 @@ def test_client_disconnect_cancels_the_upstream_stream(gateway, standins):
     )
 
 
+def test_a_client_leaving_before_the_answer_starts_closes_the_upstream_request(
+    gateway, standins
+):
+    # Non-streamed: the stand-in answers after 1,000 x 10 ms; the client gives up after 0.5 s.
+    body = chat("other-model", standin_chunks=1000, standin_interval=0.01)
+    before = httpx.get(standins["o1"].url + "/stats").json()["disconnects"]
+    with _client(gateway, BOB, timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
+        c.post(CHAT, json=body)
+    deadline = time.monotonic() + 5
+    while httpx.get(standins["o1"].url + "/stats").json()["disconnects"] != before + 1:
+        assert time.monotonic() < deadline, "the replica still works for a client that left"
+        time.sleep(0.05)
+
+
 def test_a_replica_failing_before_the_first_byte_is_retried_on_another(gateway, standins):
     f1, f2 = standins["f1"], standins["f2"]
     # A prompt whose own replica (the first on the ring) is f1: it crashes on it, f2 answers.
