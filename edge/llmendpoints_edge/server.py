@@ -29,12 +29,15 @@ import asyncio
 import logging
 import signal
 import socket
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import uvicorn
 from llmendpoints_common.errors import APIError, RequestTimeoutError
 
 from llmendpoints_edge.asgi import RAW_BODY
+
+if TYPE_CHECKING:  # settings.py reads this module's defaults
+    from llmendpoints_edge.settings import EdgeSettings
 
 try:  # what uvicorn's "auto" picks when httptools is installed (it is, with both components)
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _HTTPProtocol
@@ -240,27 +243,24 @@ def protocol_class(
 def serve(
     app: Any,
     component: Drainable,
+    settings: EdgeSettings,
     *,
-    host: str,
-    port: int,
-    header_timeout: float,
-    max_header_bytes: int,
-    drain_timeout: float,
     sockets: list[socket.socket] | None = None,
     **uvicorn_options: Any,
 ) -> None:
-    """Serve ``app`` until a signal ends the drain of ``component``; on ``sockets`` (listening
-    already, e.g. one of several SO_REUSEPORT sockets on one port) instead of binding
-    ``host:port``."""
+    """Serve ``app`` on the edge's settings (address, header bounds, drain) until a signal ends
+    the drain of ``component``; on ``sockets`` (listening already, e.g. one of several
+    SO_REUSEPORT sockets on one port) instead of binding the settings' address;
+    ``uvicorn_options`` are what differs between the two servers."""
     config = uvicorn.Config(
         app,
-        host=host,
-        port=port,
+        host=settings.host,
+        port=settings.port,
         log_config=None,  # logging is configured by logs.configure
-        http=protocol_class(header_timeout, max_header_bytes),
+        http=protocol_class(settings.request_read_timeout_seconds, settings.max_header_bytes),
         # By the time uvicorn shuts down, the drain has already waited; only stragglers remain.
         timeout_graceful_shutdown=5,
         lifespan="on",
         **uvicorn_options,
     )
-    DrainingServer(config, component, drain_timeout).run(sockets=sockets)
+    DrainingServer(config, component, settings.drain_timeout_seconds).run(sockets=sockets)

@@ -5,8 +5,9 @@ request path reads it. Single event loop: no locks.
 An endpoint is ``<namespace>/<name>`` (``llmendpoints_common.identity``): the registry's key,
 its ``endpoint`` metric label, its identity in the shared queue. Two same-named endpoints in two
 namespaces are two endpoints. A served model name belongs to one endpoint, the oldest claimant
-(creation time; static endpoints: file order); a later one is not routed to for that name
-(the operator reports it on the newcomer's status, from the same rule).
+(``llmendpoints_common.model_names.claim_order``: creation time, then ``<namespace>/<name>``;
+static endpoints: file order); a later one is not routed to for that name (the operator reports
+it on the newcomer's status, from the same rule).
 
 Routing (``lease``): ``prefix-aware`` endpoints are scored (scoring.choose) over what this process
 knows of each ready replica -- the prompt blocks it sent there (the endpoint's PrefixIndex), the
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmendpoints_common.identity import DEFAULT_NAMESPACE
+from llmendpoints_common.model_names import claim_order
 
 from llmendpoints_gateway.engine_load import EngineLoad, EngineLoadFeed, hit_rate
 from llmendpoints_gateway.holding import HoldBudget, HoldQueue, hold_timeout
@@ -84,8 +86,8 @@ class Endpoint:
     # spec.engine.startupTimeoutSeconds of a discovered endpoint: its holds last at least that
     # (holding.hold_timeout).
     startup_timeout: float | None = None
-    # Who claims a model name first: (creation time, order seen); the oldest keeps it.
-    created: tuple[float, int] = (0.0, 0)
+    # When it was created (epoch seconds; None: unknown): the oldest claimant keeps a model name.
+    created: float | None = None
     # Prefix-aware routing: the prompt blocks this process sent to each replica, a typical
     # request's uncached blocks (moving average), and per replica the requests sent since its
     # engine's last sample (not in that sample's numbers yet).
@@ -150,7 +152,6 @@ class Registry:
         self._by_model: dict[str, Endpoint] = {}
         # model -> (the endpoint routed to, the later claimants refused)
         self.model_claims: dict[str, tuple[str, tuple[str, ...]]] = {}
-        self._seen = 0
         self.closed = False
 
     # -- reads (request path) --
@@ -240,10 +241,11 @@ class Registry:
         *,
         namespace: str = DEFAULT_NAMESPACE,
         startup_timeout: float | None = None,
-        created: float = 0.0,
+        created: float | None = None,
     ) -> Endpoint:
-        """``created``: the endpoint's creation time (Kubernetes), 0 for static ones (then the
-        order they are registered in decides who keeps a model name)."""
+        """``created``: the endpoint's creation time (epoch seconds; Kubernetes), or for static
+        endpoints their position in the file (so the first entry listing a model keeps it);
+        None when unknown (such an endpoint keeps a model name from no endpoint of known age)."""
         models = tuple(dict.fromkeys(models))
         endpoint_id = f"{namespace}/{name}"
         ep = self.endpoints.get(endpoint_id)
@@ -258,10 +260,8 @@ class Registry:
                 budget=self.hold_budget,
                 on_held=lambda seconds, outcome: metrics.held_for(endpoint_id, seconds, outcome),
             )
-            self._seen += 1
             ep = Endpoint(
-                name, models, Router(strategy, self.load_factor), hold, namespace,
-                created=(created, self._seen),
+                name, models, Router(strategy, self.load_factor), hold, namespace, created=created
             )  # fmt: skip
             if self.closed:
                 hold.close()
@@ -275,8 +275,7 @@ class Registry:
                 )
             ep.models = models
             ep.router.strategy = strategy
-            if created:
-                ep.created = (created, ep.created[1])
+            ep.created = created
         ep.startup_timeout = startup_timeout
         self._index()
         return ep
@@ -472,15 +471,13 @@ class Registry:
         """Each model name to its oldest claimant; the later ones are remembered, refused."""
         by_model: dict[str, Endpoint] = {}
         refused: dict[str, list[str]] = {}
-        for ep in sorted(self.endpoints.values(), key=lambda e: e.created):
+        for ep in sorted(self.endpoints.values(), key=lambda e: claim_order(e.created, e.id)):
             for model in ep.models:
                 if model in by_model:
                     refused.setdefault(model, []).append(ep.id)
                     continue
                 by_model[model] = ep
-        claims = {
-            model: (by_model[model].id, tuple(refused.get(model, ()))) for model in by_model
-        }
+        claims = {model: (by_model[model].id, tuple(refused.get(model, ()))) for model in by_model}
         for model, (owner, later) in claims.items():
             if later and self.model_claims.get(model) != (owner, later):
                 logger.warning(

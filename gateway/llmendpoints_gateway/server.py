@@ -57,9 +57,7 @@ def build(settings: GatewaySettings, worker: WorkerSlot | None = None) -> Gatewa
         require_keys=settings.require_keys,
         secrets=not settings.endpoints_file,
     )
-    token_secret = (
-        read_secret(settings.token_secret_file) if settings.token_secret_file else None
-    )
+    token_secret = read_secret(settings.token_secret_file) if settings.token_secret_file else None
     queue = (
         SharedQueue(settings.queue_url, settings.gateway_id, settings.jobs_queue_creds_file)
         if settings.queue_url is not None
@@ -71,7 +69,9 @@ def build(settings: GatewaySettings, worker: WorkerSlot | None = None) -> Gatewa
     publisher = UsagePublisher(queue) if queue is not None else None
     metering = Metering(settings.gateway_id, metrics, limiter, keys, registry, publisher)
     if settings.endpoints_file:
-        discovery = StaticDiscovery(settings.endpoints_file, registry, settings.probe_interval_seconds)
+        discovery = StaticDiscovery(
+            settings.endpoints_file, registry, settings.probe_interval_seconds
+        )
     else:
         discovery = KubeDiscovery(
             registry,
@@ -81,7 +81,13 @@ def build(settings: GatewaySettings, worker: WorkerSlot | None = None) -> Gatewa
             endpoint_keys=settings.endpoint_keys,
         )
     gateway = Gateway(
-        settings, Access(keys, registry), registry, metrics, limiter, metering, token_secret=token_secret
+        settings,
+        Access(keys, registry),
+        registry,
+        metrics,
+        limiter,
+        metering,
+        token_secret=token_secret,
     )
     parts: list = []
     if queue is not None:
@@ -139,11 +145,7 @@ def serve(settings: GatewaySettings, worker: WorkerSlot | None = None) -> None:
     serve_edge(
         gateway,
         drain,
-        host=settings.host,
-        port=settings.port,
-        header_timeout=settings.request_read_timeout_seconds,
-        max_header_bytes=settings.max_header_bytes,
-        drain_timeout=settings.drain_timeout_seconds,
+        settings,
         loop="uvloop",
         access_log=False,  # the gateway writes its own access line with routing fields
         timeout_keep_alive=30,

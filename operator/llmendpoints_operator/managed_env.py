@@ -37,6 +37,10 @@ RUNTIME_MANAGED: dict[str, str] = {
     "JOBS_QUEUE_CREDS_FILE": "the operator mints the endpoint's own queue credential",
     "ENDPOINT_ID": "it is the endpoint's name",
     "ENDPOINT_NAMESPACE": "it is the endpoint's namespace",
+    # Written only when the operator has the gateway token secret (operator_written cannot
+    # build that setting without the file): a token of the author's choosing would let anyone
+    # who knows it name any caller to the pods.
+    "GATEWAY_TOKEN_FILE": "the operator writes the endpoint's gateway token",
 }
 
 # Other names under which the runtime (worker-vllm's and vLLM's spellings) reads a variable the

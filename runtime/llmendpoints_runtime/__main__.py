@@ -14,6 +14,9 @@ from pathlib import Path
 
 logger = logging.getLogger("llmendpoints.main")
 
+# Each subcommand imports what it needs when it runs: the runtime's modules import vLLM, which
+# must come after _early_environment, and --version, demo-model or download should not pay for it.
+
 HF_TOKEN_SECRET_FILE = "/run/secrets/HF_TOKEN"  # BuildKit secret mount, see Dockerfile.runtime
 
 

@@ -303,7 +303,7 @@ class ControlPublisher:
 
     async def run(self) -> None:
         """Publish every PUBLISH_INTERVAL_SECONDS on the running event loop, until cancelled."""
-        import asyncio
+        import asyncio  # the API process's side: the child (this module's main) never loads it
 
         while not self._stop.is_set():
             self.tick()

@@ -23,11 +23,7 @@ def serve(runtime: Runtime, app: ASGIApp) -> None:
     serve_edge(
         app,
         runtime,
-        host=settings.host,
-        port=settings.port,
-        header_timeout=settings.request_read_timeout_seconds,
-        max_header_bytes=settings.max_header_bytes,
-        drain_timeout=settings.drain_timeout_seconds,
+        settings,
         access_log=not args.disable_uvicorn_access_log,
         timeout_keep_alive=5,
         ssl_keyfile=args.ssl_keyfile,

@@ -240,8 +240,15 @@ def test_worker_killed_mid_job_the_job_completes_on_the_other(pods) -> None:
                     c["output"] for c in on_survivor.get(f"/stream/{job_id}").json()["stream"]
                 ]
                 time.sleep(0.02)
+            # Its engine stops where it is, so that it cannot end the job in the moments
+            # before the kill (a loaded machine delays what the reader sees); then its worker
+            # dies without warning.
+            for pid in cores[victim.process.pid]:
+                os.kill(pid, signal.SIGSTOP)
             victim.process.send_signal(signal.SIGKILL)
             victim.process.wait(10)
+            at_kill = on_survivor.get(f"/status/{job_id}").json()["status"]
+            assert at_kill not in FINAL, f"the victim ended the job ({at_kill}): inconclusive"
             for pid in cores[survivor.process.pid]:
                 os.kill(pid, signal.SIGCONT)
             rest: list = []

@@ -35,6 +35,10 @@ def _refused(env: list[dict[str, Any]] | None = None, args: dict[str, Any] | Non
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
         "JOBS_QUEUE_URL",
         "ENDPOINT_ID",
+        "ENDPOINT_NAMESPACE",
+        "JOBS_QUEUE_CREDS_FILE",
+        "GATEWAY_TOKEN_FILE",
+        "LLMEP_CONTROL_PORT",
         # worker-vllm and vLLM spellings of variables the operator writes
         "SERVED_MODEL_NAME",
         "MODEL",
