@@ -36,29 +36,8 @@ CALLER_HEADER = _CALLER.encode()
 
 logger = logging.getLogger("llmendpoints.gateway.proxy")
 
-# Hop-by-hop headers (RFC 9110 7.6.1) and the ones the client library sets itself.
-_DROP_REQUEST = frozenset(
-    {
-        b"host",
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"content-length",
-        b"expect",
-        # credentials: the client's stay here
-        b"authorization",
-        b"proxy-authorization",
-        b"x-api-key",
-        b"cookie",
-        CALLER_HEADER,
-        b"x-request-id",  # replaced by the request's own (checked) id
-    }
-)
-_DROP_RESPONSE = frozenset(
+# Hop-by-hop headers (RFC 9110 7.6.1) and the framing each side sets itself.
+_HOP_BY_HOP = frozenset(
     {
         b"connection",
         b"keep-alive",
@@ -68,10 +47,20 @@ _DROP_RESPONSE = frozenset(
         b"transfer-encoding",
         b"upgrade",
         b"content-length",
-        b"date",
-        b"server",
     }
 )
+_DROP_REQUEST = _HOP_BY_HOP | {
+    b"host",
+    b"expect",
+    # credentials: the client's stay here
+    b"authorization",
+    b"proxy-authorization",
+    b"x-api-key",
+    b"cookie",
+    CALLER_HEADER,
+    b"x-request-id",  # replaced by the request's own (checked) id
+}
+_DROP_RESPONSE = _HOP_BY_HOP | {b"date", b"server"}
 
 
 class UpstreamFailed(Exception):

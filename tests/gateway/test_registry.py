@@ -12,13 +12,19 @@ from llmendpoints_gateway.registry import Registry
 from llmendpoints_gateway.routing import Strategy
 
 
-async def test_a_failed_replica_is_routed_around_then_trusted_again(
-    monkeypatch: pytest.MonkeyPatch,
-):
+def _two_replicas(monkeypatch: pytest.MonkeyPatch):
+    """A prefix-aware endpoint on replicas a and b; a failed replica is suspended for 50 ms."""
     monkeypatch.setattr(registry_module, "SUSPEND_SECONDS", 0.05)
     reg = Registry(GatewayMetrics(), hold_queue_length=10, load_factor=1.25)
     ep = reg.upsert("e", ["m"], Strategy.PREFIX_AWARE)
     reg.set_ready("default/e", ["http://a", "http://b"])
+    return reg, ep
+
+
+async def test_a_failed_replica_is_routed_around_then_trusted_again(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    reg, ep = _two_replicas(monkeypatch)
     reg.mark_failed("default/e", "http://a")
     assert ep.ready == ("http://b",)
     reg.set_ready(
@@ -184,10 +190,7 @@ def _route(reg: Registry, ep, text: str):
 async def test_the_index_keeps_only_discovered_replicas_and_a_suspended_one_keeps_its_blocks(
     monkeypatch: pytest.MonkeyPatch,
 ):
-    monkeypatch.setattr(registry_module, "SUSPEND_SECONDS", 0.05)
-    reg = Registry(GatewayMetrics(), hold_queue_length=10, load_factor=1.25)
-    ep = reg.upsert("e", ["m"], Strategy.PREFIX_AWARE)
-    reg.set_ready("default/e", ["http://a", "http://b"])
+    reg, ep = _two_replicas(monkeypatch)
     route = _route(reg, ep, "policy " * 200)
     replica, _ = reg.choose(ep, route)
     assert ep.index.size(replica) == len(route.blocks) > 0
