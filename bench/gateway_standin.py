@@ -194,7 +194,6 @@ class Standin:
             gone.cancel()
             self.stats["open"] -= 1
 
-
     def _cache(self, request: dict) -> None:
         """The pretend prefix cache: a request's leading messages (each prefix of the list)
         that an earlier request began with are hits, counted in words."""
@@ -227,7 +226,7 @@ class Standin:
             f"vllm:prefix_cache_hits_total{{{labels}}} {float(self.prefix_hits)}",
             "# TYPE vllm:cache_config_info gauge",
             f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{self.kv_tokens // 16}",'
-            f'{labels}}} 1.0',
+            f"{labels}}} 1.0",
         ]
         if e["max_lora"]:
             lines += [

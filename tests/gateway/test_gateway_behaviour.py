@@ -304,9 +304,7 @@ def test_client_disconnect_cancels_the_upstream_stream(gateway, standins):
     )
 
 
-def test_a_client_leaving_before_the_answer_starts_closes_the_upstream_request(
-    gateway, standins
-):
+def test_a_client_leaving_before_the_answer_starts_closes_the_upstream_request(gateway, standins):
     # Non-streamed: the stand-in answers after 1,000 x 10 ms; the client gives up after 0.5 s.
     body = chat("other-model", standin_chunks=1000, standin_interval=0.01)
     before = httpx.get(standins["o1"].url + "/stats").json()["disconnects"]

@@ -221,7 +221,9 @@ def test_an_engine_sample_resets_what_was_sent_since_and_sizes_the_index():
     second = EngineLoad(1, 0, 0.2, prefix_queries=1500, prefix_hits=700)
     reg.engine_sampled("http://a", first, second)
     text = _series(metrics)
-    assert 'llmendpoints_gateway_engine_prefix_cache_queries_total{endpoint="default/e"} 500.0' in text
+    assert (
+        'llmendpoints_gateway_engine_prefix_cache_queries_total{endpoint="default/e"} 500.0' in text
+    )
     assert 'llmendpoints_gateway_engine_prefix_cache_hits_total{endpoint="default/e"} 300.0' in text
     quiet = Registry(GatewayMetrics(), 10, 1.25, count_engine_hits=False)  # another worker
     quiet.upsert("e", ["m"], Strategy.PREFIX_AWARE)

@@ -166,8 +166,10 @@ def test_a_shared_system_prompt_goes_where_it_is_cached(gateway, standins):
     # Every process knows it: the one that routed it told the others (none with one process).
     records = "llmendpoints_gateway_prefix_index_shared_records_total"
     _wait(
-        lambda: _metric(gateway, records, direction="received")
-        >= _metric(gateway, records, direction="sent"),
+        lambda: (
+            _metric(gateway, records, direction="received")
+            >= _metric(gateway, records, direction="sent")
+        ),
         "the other worker to hear of it",
     )
     _set_engine(standins[home])
