@@ -104,9 +104,13 @@ class BatchGateway:
         registry: Registry,
         settings: GatewaySettings,
         *,
+        holder: str | None = None,
         nudge: Callable[[str], None] | None = None,
     ) -> None:
         self.queue = queue
+        # Who holds a batch's lease: one per process (GATEWAY_WORKERS processes share the
+        # gateway's id, and each runs drivers of its own).
+        self.holder = holder or settings.gateway_id
         self.access = access
         self.registry = registry
         self.settings = settings
@@ -139,7 +143,7 @@ class BatchGateway:
         self.drivers = BatchDrivers(
             store,
             lines,
-            holder=self.settings.gateway_id,
+            holder=self.holder,
             limits=self.limits,
             resolve=self._resolve,
             signal=self._signal,

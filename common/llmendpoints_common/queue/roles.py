@@ -14,7 +14,8 @@ does without them (queue/client.py).
   deleted. The operator creates the streams and the endpoint's consumers.
 - ``gateway``: every endpoint's jobs (it accepts jobs for all of them), records, chunks and
   queue messages (a cancel takes a queued job's message out, so the depth drops at once), the
-  quotas bucket, the usage stream, held-request signals and nudges; the batch records
+  quotas bucket, the usage stream, held-request signals and nudges, the routing records gateway
+  processes share (``llmep.routes.*``, publish and subscribe); the batch records
   (``LLMEP_BATCHES``) and files (the object store ``LLMEP_FILES``, written and removed by
   subject: no purge), and the batch signals; the consumers it reads with (the job records'
   usage meter, the quotas follower, the usage export, the batch records' listings). No stream
@@ -127,6 +128,7 @@ def gateway() -> Permissions:
             "llmep.nudge.>",
             "llmep.usage.>",
             "llmep.chunks.>",
+            names.ROUTES_WILDCARD,
             *(
                 names.kv_subject(b, ">")
                 for b in (
@@ -170,6 +172,7 @@ def gateway() -> Permissions:
         sub_allow=(
             f"{GATEWAY_INBOX}.>",
             names.kv_subject(names.JOB_STATE_BUCKET, ">"),
+            names.ROUTES_WILDCARD,
         ),
         sub_deny=("$SYS.>",),
     )
