@@ -150,6 +150,7 @@ class BatchDrivers:
         self._steps: dict[str, asyncio.Task[None]] = {}
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._stopping = False
         self._swept_at = 0.0
 
     # ---- the host's loop -------------------------------------------------------------------
@@ -158,6 +159,11 @@ class BatchDrivers:
         self._task = asyncio.create_task(self._run(), name="batch-drivers")
 
     async def stop(self) -> None:
+        # The flag as well as the cancel: nats-py's requests wait with Python 3.11's wait_for,
+        # which returns instead of raising when a cancel lands as their answer does -- the
+        # cancel is lost, and the loop must see that it is to stop all the same.
+        self._stopping = True
+        self._wake.set()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -176,16 +182,19 @@ class BatchDrivers:
         return len(self._progress)
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self.tick()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the store is unreachable: try again next tick
                 log.warning("batch drivers: %s: %s", type(exc).__name__, exc)
+            if self._stopping:
+                break
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.tick_seconds)
+                async with asyncio.timeout(self.tick_seconds):
+                    await self._wake.wait()
 
     async def tick(self) -> None:
         """One pass: a step for every batch not ended (each in a task of its own, one at a
