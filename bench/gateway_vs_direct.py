@@ -3,12 +3,16 @@
     .venv/bin/python bench/gateway_vs_direct.py                   # both parts, ~10 min on 2 cores
     .venv/bin/python bench/gateway_vs_direct.py --part overhead --rounds 3
     .venv/bin/python bench/gateway_vs_direct.py --part prefix
+    .venv/bin/python bench/gateway_vs_direct.py --part overhead --rounds 3 --before /old/checkout
 
 Part ``overhead``: one runtime (demo model), one gateway in front of it (static endpoints file).
 vLLM's own benchmark client (as in bench/runtime_vs_vllm.py: random dataset, streamed
 /v1/completions, --ignore-eos) alternates direct, gateway, direct, gateway... Reported: request
 throughput ratio gateway/direct (target >= 0.97), median TTFT added by the gateway (target
-<= 2 ms), and the gateway process's CPU per proxied request.
+<= 2 ms), and the gateway process's CPU per proxied request. ``--before PATH`` puts a second
+gateway, of an older checkout's code (its gateway/ and common/ first on PYTHONPATH), in front of
+the same runtime and adds it to every round (the two gateways' order swapped every other round):
+the same ratios and CPU per request for both codes, in one run.
 
 Part ``prefix``: two runtimes with prefix caching; a multi-turn chat load (conversations sharing
 one long system prompt, each turn resending the whole history) through the gateway, once with the
@@ -48,7 +52,7 @@ OUT = REPO / "bench" / "out"
 
 
 @contextlib.contextmanager
-def gateway(endpoints: list[dict], log_path: Path) -> Iterator[tuple[str, int]]:
+def gateway(endpoints: list[dict], log_path: Path, code: Path = REPO) -> Iterator[tuple[str, int]]:
     port = rv.free_port()
     config = log_path.with_suffix(".yaml")
     config.write_text(yaml.safe_dump({"endpoints": endpoints}))
@@ -58,9 +62,12 @@ def gateway(endpoints: list[dict], log_path: Path) -> Iterator[tuple[str, int]]:
         "PORT": str(port),
         "HOST": "127.0.0.1",
         "LLMEP_LOG_LEVEL": "warning",
+        "LOG_LEVEL": "warning",  # the same, for an older gateway
         "GATEWAY_REQUIRE_KEYS": "false",  # the replicas are open: a bench of routing
         "GATEWAY_METRICS_PORT": "0",
-        "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in ("gateway", "common", "edge")),
+        "PYTHONPATH": os.pathsep.join(
+            str(code / p) for p in ("gateway", "common", "edge") if (code / p).is_dir()
+        ),
     }
     with log_path.open("wb") as log:
         process = subprocess.Popen(
@@ -100,21 +107,24 @@ def overhead(args, model: Path, out: Path) -> dict:
         warmups=8,
         seed=0,
     )
-    runs: dict[str, list[dict]] = {"direct": [], "gateway": []}
-    with (
-        rv.running_server(rv.OURS, model, out / "runtime.log") as runtime,
-        gateway(
-            [{"name": "demo", "models": [rv.SERVED_NAME], "backends": [runtime.url]}],
-            out / "gateway.log",
-        ) as (gw_url, gw_pid),
-    ):
+    gateways = ["gateway", "gateway-before"] if args.before is not None else ["gateway"]
+    runs: dict[str, list[dict]] = {side: [] for side in ["direct", *gateways]}
+    with contextlib.ExitStack() as stack:
+        runtime = stack.enter_context(rv.running_server(rv.OURS, model, out / "runtime.log"))
+        endpoints = [{"name": "demo", "models": [rv.SERVED_NAME], "backends": [runtime.url]}]
+        urls = {"direct": (runtime.url, None)}
+        for side in gateways:
+            code = args.before.resolve() if side == "gateway-before" else REPO
+            urls[side] = stack.enter_context(gateway(endpoints, out / f"{side}.log", code))
         for round_ in range(args.rounds):
-            for side, url in (("direct", runtime.url), ("gateway", gw_url)):
-                before = cpu_seconds(gw_pid)
+            order = ["direct", *(gateways if round_ % 2 == 0 else reversed(gateways))]
+            for side in order:
+                url, gw_pid = urls[side]
+                before = cpu_seconds(gw_pid) if gw_pid else 0.0
                 data = rv.run_client(
                     url, model, load, out, f"{side}-{round_}.json", out / f"{side}-{round_}.log"
                 )
-                gw_cpu = cpu_seconds(gw_pid) - before
+                gw_cpu = cpu_seconds(gw_pid) - before if gw_pid else 0.0
                 runs[side].append(
                     {
                         "request_throughput": data["request_throughput"],
@@ -127,26 +137,31 @@ def overhead(args, model: Path, out: Path) -> dict:
                     }
                 )
                 print(f"  round {round_} {side}: {runs[side][-1]}", flush=True)
-    ratios = [
-        g["request_throughput"] / d["request_throughput"]
-        for d, g in zip(runs["direct"], runs["gateway"], strict=True)
-    ]
-    added = [
-        g["median_ttft_ms"] - d["median_ttft_ms"]
-        for d, g in zip(runs["direct"], runs["gateway"], strict=True)
-    ]
-    return {
-        "load": load.__dict__,
-        "runs": runs,
-        "throughput_ratio_median": statistics.median(ratios),
-        "throughput_ratios": ratios,
-        "ttft_added_ms_median": statistics.median(added),
-        "ttft_added_ms": added,
-        "gateway_cpu_ms_per_request": statistics.median(
-            r["gateway_cpu_ms_per_request"] for r in runs["gateway"]
-        ),
-        "failed": sum(r["failed"] for side in runs.values() for r in side),
-    }
+    result: dict = {"load": load.__dict__, "runs": runs}
+    for side in gateways:
+        suffix = "" if side == "gateway" else "_before"
+        ratios = [
+            g["request_throughput"] / d["request_throughput"]
+            for d, g in zip(runs["direct"], runs[side], strict=True)
+        ]
+        added = [
+            g["median_ttft_ms"] - d["median_ttft_ms"]
+            for d, g in zip(runs["direct"], runs[side], strict=True)
+        ]
+        result |= {
+            f"throughput_ratio_median{suffix}": statistics.median(ratios),
+            f"throughput_ratios{suffix}": ratios,
+            f"ttft_added_ms_median{suffix}": statistics.median(added),
+            f"ttft_added_ms{suffix}": added,
+            f"gateway_cpu_ms_per_request{suffix}": statistics.median(
+                r["gateway_cpu_ms_per_request"] for r in runs[side]
+            ),
+            f"gateway_cpu_ms_per_request_rounds{suffix}": [
+                r["gateway_cpu_ms_per_request"] for r in runs[side]
+            ],
+        }
+    result["failed"] = sum(r["failed"] for side in runs.values() for r in side)
+    return result
 
 
 def vllm_counter(url: str, name: str) -> float:
@@ -305,10 +320,15 @@ def markdown(result: dict, argv: list[str]) -> str:
             "| --- | --- | --- |",
             f"| request throughput gateway/direct (median of rounds) | {o['throughput_ratio_median']:.3f} ({', '.join(f'{r:.3f}' for r in o['throughput_ratios'])}) | >= 0.97 |",
             f"| median TTFT added by the gateway, ms (median of rounds) | {o['ttft_added_ms_median']:.2f} ({', '.join(f'{a:.2f}' for a in o['ttft_added_ms'])}) | <= 2 |",
-            f"| gateway CPU per proxied request, ms | {o['gateway_cpu_ms_per_request']:.3f} | reported |",
-            f"| failed requests | {o['failed']} | 0 |",
-            "",
+            f"| gateway CPU per proxied request, ms | {o['gateway_cpu_ms_per_request']:.3f} ({', '.join(f'{c:.3f}' for c in o['gateway_cpu_ms_per_request_rounds'])}) | reported |",
         ]
+        if "gateway_cpu_ms_per_request_before" in o:
+            lines += [
+                f"| older gateway: request throughput gateway/direct | {o['throughput_ratio_median_before']:.3f} ({', '.join(f'{r:.3f}' for r in o['throughput_ratios_before'])}) | >= 0.97 |",
+                f"| older gateway: median TTFT added, ms | {o['ttft_added_ms_median_before']:.2f} ({', '.join(f'{a:.2f}' for a in o['ttft_added_ms_before'])}) | <= 2 |",
+                f"| older gateway: CPU per proxied request, ms | {o['gateway_cpu_ms_per_request_before']:.3f} ({', '.join(f'{c:.3f}' for c in o['gateway_cpu_ms_per_request_rounds_before'])}) | this one no higher |",
+            ]
+        lines += [f"| failed requests | {o['failed']} | 0 |", ""]
     if "prefix" in result:
         p = result["prefix"]
         lines += [
@@ -332,6 +352,9 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument(
+        "--before", type=Path, help="overhead: also a gateway of this older checkout's code"
+    )
     args = parser.parse_args()
     out = OUT / "gateway_vs_direct"
     out.mkdir(parents=True, exist_ok=True)
