@@ -3,23 +3,29 @@ candidate HTTP stacks (bench/gateway_stacks.py) under the same load for comparis
 
     .venv/bin/python bench/gateway_streams.py                     # ~2 minutes
     .venv/bin/python bench/gateway_streams.py --streams 2000 --requests 3000 --targets gateway
+    # the gateway with 2 worker processes, and main's gateway (its tree at a git ref):
+    .venv/bin/python bench/gateway_streams.py --targets gateway --workers 2
+    .venv/bin/python bench/gateway_streams.py --targets gateway --gateway-ref main
+    # an older checkout's gateway next to this one, alternated, and where its CPU goes:
     .venv/bin/python bench/gateway_streams.py --targets gateway --before /path/to/old/checkout \
-        --rounds 3                        # the gateway of an older checkout next to this one
+        --rounds 3
     .venv/bin/python bench/gateway_streams.py --targets gateway --before ... --profile DIR
 
 For each target (the real gateway, the minimal bare-ASGI proxy, the minimal aiohttp-server
 proxy), in its own process in front of two stand-in backends:
 
 1. CPU per proxied request: ``--requests`` streamed chat completions (8 SSE events each), 100 at
-   a time; the target process's user+system CPU time over the run divided by the requests.
+   a time; the target's user+system CPU time over the run (every process of it: a gateway with
+   GATEWAY_WORKERS > 1 is a supervisor and its workers) divided by the requests.
 2. Open streams: ``--streams`` streaming requests opened at once and held open (the backends
    send an event every 0.5 s for ~15 s); once every one has its first event, the target's RSS
    is sampled; memory per open stream = (RSS with all open - RSS idle) / streams. Every stream
    must end with ``[DONE]`` and status 200: any other ending is an error.
 
 ``--before PATH`` adds the target ``gateway-before``: the gateway of an older checkout (its
-gateway/ and common/ first on PYTHONPATH), run next to ``gateway`` in each of ``--rounds``
-rounds (the two swapped every other round).
+gateway/ and common/ first on PYTHONPATH; ``--gateway-ref`` needs the ref in this repository's
+history, a checkout does not), run next to ``gateway`` in each of ``--rounds`` rounds (the two
+swapped every other round).
 
 Target (bench/README.md, the table's target column): 2,000 concurrent open streams on 2 cores with no error; CPU per proxied
 request and memory per open stream reported. Results: JSON in bench/out/gateway_streams.json and
@@ -44,6 +50,9 @@ import aiohttp
 import httpx
 import psutil
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gateway_vs_direct import source_tree
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench" / "out"
@@ -129,8 +138,48 @@ async def one_stream(session, url, data, first: asyncio.Event | None, opened: li
         return type(exc).__name__
 
 
+@dataclass(frozen=True)
+class Memory:
+    rss: int
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    user: float
+    system: float
+
+
+class Tree:
+    """A target's processes: CPU and memory of all of them (a gateway's supervisor and workers)."""
+
+    def __init__(self, pid: int) -> None:
+        self.main = psutil.Process(pid)
+
+    def _all(self) -> list[psutil.Process]:
+        return [self.main, *self.main.children(recursive=True)]
+
+    def cpu_times(self):
+        user = system = 0.0
+        for process in self._all():
+            try:
+                times = process.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            user, system = user + times.user, system + times.system
+        return CpuTimes(user, system)
+
+    def memory_info(self):
+        rss = 0
+        for process in self._all():
+            try:
+                rss += process.memory_info().rss
+            except psutil.NoSuchProcess:
+                continue
+        return Memory(rss)
+
+
 async def cpu_phase(
-    url: str, proc: psutil.Process, requests: int, concurrency: int = 100, profile: bool = False
+    url: str, proc: Tree, requests: int, concurrency: int = 100, profile: bool = False
 ):
     data = body(8, 0.001)
     connector = aiohttp.TCPConnector(limit=concurrency)
@@ -147,7 +196,7 @@ async def cpu_phase(
                 outcomes.append(await one_stream(s, url, data, None, []))
 
         if profile:  # bench/_profiled.py: start
-            proc.send_signal(signal.SIGUSR1)
+            proc.main.send_signal(signal.SIGUSR1)
             await asyncio.sleep(0.2)
         before = proc.cpu_times()
         started = time.perf_counter()
@@ -155,7 +204,7 @@ async def cpu_phase(
         wall = time.perf_counter() - started
         after = proc.cpu_times()
         if profile:  # stop, write the stats
-            proc.send_signal(signal.SIGUSR2)
+            proc.main.send_signal(signal.SIGUSR2)
             await asyncio.sleep(1.0)
     cpu = (after.user - before.user) + (after.system - before.system)
     bad = [o for o in outcomes if o != "ok"]
@@ -164,7 +213,7 @@ async def cpu_phase(
     return cpu / requests * 1000, system / requests * 1000, requests / wall
 
 
-async def open_streams_phase(url: str, proc: psutil.Process, streams: int):
+async def open_streams_phase(url: str, proc: Tree, streams: int):
     rss_idle = proc.memory_info().rss
     data = body(30, 0.5)
     opened: list = []
@@ -197,17 +246,12 @@ def gateway_code_path(code: Path) -> str:
 
 
 def start_target(
-    name: str,
-    port: int,
-    backends: list[str],
-    tmp: Path,
-    before: Path | None = None,
-    profile: Path | None = None,
+    name: str, port: int, backends: list[str], tmp: Path, args, profile: Path | None = None
 ) -> subprocess.Popen:
     if name in ("gateway", "gateway-before"):
-        code = before if name == "gateway-before" else REPO
-        if code is None:
+        if name == "gateway-before" and args.before is None:
             raise ValueError("the target gateway-before needs --before")
+        code = args.before if name == "gateway-before" else source_tree(args.gateway_ref)
         endpoints = tmp / "endpoints.yaml"
         endpoints.write_text(
             yaml.safe_dump(
@@ -222,10 +266,11 @@ def start_target(
             "LOG_LEVEL": "warning",  # the same, for an older gateway
             "GATEWAY_REQUIRE_KEYS": "false",  # the replicas are open: a bench of routing
             "GATEWAY_METRICS_PORT": "0",
+            "GATEWAY_WORKERS": str(args.workers),
             "PYTHONPATH": gateway_code_path(code),
         }
         # --profile: the gateway under cProfile (bench/_profiled.py), profiled in the CPU
-        # phase's measured part only.
+        # phase's measured part only (the supervisor's process: with --workers 1, the gateway).
         profiler = [str(REPO / "bench" / "_profiled.py"), str(profile)] if profile else []
         argv = [PY, *profiler, "-m", "llmendpoints_gateway", "serve"]
         return spawn(argv, tmp / f"{name}.log", env)
@@ -244,7 +289,7 @@ def start_target(
 async def run_target(name: str, round_: int, backends: list[str], args, tmp: Path) -> Result:
     port = free_port()
     profile = args.profile / f"{name}-{round_}.prof" if args.profile is not None else None
-    process = start_target(name, port, backends, tmp, args.before, profile)
+    process = start_target(name, port, backends, tmp, args, profile)
     is_gateway = name in ("gateway", "gateway-before")
     try:
         wait_http(
@@ -258,7 +303,7 @@ async def run_target(name: str, round_: int, backends: list[str], args, tmp: Pat
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        proc = psutil.Process(process.pid)
+        proc = Tree(process.pid)
         cpu_ms, system_ms, rps = await cpu_phase(
             url, proc, args.requests, profile=profile is not None
         )
@@ -288,7 +333,8 @@ def markdown(results: list[Result], args) -> str:
         f"### Gateway: {args.streams} open streams and CPU per proxied request ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
         "",
         f"`{' '.join(['.venv/bin/python', 'bench/gateway_streams.py', *sys.argv[1:]])}` on {os.cpu_count()} cores "
-        f"({platform.machine()}, shared), two stand-in backends; load client in the same machine.",
+        f"({platform.machine()}, shared), two stand-in backends; load client in the same machine; "
+        f"gateway: {args.workers} worker(s), {args.gateway_ref or 'this checkout'}.",
         "",
         "| target (round) | CPU ms / proxied request (system) | requests/s (100 concurrent) | streams OK | errors | RSS idle MiB | RSS all open MiB | KiB / open stream | all open after s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -355,6 +401,8 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=2000)
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--targets", default="gateway,asgi,aiohttp")
+    parser.add_argument("--workers", type=int, default=1, help="the gateway's GATEWAY_WORKERS")
+    parser.add_argument("--gateway-ref", help="run the gateway at this git ref (e.g. main)")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument(
         "--before", type=Path, help="also measure the gateway of this older checkout"

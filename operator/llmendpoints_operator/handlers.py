@@ -11,6 +11,9 @@ reconcile (reconcile.py) and the autoscaler (autoscaling/controller.py).
 - Children's state reaches the status without polling: kopf indexes keep the runtime
   Deployments and the PersistentVolumeClaims in memory, and their watch events re-publish the
   owning endpoint's status (a Deployment becoming available turns the endpoint Ready).
+- Served model names: an index of who declares each name, and every LLMEndpoint event
+  re-publishes the status of the endpoints whose claim it changes (one deleted: the next oldest
+  declaring its name gets it, and its ModelNameAvailable condition turns True at once).
 
 Events are posted by events.EventPoster, with stable reasons (Created, InvalidSpec, Ready,
 RolledOut, Degraded, RolloutFailed, ReconcileFailed, ScaleUp, ScaleDown); kopf's own per-handler
@@ -29,6 +32,7 @@ from typing import Any
 
 import kopf
 import prometheus_client
+from llmendpoints_common.model_names import Claim, creation_time, served_model_name
 
 from llmendpoints_operator import kube, manifests, status
 from llmendpoints_operator.autoscaling.adapter_watch import AdapterStatusWatcher, adapter_subjects
@@ -228,6 +232,13 @@ async def claim_users(namespace: str, name: str, body: kopf.Body, **_: Any) -> d
     return {(namespace, claim): name} if claim else {}
 
 
+@kopf.index(*LLMEP)
+async def model_claims(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[str, Claim]:
+    """Served model name -> the endpoints declaring it: the oldest keeps it (status.py)."""
+    created = creation_time((body.get("metadata") or {}).get("creationTimestamp"))
+    return {served_model_name(name, body.get("spec")): Claim(namespace, name, created)}
+
+
 @kopf.index("apps", "v1", "deployments", labels=CHILD_LABELS)
 async def runtime_deployments(
     namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any
@@ -265,6 +276,37 @@ async def reconcile_endpoint(
     except kube.ApiError as exc:
         running.events.post(endpoint, "Warning", "ReconcileFailed", str(exc))
         raise kopf.TemporaryError(str(exc), delay=30) from exc
+
+
+def _declared_name(type: str | None, name: str, body: kopf.Body) -> str | None:
+    return None if type == "DELETED" else served_model_name(name, body.get("spec"))
+
+
+def _model_claim_is_news(
+    type: str | None, namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any
+) -> bool:
+    """Status writes (the autoscaler's every tick) are events too: filtered here, they neither
+    run the handler nor log a line each."""
+    running = getattr(memo, "operator", None)
+    return running is None or running.reconciler.model_claim_is_news(
+        (namespace, name), _declared_name(type, name, body)
+    )
+
+
+@kopf.on.event(*LLMEP, when=_model_claim_is_news)
+async def model_name_claim_seen(
+    type: str | None,
+    namespace: str,
+    name: str,
+    body: kopf.Body,
+    logger: logging.Logger,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    """Another endpoint declaring the same model name may have gained or lost it (the reconcile
+    of this one publishes its own status)."""
+    served = _declared_name(type, name, body)
+    await _running(memo).reconciler.model_claims_changed((namespace, name), served, logger)
 
 
 # --- the InferencePool API appearing ----------------------------------------------------------

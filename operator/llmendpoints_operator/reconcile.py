@@ -13,6 +13,11 @@ it to kopf; tests drive it with a fake client and plain dicts as indexes.
   field), creates nothing, and raises InvalidSpecError; an API refusal raises kube.ApiError.
 - `publish_status` computes the status from the indexes (status.compute, pure) and writes it
   when it changed, posting Events for notable transitions.
+- A served model name belongs to the oldest endpoint declaring it (llmendpoints_common.
+  model_names, the gateway's rule too): the status's ModelNameAvailable condition says whether
+  this endpoint keeps its name, from the model_claims index. `model_claims_changed` re-publishes
+  the other claimants' status when an endpoint appears, renames its model or goes away, so a
+  newcomer learns that it now keeps the name at once (the resync is the backstop).
 - The InferencePool (manifests.build_inference_pool) is an optional child whose API may be
   missing: its outcome becomes the status's InferencePool condition, never a failed reconcile.
 - `resync_forever` reconciles every endpoint once per period (drift correction).
@@ -34,6 +39,7 @@ from typing import Any, Protocol
 import kopf
 from llmendpoints_common import gateway_token
 from llmendpoints_common.identity import EndpointRef
+from llmendpoints_common.model_names import Claim, creation_time, owner, served_model_name
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 
 from llmendpoints_operator import kube, manifests, status
@@ -106,6 +112,7 @@ class Indexes:
     runtime_deployments: Index  # Key -> status.DeploymentState
     claim_phases: Index  # (namespace, claim) -> phase
     claim_users: Index  # (namespace, claim) -> endpoint name
+    model_claims: Index  # served model name -> model_names.Claim of each endpoint declaring it
 
     @classmethod
     def of(cls, kwargs: Mapping[str, Any]) -> Indexes:
@@ -124,17 +131,19 @@ def _one(index: Index, key: Any) -> Any:
     return next(iter(store), None) if store else None
 
 
+# creationTimestamp: who keeps a served model name (model_name).
+_SNAPSHOT_METADATA = (
+    "name", "namespace", "uid", "generation", "labels", "creationTimestamp", "deletionTimestamp"
+)  # fmt: skip
+
+
 def snapshot(body: Mapping[str, Any]) -> dict[str, Any]:
     """What is needed to reconcile or publish an endpoint outside its own handlers."""
     meta = body.get("metadata") or {}
     return {
         "apiVersion": body.get("apiVersion", manifests.API_VERSION),
         "kind": body.get("kind", manifests.KIND),
-        "metadata": {
-            key: meta[key]
-            for key in ("name", "namespace", "uid", "generation", "labels", "deletionTimestamp")
-            if key in meta
-        },
+        "metadata": {key: meta[key] for key in _SNAPSHOT_METADATA if key in meta},
         # No copies: kopf parses every watch event into fresh dicts and never mutates them.
         "spec": body.get("spec") or {},
         "status": body.get("status") or {},
@@ -226,6 +235,8 @@ class Reconciler:
         self._published: dict[Key, dict[str, Any]] = {}
         # What the last reconcile did about each endpoint's InferencePool (status reports it).
         self._pools: dict[Key, status.InferencePoolState] = {}
+        # The served model name each endpoint declared when last seen (model_claims_changed).
+        self._served: dict[Key, str] = {}
         # Secrets this process created, per endpoint (the annotation's record may not be in the
         # snapshot a reconcile gets yet: the watch event of our own patch comes later).
         self._created: defaultdict[Key, set[str]] = defaultdict(set)
@@ -550,6 +561,7 @@ class Reconciler:
                 cluster_domain=self._settings.cluster_domain,
                 gateway_url=self._settings.gateway_url,
                 inference_pool=self._pools.get(key),
+                model_name=self.model_name(snapshot),
             )
             # Blocks other writers own: the autoscaler's and the adapter watcher's.
             others = {k: v for k, v in previous.items() if k not in _OTHER_WRITERS}
@@ -573,6 +585,54 @@ class Reconciler:
             self._published[key] = new
         for event in status.transition_events(previous, new):
             self._post_event(snapshot, event.type, event.reason, event.message)
+
+    def model_name(self, snapshot: Mapping[str, Any]) -> status.ModelNameState:
+        """The endpoint's served model name, and the older endpoint keeping it, if any.
+
+        From the raw spec, as the gateway reads it: an invalid spec is still routed, so it still
+        claims its name. The endpoint itself is counted whether or not the index has it yet."""
+        meta = snapshot["metadata"]
+        me = Claim(meta["namespace"], meta["name"], creation_time(meta.get("creationTimestamp")))
+        served = served_model_name(me.name, snapshot.get("spec"))
+        others = [c for c in self.indexes.model_claims.get(served, ()) if c.id != me.id]
+        keeper = owner([me, *others])
+        return status.ModelNameState(served, None if keeper is me else keeper.id)
+
+    def model_claim_is_news(self, key: Key, served: str | None) -> bool:
+        """Whether endpoint `key` declaring `served` (None: deleted) differs from what was seen."""
+        return self._served.get(key) != served
+
+    async def model_claims_changed(
+        self, key: Key, served: str | None, logger: logging.Logger
+    ) -> None:
+        """Endpoint `key` was seen declaring the model name `served` (None: it was deleted).
+
+        If that is news (a new endpoint, a renamed model, a deletion), the other endpoints
+        declaring the names involved may have gained or lost them: their status is published
+        now. The index kopf passes has been updated for this event already. Otherwise nothing
+        (a dict lookup per event: status writes come through here too)."""
+        if not self.model_claim_is_news(key, served):
+            return
+        before = self._served.get(key)
+        if served is None:
+            self._served.pop(key, None)
+        else:
+            self._served[key] = served
+        for name in {before, served} - {None}:
+            for claim in list(self.indexes.model_claims.get(name, ())):
+                other = (claim.namespace, claim.name)
+                endpoint = self.indexes.endpoint(other)
+                if (
+                    other == key
+                    or endpoint is None
+                    or endpoint["metadata"].get("deletionTimestamp")
+                    or self.reconciling(other)  # it publishes when done
+                ):
+                    continue
+                try:
+                    await self.publish_status(endpoint)
+                except kube.ApiError as exc:  # the resync reports it
+                    logger.warning("Status of %s/%s not published: %s", *other, exc)
 
     def waiting_for_pool_api(self) -> list[dict[str, Any]]:
         """Endpoints whose InferencePool could not be created because its API is missing."""
@@ -624,6 +684,8 @@ class Reconciler:
             self._published.pop(key, None)
         for key in [k for k in self._pools if k not in endpoints]:
             self._pools.pop(key, None)
+        for key in [k for k in self._served if k not in endpoints]:
+            self._served.pop(key, None)
         for locks in (self._reconcile_locks, self._status_locks):
             for key in [k for k, lock in locks.items() if k not in endpoints]:
                 if not locks[key].locked():

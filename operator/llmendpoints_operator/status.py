@@ -10,6 +10,9 @@ Conditions, in the order a user reads them:
 - Authenticated  requests need an API key (False, a warning, when anyone who can reach the
               endpoint may use it: in the cluster without keys, or published with
               spec.api.allowUnauthenticated);
+- ModelNameAvailable  the gateway routes the endpoint's served model name to it (False,
+              ModelNameTaken, when an older endpoint declares the same name: the message names
+              it; the endpoint still serves its Service and its /v2 job API);
 - InferencePool  only when the endpoint asks for one: created (status.inferencePool names it),
               or why not (CRDNotInstalled, Rejected, Forbidden).
 
@@ -196,6 +199,41 @@ def _pool_report(
     return _condition(POOL_CONDITION, state.ok, state.reason, state.message), state.name
 
 
+# --- the served model name (a name belongs to the oldest endpoint declaring it) ------------------
+
+MODEL_NAME_CONDITION = "ModelNameAvailable"
+
+
+@dataclass(frozen=True)
+class ModelNameState:
+    """The endpoint's served model name and who keeps it (llmendpoints_common.model_names)."""
+
+    name: str
+    owner: str | None = None  # "<namespace>/<name>" of the older endpoint keeping it; None: us
+
+
+def _model_name_condition(state: ModelNameState, name: str, namespace: str) -> dict[str, Any]:
+    model = f'"model": "{state.name}"'
+    if state.owner is None:
+        return _condition(
+            MODEL_NAME_CONDITION,
+            True,
+            "ModelNameClaimed",
+            f"no older endpoint declares the model name {state.name!r}: the gateway routes "
+            f"{model} here",
+        )
+    return _condition(
+        MODEL_NAME_CONDITION,
+        False,
+        "ModelNameTaken",
+        f"the model name {state.name!r} is served by {state.owner}, created earlier: the gateway "
+        f"routes {model} there, not here. This endpoint still serves its Service and, through "
+        f"the gateway, /v2/{name}.{namespace}/...; give it a name of its own in "
+        f"spec.model.servedModelName, or it gets {state.name!r} when {state.owner} no longer "
+        "declares it",
+    )
+
+
 def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
     return {
         "type": type_,
@@ -314,6 +352,7 @@ def compute(
     cluster_domain: str = "cluster.local",
     gateway_url: str | None = None,
     inference_pool: InferencePoolState | None = None,
+    model_name: ModelNameState | None = None,
 ) -> dict[str, Any]:
     """The full `.status` (a merge-patch replaces it wholesale, conditions included).
 
@@ -325,6 +364,8 @@ def compute(
     through the gateway, so the status URL is the gateway's.
     `inference_pool`: what the last reconcile did about the InferencePool (None: not known since
     the operator started; the previous report stays).
+    `model_name`: the served model name and whether an older endpoint keeps it (None: no
+    ModelNameAvailable condition). It does not change Ready or the phase: the endpoint serves.
     """
     previous = previous or {}
     dep = observed.deployment
@@ -341,6 +382,8 @@ def compute(
     authenticated = _authenticated_condition_or_last(endpoint, previous)
     if authenticated is not None:
         conditions.append(authenticated)
+    if model_name is not None:
+        conditions.append(_model_name_condition(model_name, name, namespace))
     pool_condition, pool_name = _pool_report(inference_pool, previous)
     if pool_condition is not None:
         conditions.append(pool_condition)
@@ -517,6 +560,7 @@ def transition_events(
     Invalid specs are reported by the reconcile itself (it knows when a spec changed)."""
     return (
         _authentication_events(previous, current)
+        + _model_name_events(previous, current)
         + _pool_events(previous, current)
         + _phase_events(previous, current)
     )
@@ -531,6 +575,26 @@ def _pool_events(previous: Mapping[str, Any] | None, current: Mapping[str, Any])
     if now["status"] == "True":
         return [Event("Normal", "InferencePoolCreated", str(now["message"]))]
     return [Event("Warning", f"InferencePool{now['reason']}", str(now["message"]))]
+
+
+def _model_name_events(
+    previous: Mapping[str, Any] | None, current: Mapping[str, Any]
+) -> list[Event]:
+    """A Warning naming the owner when the served model name is (or goes to) another endpoint,
+    once per owner: the status compared is the stored one, so resyncs and operator restarts
+    post nothing new. A Normal Event when the name comes back."""
+    was = _find((previous or {}).get("conditions") or [], MODEL_NAME_CONDITION) or {}
+    now = _find(current.get("conditions") or [], MODEL_NAME_CONDITION)
+    if now is None:
+        return []
+    if now["status"] == "False" and (was.get("status"), was.get("message")) != (
+        "False",
+        now["message"],
+    ):
+        return [Event("Warning", "ModelNameTaken", str(now["message"]))]
+    if now["status"] == "True" and was.get("status") == "False":
+        return [Event("Normal", "ModelNameAvailable", str(now["message"]))]
+    return []
 
 
 def _authentication_events(

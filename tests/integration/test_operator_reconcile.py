@@ -38,6 +38,15 @@ def _condition(cluster: Cluster, name: str, type_: str) -> dict[str, Any]:
     return next((c for c in _status(cluster, name).get("conditions", []) if c["type"] == type_), {})
 
 
+async def _resyncs(operator: Operator) -> float:
+    """Reconciles the resync has done, whatever their result (the operator's /metrics)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in (await operator.metrics()).splitlines()
+        if line.startswith("llmendpoints_operator_reconciles_total{") and 'trigger="resync"' in line
+    )
+
+
 def _env(deployment: dict[str, Any]) -> dict[str, Any]:
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     return {var["name"]: var.get("value", var.get("valueFrom")) for var in container["env"]}
@@ -424,6 +433,54 @@ async def test_policy_and_managed_variables_refuse_a_spec_and_change_nothing(
         ],
         "an InvalidSpec warning naming the variable",
     )
+
+
+async def test_a_model_name_served_in_another_namespace_is_reported_on_the_newcomer(
+    cluster: Cluster, operator: Operator
+) -> None:
+    """docs/security.md (Tenancy): the gateway routes a served model name to the oldest endpoint
+    declaring it, in any namespace; the newer one gets a condition and one Warning Event naming
+    the owner, keeps its pods, and gets the name once the owner is deleted."""
+    spec = {"model": {"name": "org/m", "servedModelName": "shared-llama"}}
+    for namespace, name, created in [
+        ("elsewhere", "llama", "2026-01-01T00:00:00Z"),
+        (NS, "llama-copy", "2026-01-01T00:00:01Z"),
+    ]:
+        body = endpoint(name, namespace, spec)
+        body["metadata"]["creationTimestamp"] = created  # the emulator would stamp "now"
+        await cluster.create(LLMEP, namespace, body)
+
+    def taken() -> dict[str, Any]:
+        return _condition(cluster, "llama-copy", "ModelNameAvailable")
+
+    await until(operator, lambda: taken().get("status") == "False", "ModelNameAvailable=False")
+    assert taken()["reason"] == "ModelNameTaken"
+    assert "'shared-llama' is served by elsewhere/llama" in taken()["message"]
+    owner = (cluster.get(LLMEP, "elsewhere", "llama") or {}).get("status") or {}
+    assert {c["type"]: c["status"] for c in owner.get("conditions", [])}["ModelNameAvailable"] == (
+        "True"
+    )
+    assert cluster.get(DEPLOYMENTS, NS, "llama-copy")  # served, not refused
+
+    def warnings() -> list[dict[str, Any]]:
+        return [e for e in cluster.events(NS, "llama-copy") if e["reason"] == "ModelNameTaken"]
+
+    await until(operator, warnings, "a ModelNameTaken warning")
+    # Two resync rounds (every endpoint is reconciled again each 3 s here) say nothing new.
+    endpoints = len(cluster.names(LLMEP, NS)) + 1
+    start, log_start = await _resyncs(operator), len(operator.log())
+    for touch in range(3):  # events that do not change the name (as the autoscaler's writes)
+        await cluster.patch(LLMEP, NS, "llama-copy", {"metadata": {"labels": {"t": str(touch)}}})
+    while await _resyncs(operator) < start + 2 * endpoints:
+        assert operator.alive, operator.log()[-3000:]
+        await asyncio.sleep(0.5)
+    # The claim handler is not run for them (kopf would log a line each: every tick's status).
+    assert "model_name_claim_seen" not in operator.log()[log_start:]
+    (warning,) = warnings()
+    assert warning["type"] == "Warning" and "elsewhere/llama" in warning["message"]
+
+    await cluster.delete(LLMEP, "elsewhere", "llama")
+    await until(operator, lambda: taken().get("status") == "True", "the name handed over")
 
 
 async def test_operator_metrics_count_reconciles_by_result(operator: Operator) -> None:

@@ -27,13 +27,18 @@ class HeldStream:
     }
     TOKENS = BODY["n"] * BODY["max_tokens"]
 
-    def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, url: str, headers: dict[str, str] | None = None, **body_overrides: object
+    ) -> None:
+        """``body_overrides``: fields of BODY to change (``n=32`` for a server whose MAX_N
+        allows it; keep the stream well over 4 MiB)."""
+        self.body = {**self.BODY, **body_overrides}
         host, port = url.removeprefix("http://").split(":")
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         self.sock.settimeout(120)
         self.sock.connect((host, int(port)))
-        body = json.dumps(self.BODY).encode()
+        body = json.dumps(self.body).encode()
         head = [
             "POST /v1/completions HTTP/1.1",
             f"host: {host}",

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from held_stream import HeldStream
 from runtime_process import RuntimeServer, running_runtime
 
 pytestmark = pytest.mark.engine
@@ -159,16 +160,16 @@ def _stream(url: str, body: dict, first: concurrent.futures.Future, done: thread
 
 def test_a_max_n_request_holds_max_n_sequences(server, http) -> None:
     rejected_before = _rejected(http)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        first, heavy_done = concurrent.futures.Future(), threading.Event()
-        heavy = pool.submit(_stream, server.url, HEAVY, first, heavy_done)
-        assert first.result(120) == 200
-        # The n=32 request holds all 32 slots: 3 more sequences exceed the 2 that may wait, so
-        # this is refused at once (counted as 1, it would have been admitted beside it).
+    # A MAX_N stream whose client does not read holds its 32 slots until it is read (HeldStream):
+    # what follows cannot race the engine finishing it.
+    heavy = HeldStream(server.url, n=MAX_N, max_tokens=500)
+    assert heavy.status == 200
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        # 3 more sequences exceed the 2 that may wait, so this is refused at once (counted as
+        # 1 request, it would have been admitted beside it).
         busy = http.post(
             "/v1/completions", json={"model": "demo", "prompt": "x", "n": 3, "max_tokens": 1}
         )
-        assert not heavy_done.is_set(), "the heavy request ended before the check: inconclusive"
         assert busy.status_code == 429, busy.text
         assert busy.json()["error"]["type"] == "RateLimitError"
         assert f"{MAX_N} sequences running" in busy.json()["error"]["message"]
@@ -177,7 +178,7 @@ def test_a_max_n_request_holds_max_n_sequences(server, http) -> None:
         small = pool.submit(
             _stream, server.url, {**HEAVY, "n": 1, "max_tokens": 2}, small_first, small_done
         )
-        assert heavy.result(180) == (200, 480 * MAX_N)
+        assert heavy.finish() == MAX_N * 500
         assert small.result(180) == (200, 2)
     assert _rejected(http) >= rejected_before + 1
     assert metric(http, "llmendpoints_requests_in_flight") == 0
@@ -207,36 +208,31 @@ def _wait_status(http: httpx.Client, job_id: str, wanted: set[str], timeout: flo
 
 
 def test_jobs_count_their_sequences(http) -> None:
+    """Each heavy job holds all 32 slots: the second starts when the first ends, the small one
+    when both have (FIFO); counted as 1 each, all three would run at once. Decided from the
+    jobs' own times (delayTime: submitted -> started; executionTime: started -> finished), so
+    no reading can race the engine."""
     long_job = {
         "prompt": "hi",
         "sampling_params": {"n": MAX_N, "max_tokens": 2000, "ignore_eos": True},
     }
-    heavy = [http.post("/run", json={"input": long_job}).json()["id"] for _ in range(2)]
-    assert _wait_status(http, heavy[0], {"IN_PROGRESS"}) == "IN_PROGRESS", "inconclusive"
-    small = http.post("/run", json={"input": {"prompt": "x", "sampling_params": {"max_tokens": 1}}})
-    small_id = small.json()["id"]
-    # Each heavy job holds all 32 slots: the second waits for the first, the small one for
-    # both (FIFO). Counted as 1 each, all three would run at once. Statuses only move forward,
-    # so reading the small job first and the heavy ones after is conclusive: a heavy job not
-    # yet finished then was not finished before either.
-    seen_waiting = False
-    deadline = time.monotonic() + 180
-    while True:
-        assert time.monotonic() < deadline, "the jobs did not finish"
-        small_status = _status(http, small_id)
-        first, second = (_status(http, job_id) for job_id in heavy)
-        if first == "IN_PROGRESS":
-            assert second == "IN_QUEUE" and small_status == "IN_QUEUE", (first, second)
-            seen_waiting = True
-        elif second in ("IN_QUEUE", "IN_PROGRESS"):
-            assert small_status == "IN_QUEUE", (first, second, small_status)
-            seen_waiting = seen_waiting or second == "IN_PROGRESS"
-        else:
-            break
-        time.sleep(0.05)
-    assert seen_waiting, "the heavy jobs ended before anything was read: inconclusive"
-    assert [first, second] == ["COMPLETED", "COMPLETED"]
-    assert _wait_status(http, small_id, {"COMPLETED", "FAILED"}) == "COMPLETED"
+    small_job = {"prompt": "x", "sampling_params": {"max_tokens": 1}}
+    began = time.monotonic()
+    ids = [http.post("/run", json={"input": job}).json()["id"] for job in (long_job, long_job)]
+    ids.append(http.post("/run", json={"input": small_job}).json()["id"])
+    # The submissions' spread bounds how much later one was submitted than another.
+    spread_ms = (time.monotonic() - began) * 1000
+    for job_id in ids:
+        assert _wait_status(http, job_id, set(), timeout=300) == "COMPLETED"
+    first, second, small = (http.get(f"/status/{job_id}").json() for job_id in ids)
+
+    def ended(job: dict) -> float:  # ms after its submission
+        return job["delayTime"] + job["executionTime"]
+
+    assert first["executionTime"] > 10 * spread_ms, "the heavy job was too short: inconclusive"
+    # started after the other ended (submitted at most spread_ms later than it)
+    assert second["delayTime"] + spread_ms >= ended(first), (first, second)
+    assert small["delayTime"] + spread_ms >= ended(second), (second, small)
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,6 @@ import os
 import random
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +50,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config import ConfigException, load_kube_config
 from kubernetes_asyncio.config.incluster_config import InClusterConfigLoader
 from kubernetes_asyncio.watch import Watch
+from llmendpoints_common.model_names import creation_time, served_model_name
 from llmendpoints_edge.keys import parse_key_list
 
 from llmendpoints_gateway.keys import (
@@ -96,7 +96,9 @@ class EndpointView:
     routing: Strategy
     keys_secret: tuple[str, str] | None  # (secret name, data key)
     startup_timeout: float | None = None  # spec.engine.startupTimeoutSeconds
-    created: float = 0.0  # metadata.creationTimestamp: the oldest claimant keeps a model name
+    # metadata.creationTimestamp (epoch seconds; None: unknown): the oldest claimant keeps a
+    # model name (llmendpoints_common.model_names, the operator's rule too).
+    created: float | None = None
 
     @property
     def id(self) -> str:
@@ -107,7 +109,7 @@ def endpoint_view(obj: Mapping[str, Any]) -> EndpointView:
     meta = obj.get("metadata") or {}
     spec = obj.get("spec") or {}
     name = meta["name"]
-    model = (spec.get("model") or {}).get("servedModelName") or name
+    model = served_model_name(name, spec)
     try:
         routing = Strategy(spec.get("routing") or Strategy.PREFIX_AWARE)
     except ValueError:
@@ -119,20 +121,10 @@ def endpoint_view(obj: Mapping[str, Any]) -> EndpointView:
     secret = (ref["name"], ref["key"]) if ref and ref.get("name") and ref.get("key") else None
     startup = (spec.get("engine") or {}).get("startupTimeoutSeconds", DEFAULT_STARTUP_TIMEOUT)
     startup = float(startup) if isinstance(startup, int | float) else DEFAULT_STARTUP_TIMEOUT
-    created = _timestamp(meta.get("creationTimestamp"))
+    created = creation_time(meta.get("creationTimestamp"))
     return EndpointView(
         meta.get("namespace", ""), name, (model,), routing, secret, startup, created
     )
-
-
-def _timestamp(text: Any) -> float:
-    """An RFC 3339 time as epoch seconds (0 when absent or unreadable: then arrival order)."""
-    if not isinstance(text, str):
-        return 0.0
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return 0.0
 
 
 def is_operator_slice(obj: Mapping[str, Any]) -> bool:

@@ -104,13 +104,18 @@ class StaticDiscovery:
             endpoints = parse_endpoints(handle.read())
         session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
         self._session = session
-        for ep in endpoints:
-            endpoint = self.registry.upsert(ep.name, ep.models, ep.routing, namespace=ep.namespace)
+        for position, ep in enumerate(endpoints):
+            # The file's order stands for creation order: the first entry listing a model keeps it.
+            endpoint = self.registry.upsert(
+                ep.name, ep.models, ep.routing, namespace=ep.namespace, created=float(position)
+            )
             self._ready[endpoint.id] = set()
             for backend in ep.backends:
                 self._tasks.append(asyncio.create_task(self._probe(endpoint.id, backend)))
         logger.info(
-            "static endpoints from %s: %s", self.path, [f"{e.namespace}/{e.name}" for e in endpoints]
+            "static endpoints from %s: %s",
+            self.path,
+            [f"{e.namespace}/{e.name}" for e in endpoints],
         )
 
     async def stop(self) -> None:

@@ -240,3 +240,31 @@ def test_a_held_chat_body_is_exactly_its_size_and_a_chat_request(size):
     assert request["model"] == "cold" and request["messages"][0]["role"] == "user"
     with pytest.raises(ValueError, match="cannot be as small"):
         abuse.chat_body(10, "cold")
+
+
+def test_each_gateway_is_summarised_against_the_same_direct_rounds():
+    gateway_vs_direct = _load("gateway_vs_direct")
+    direct = [
+        {"request_throughput": 10.0, "median_ttft_ms": 20.0},
+        {"request_throughput": 20.0, "median_ttft_ms": 10.0},
+    ]
+    through = [
+        {
+            "request_throughput": 9.0,
+            "median_ttft_ms": 21.0,
+            "gateway_cpu_ms_per_request": 0.5,
+            "runtime_api_cpu_ms_per_request": 5.0,
+        },
+        {
+            "request_throughput": 20.0,
+            "median_ttft_ms": 13.0,
+            "gateway_cpu_ms_per_request": 0.7,
+            "runtime_api_cpu_ms_per_request": 3.5,
+        },
+    ]
+    summary = gateway_vs_direct.gateway_summary(direct, through, "_before")
+    assert summary["throughput_ratios_before"] == [0.9, 1.0]
+    assert summary["throughput_ratio_median_before"] == pytest.approx(0.95)
+    assert summary["ttft_added_ms_before"] == [1.0, 3.0]
+    assert summary["gateway_cpu_ms_per_request_before"] == pytest.approx(0.6)
+    assert summary["gateway_to_runtime_api_cpu_before"] == pytest.approx([0.1, 0.2])

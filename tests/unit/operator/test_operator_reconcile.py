@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from llmendpoints_common.gateway_token import derive
+from llmendpoints_common.model_names import Claim, creation_time, served_model_name
 from llmendpoints_operator import kube, status
 from llmendpoints_operator.config import OperatorSettings
 from llmendpoints_operator.reconcile import (
@@ -101,11 +102,13 @@ class World:
         self.kube = FakeKube()
         self.endpoints: dict[Any, list[Any]] = {}
         self.deployments: dict[Any, list[Any]] = {}
+        self.model_claims: dict[str, list[Claim]] = {}
         self.indexes = Indexes(
             llmendpoints=self.endpoints,
             runtime_deployments=self.deployments,
             claim_phases={},
             claim_users={},
+            model_claims=self.model_claims,
         )
         self.events: list[tuple[str, str, str]] = []
         self.registry = CollectorRegistry()
@@ -120,20 +123,42 @@ class World:
             clock=lambda: NOW,
         )
 
-    def add(self, name: str, spec: dict[str, Any], generation: int = 1) -> dict[str, Any]:
+    def add(
+        self,
+        name: str,
+        spec: dict[str, Any],
+        generation: int = 1,
+        *,
+        namespace: str = NS,
+        created: str | None = "2026-01-01T00:00:00Z",
+    ) -> dict[str, Any]:
+        """The endpoint as kopf's indexes hold it (the model_claims index as handlers.py makes
+        it: one claim per endpoint, under its served model name)."""
         body = {
             "apiVersion": "llmendpoints.dev/v1alpha1",
             "kind": "LLMEndpoint",
             "metadata": {
                 "name": name,
-                "namespace": NS,
+                "namespace": namespace,
                 "uid": f"uid-{name}",
                 "generation": generation,
+                **({"creationTimestamp": created} if created else {}),
             },
             "spec": spec,
         }
-        self.endpoints[(NS, name)] = [snapshot(body)]
+        self.forget(name, namespace)
+        self.endpoints[(namespace, name)] = [snapshot(body)]
+        served = served_model_name(name, spec)
+        self.model_claims.setdefault(served, []).append(
+            Claim(namespace, name, creation_time(created))
+        )
         return snapshot(body)
+
+    def forget(self, name: str, namespace: str = NS) -> None:
+        """The endpoint leaves kopf's indexes (deleted)."""
+        self.endpoints.pop((namespace, name), None)
+        for claims in self.model_claims.values():
+            claims[:] = [c for c in claims if (c.namespace, c.name) != (namespace, name)]
 
     def observe_deployment(self, name: str, **status_fields: Any) -> None:
         """What kopf's Deployment index holds once the watch brings the stored Deployment."""
@@ -480,3 +505,64 @@ async def test_the_gateway_token_is_derived_for_the_endpoint_and_mounted(tmp_pat
     await world.reconcile(world.add("other", {"model": {"name": "org/m"}}), trigger="create")
     other = world.kube.objects[("Secret", NS, "other-gateway-token")]
     assert other["data"]["token"] != secret["data"]["token"]
+
+
+def _model_name_condition(st: Mapping[str, Any]) -> dict[str, Any]:
+    return next(c for c in st["conditions"] if c["type"] == "ModelNameAvailable")
+
+
+async def test_a_model_name_served_by_an_older_endpoint_is_reported_once_naming_it() -> None:
+    """docs/security.md (Tenancy): the gateway routes a served model name to the oldest endpoint
+    declaring it. The newer one's author reads why in its status and in one Warning Event (not
+    one per resync), its pods still run, and it gets the name when the owner goes."""
+    world = World()
+    llama = {"model": {"name": "org/m", "servedModelName": "llama"}}
+    older = world.add("chat", llama, namespace="team-a", created="2026-01-01T00:00:00Z")
+    newer = world.add("copy", llama, created="2026-01-01T00:00:05Z")
+    # kopf's event handler sees both (model_claims_changed: nothing else declares llama yet).
+    for key in (("team-a", "chat"), (NS, "copy")):
+        await world.reconciler.model_claims_changed(key, "llama", LOG)
+    await world.reconcile(older, trigger="create")
+    await world.reconcile(newer, trigger="create")
+
+    owner = _model_name_condition(world.kube.objects[("LLMEndpoint", "team-a", "chat")]["status"])
+    assert (owner["status"], owner["reason"]) == ("True", "ModelNameClaimed")
+    st = world.kube.status_of("copy")
+    taken = _model_name_condition(st)
+    assert (taken["status"], taken["reason"], taken["observedGeneration"]) == (
+        "False",
+        "ModelNameTaken",
+        1,
+    )
+    assert taken["message"].startswith(
+        "the model name 'llama' is served by team-a/chat, created earlier: the gateway routes "
+        '"model": "llama" there, not here.'
+    )
+    # Not refused: its children exist and its phase is the pods' (their Service and /v2 work).
+    assert ("Deployment", NS, "copy") in world.kube.objects and st["phase"] == "Starting"
+    assert [e for e in world.events if e[1].startswith("ModelName")] == [
+        ("Warning", "ModelNameTaken", taken["message"])
+    ]
+
+    # The watch brings the status written; a resync compares with it: nothing new is said.
+    world.endpoints[(NS, "copy")][0]["status"] = st
+    await world.reconciler.resync_one((NS, "copy"), LOG)
+    assert [e[1] for e in world.events].count("ModelNameTaken") == 1
+    assert _model_name_condition(world.kube.status_of("copy"))["status"] == "False"
+
+    # The owner is deleted: kopf drops it from its indexes, then its DELETED event arrives.
+    world.forget("chat", namespace="team-a")
+    await world.reconciler.model_claims_changed(("team-a", "chat"), None, LOG)
+    now = _model_name_condition(world.kube.status_of("copy"))
+    assert (now["status"], now["reason"]) == ("True", "ModelNameClaimed")
+    assert world.events[-1] == ("Normal", "ModelNameAvailable", now["message"])
+
+
+async def test_an_endpoint_of_unknown_age_never_takes_a_model_name() -> None:
+    """An object without creationTimestamp (an emulator's, a hand-made one; the API server always
+    sets it) counts as the newest, as the gateway counts it."""
+    world = World()
+    world.add("dated", {"model": {"name": "org/m"}}, namespace="team-a")
+    undated = world.add("dated", {"model": {"name": "org/m"}}, namespace="team-b", created=None)
+    state = world.reconciler.model_name(undated)
+    assert (state.name, state.owner) == ("dated", "team-a/dated")

@@ -381,3 +381,22 @@ def test_scaled_to_zero_says_why_from_the_autoscalers_annotation() -> None:
     authenticated = [c for c in st["conditions"] if c["type"] == "Authenticated"]
     (event,) = status.transition_events({"phase": "Ready", "conditions": authenticated}, st)
     assert (event.reason, event.message) == ("ScaledToZero", ready["message"])
+
+
+def test_a_taken_model_name_is_warned_once_per_owner_and_changes_nothing_else() -> None:
+    def with_owner(owner: str | None, previous: dict[str, Any] | None = None) -> dict[str, Any]:
+        return _compute(
+            _deployment(1, **AVAILABLE),
+            previous=previous,
+            model_name=status.ModelNameState("llama", owner),
+        )
+
+    ours = with_owner(None)
+    taken = with_owner("team-a/chat", ours)
+    assert _conditions(taken)["ModelNameAvailable"] == ("False", "ModelNameTaken")
+    assert (taken["phase"], _conditions(taken)["Ready"]) == (ours["phase"], ("True", "Serving"))
+    assert _events(ours, taken) == [("Warning", "ModelNameTaken")]
+    assert _events(taken, with_owner("team-a/chat", taken)) == []  # a resync: nothing new
+    assert _events(taken, with_owner("team-b/older", taken)) == [("Warning", "ModelNameTaken")]
+    assert _events(taken, with_owner(None, taken)) == [("Normal", "ModelNameAvailable")]
+    assert _events(ours, with_owner(None, ours)) == []
