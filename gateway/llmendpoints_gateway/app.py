@@ -165,9 +165,7 @@ class Gateway:
             logger.exception("unexpected error answering %s %s", scope["method"], scope["path"])
             state.status = 500
             if not state.responded:
-                await send_error(
-                    state.send or send, InternalServerError("internal gateway error")
-                )
+                await send_error(state.send or send, InternalServerError("internal gateway error"))
             else:
                 raise  # cut the connection: the body must not look complete
         finally:
@@ -209,7 +207,9 @@ class Gateway:
             if path == "/v1/models" and method == "GET":
                 return await self.openai.list_models(send, key, None, state)
             if path.startswith("/v1/models/") and method == "GET":
-                return await self.openai.one_model(path[len("/v1/models/") :], send, key, None, state)
+                return await self.openai.one_model(
+                    path[len("/v1/models/") :], send, key, None, state
+                )
             body = await self._body(scope, receive, runsync=False)
             return await self.openai.proxy(scope, body, receive, send, state, key, None, path)
         if path.startswith("/v2/"):

@@ -341,5 +341,3 @@ class KeyRing:
                     logger.info("loaded %d API key(s) from %s", len(watched.value), watched.label)
         if changed:
             self._merge()
-
-

@@ -113,7 +113,9 @@ class StaticDiscovery:
             for backend in ep.backends:
                 self._tasks.append(asyncio.create_task(self._probe(endpoint.id, backend)))
         logger.info(
-            "static endpoints from %s: %s", self.path, [f"{e.namespace}/{e.name}" for e in endpoints]
+            "static endpoints from %s: %s",
+            self.path,
+            [f"{e.namespace}/{e.name}" for e in endpoints],
         )
 
     async def stop(self) -> None:
