@@ -110,7 +110,21 @@ def test_names_are_one_to_one_and_refuse_what_would_break_subjects() -> None:
     assert (
         names.kv_subject(names.JOB_STATE_BUCKET, "ns.a_b.j-1") == "$KV.LLMEP_JOB_STATE.ns.a_b.j-1"
     )
-    assert names.jobs_filter("ns/ep") == "llmep.jobs.ns.ep.*"
+    assert names.jobs_filter("ns/ep") == "llmep.jobs.ns.ep.>"
+    # Jobs are queued per owner (the per-owner cap is the stream's per-subject limit); the
+    # workers take the owner's subjects and the form releases before the cap wrote.
+    alice = names.jobs_subject("ns/ep", "low", "alice")
+    assert alice == f"llmep.jobs.ns.ep.low.{names.tenant_token('alice')}"
+    assert alice != names.jobs_subject("ns/ep", "low", "bob") != names.jobs_subject("ns/ep", "low")
+    assert names.jobs_subject("ns/ep", "low", "a.b *>").count(".") == 5
+    assert names.jobs_consumer_filters("ns/ep", "low") == [
+        "llmep.jobs.ns.ep.low",
+        "llmep.jobs.ns.ep.low.*",
+    ]
+    assert names.priority_of_jobs_subject(alice) == "low"
+    assert names.priority_of_jobs_subject("llmep.jobs.ns.ep.normal") == "normal"
+    with pytest.raises(ValueError):
+        names.priority_of_jobs_subject("llmep.chunks.ns.ep.normal")
     with pytest.raises(ValueError):
         names.idempotency_key("ns/ep", "not-hex")
     with pytest.raises(ValueError):

@@ -156,8 +156,7 @@ class QueueWorker:
         ref = self.service.ref
         connection = self.service.connection
         create = connection.may(
-            f"$JS.API.CONSUMER.CREATE.{names.JOBS_STREAM}.{names.jobs_consumer(ref)}."
-            f"{names.jobs_subject(ref)}"
+            f"$JS.API.CONSUMER.CREATE.{names.JOBS_STREAM}.{names.jobs_consumer(ref)}"
         )
         ack_wait = await ensure_consumers(js, ref, self._layout, create=create)
         # Whoever created the consumers chose their ack wait (the heartbeat timeout); when it is
