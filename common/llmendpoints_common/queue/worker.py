@@ -355,11 +355,10 @@ class QueueWorker:
         usage: JobUsage | None = None,
     ) -> None:
         deadline = time.monotonic() + self.settings.outcome_write_patience_seconds
-        if revision is not None:
-            # Usually nobody wrote since the claim: one compare-and-set, no read.
-            now = self._clock()
-            ended = finish(
-                record,
+
+        def end(current: JobRecord, now: float) -> JobRecord:
+            return finish(
+                current,
                 status,
                 now=now,
                 attempt=record.attempt,
@@ -367,6 +366,11 @@ class QueueWorker:
                 error=error,
                 usage=usage,
             )
+
+        if revision is not None:
+            # Usually nobody wrote since the claim: one compare-and-set, no read.
+            now = self._clock()
+            ended = end(record, now)
             with contextlib.suppress(StaleRevision, nats.errors.Error, OSError):
                 await self.service.states.write(
                     ended, revision=revision, ttl_seconds=record_ttl(ended, now)
@@ -379,15 +383,7 @@ class QueueWorker:
             try:
                 result = await self.service.states.update(
                     record.id,
-                    lambda r, now=now: finish(
-                        r,
-                        status,
-                        now=now,
-                        attempt=record.attempt,
-                        output=output,
-                        error=error,
-                        usage=usage,
-                    ),
+                    lambda r, now=now: end(r, now),
                     ttl=lambda r, now=now: record_ttl(r, now),
                 )
                 break
