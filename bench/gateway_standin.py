@@ -19,6 +19,14 @@ thousands of streams cost the backend next to nothing and failures can be made o
   (``last_authorization``, ``last_api_key``, ``last_caller``): what a pod learns of a caller.
 - ``standin_pad``: that many bytes of padding in a JSON answer, before its ``usage`` (a large
   answer, as embeddings of a big batch are).
+- ``GET /metrics``: the engine series the gateway's scorer reads, as vLLM names them:
+  ``vllm:num_requests_running`` (the streams open now, plus what ``/standin/engine`` adds),
+  ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:cache_config_info``
+  (``--kv-tokens`` as blocks of 16), ``vllm:lora_requests_info`` (with ``max_lora``), and
+  ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``: a pretend prefix cache counting, per
+  request, the words of its leading messages (or prompt) that an earlier request here began with.
+  ``POST /standin/engine`` (JSON: ``running``, ``waiting``, ``kv_usage``, ``adapters``,
+  ``max_lora``) sets what it reports: a busy or full engine on cue.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import time
 
 
 class Standin:
-    def __init__(self, name: str, ready_after: float):
+    def __init__(self, name: str, ready_after: float, kv_tokens: int = 16384):
         self.name = name
         self.ready_at = time.monotonic() + ready_after
         self.stats = {
@@ -48,6 +56,11 @@ class Standin:
             "last_api_key": None,
             "last_caller": None,
         }
+        self.engine = {"running": 0, "waiting": 0, "kv_usage": 0.0, "adapters": [], "max_lora": 0}
+        self.kv_tokens = kv_tokens
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self._seen: set[tuple] = set()  # leading-message tuples seen: the pretend prefix cache
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
@@ -64,6 +77,11 @@ class Standin:
             )
         if path == "/stats":
             return await _json(send, 200, self.stats)
+        if path == "/metrics":
+            return await _text(send, 200, self.metrics())
+        if path == "/standin/engine" and scope["method"] == "POST":
+            self.engine.update(json.loads(await _read(receive)))
+            return await _json(send, 200, self.engine)
         self.stats["paths"] = [*self.stats["paths"][-99:], f"{scope['method']} {path}"]
         headers = dict(scope["headers"])
         for field, header in (
@@ -75,14 +93,9 @@ class Standin:
             self.stats[field] = value.decode("latin-1") if value is not None else None
         if path not in ("/v1/chat/completions", "/v1/completions"):
             return await _json(send, 404, {"error": {"message": "not found"}})
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        request = json.loads(body)
+        request = json.loads(await _read(receive))
         self.stats["requests"] += 1
+        self._cache(request)
         for name, value in scope["headers"]:
             if name == b"x-request-id":
                 self.stats["last_request_id"] = value.decode()
@@ -99,7 +112,12 @@ class Standin:
             "total_tokens": _prompt_words(request) + chunks,
         }
         if not request.get("stream"):
-            await asyncio.sleep(interval * chunks)
+            gone = asyncio.ensure_future(receive())  # http.disconnect if the client leaves
+            done, _ = await asyncio.wait({gone}, timeout=interval * chunks)
+            if done:
+                self.stats["disconnects"] += 1  # before a byte of the answer
+                return
+            gone.cancel()
             self.stats["prompt_tokens"] += usage["prompt_tokens"]
             self.stats["completion_tokens"] += usage["completion_tokens"]
             return await _json(
@@ -176,6 +194,74 @@ class Standin:
             gone.cancel()
             self.stats["open"] -= 1
 
+    def _cache(self, request: dict) -> None:
+        """The pretend prefix cache: a request's leading messages (each prefix of the list)
+        that an earlier request began with are hits, counted in words."""
+        messages = request.get("messages")
+        if not isinstance(messages, list):
+            messages = [{"content": request.get("prompt")}]
+        words = [_words(m) for m in messages]
+        for i in range(1, len(messages) + 1):
+            prefix = tuple(json.dumps(m, sort_keys=True) for m in messages[:i])
+            self.prefix_queries += words[i - 1]
+            if prefix in self._seen:
+                self.prefix_hits += words[i - 1]
+            else:
+                self._seen.add(prefix)
+
+    def metrics(self) -> str:
+        e = self.engine
+        labels = 'engine="0",model_name="standin"'
+        adapters = ",".join(e["adapters"])
+        lines = [
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{{labels}}} {self.stats['open'] + e['running']}",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{{{labels}}} {e['waiting']}",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{{{labels}}} {e['kv_usage']}",
+            "# TYPE vllm:prefix_cache_queries counter",
+            f"vllm:prefix_cache_queries_total{{{labels}}} {float(self.prefix_queries)}",
+            "# TYPE vllm:prefix_cache_hits counter",
+            f"vllm:prefix_cache_hits_total{{{labels}}} {float(self.prefix_hits)}",
+            "# TYPE vllm:cache_config_info gauge",
+            f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{self.kv_tokens // 16}",'
+            f"{labels}}} 1.0",
+        ]
+        if e["max_lora"]:
+            lines += [
+                "# TYPE vllm:lora_requests_info gauge",
+                f'vllm:lora_requests_info{{max_lora="{e["max_lora"]}",'
+                f'running_lora_adapters="{adapters}",waiting_lora_adapters=""}} '
+                f"{time.time()}",
+            ]
+        return "\n".join(lines) + "\n"
+
+
+def _words(message) -> int:
+    content = message.get("content") if isinstance(message, dict) else None
+    return len(content.split()) if isinstance(content, str) else 0
+
+
+async def _read(receive) -> bytes:
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return body
+
+
+async def _text(send, status, text: str):
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"text/plain; version=0.0.4")],
+        }
+    )
+    await send({"type": "http.response.body", "body": text.encode()})
+
 
 def _prompt_words(request: dict) -> int:
     prompt = request.get("prompt")
@@ -207,8 +293,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--name", default=None)
     parser.add_argument("--ready-after", type=float, default=0.0)
+    parser.add_argument("--kv-tokens", type=int, default=16384, help="KV cache it reports")
     args = parser.parse_args()
-    app = Standin(args.name or f"standin-{args.port}", args.ready_after)
+    app = Standin(args.name or f"standin-{args.port}", args.ready_after, args.kv_tokens)
     uvicorn.run(
         app,
         host="127.0.0.1",

@@ -3,12 +3,16 @@ candidate HTTP stacks (bench/gateway_stacks.py) under the same load for comparis
 
     .venv/bin/python bench/gateway_streams.py                     # ~2 minutes
     .venv/bin/python bench/gateway_streams.py --streams 2000 --requests 3000 --targets gateway
+    # the gateway with 2 worker processes, and main's gateway (its tree at a git ref):
+    .venv/bin/python bench/gateway_streams.py --targets gateway --workers 2
+    .venv/bin/python bench/gateway_streams.py --targets gateway --gateway-ref main
 
 For each target (the real gateway, the minimal bare-ASGI proxy, the minimal aiohttp-server
 proxy), in its own process in front of two stand-in backends:
 
 1. CPU per proxied request: ``--requests`` streamed chat completions (8 SSE events each), 100 at
-   a time; the target process's user+system CPU time over the run divided by the requests.
+   a time; the target's user+system CPU time over the run (every process of it: a gateway with
+   GATEWAY_WORKERS > 1 is a supervisor and its workers) divided by the requests.
 2. Open streams: ``--streams`` streaming requests opened at once and held open (the backends
    send an event every 0.5 s for ~15 s); once every one has its first event, the target's RSS
    is sampled; memory per open stream = (RSS with all open - RSS idle) / streams. Every stream
@@ -36,6 +40,9 @@ import aiohttp
 import httpx
 import psutil
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gateway_vs_direct import source_tree
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench" / "out"
@@ -119,7 +126,47 @@ async def one_stream(session, url, data, first: asyncio.Event | None, opened: li
         return type(exc).__name__
 
 
-async def cpu_phase(url: str, proc: psutil.Process, requests: int, concurrency: int = 100):
+@dataclass(frozen=True)
+class Memory:
+    rss: int
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    user: float
+    system: float
+
+
+class Tree:
+    """A target's processes: CPU and memory of all of them (a gateway's supervisor and workers)."""
+
+    def __init__(self, pid: int) -> None:
+        self.main = psutil.Process(pid)
+
+    def _all(self) -> list[psutil.Process]:
+        return [self.main, *self.main.children(recursive=True)]
+
+    def cpu_times(self):
+        user = system = 0.0
+        for process in self._all():
+            try:
+                times = process.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            user, system = user + times.user, system + times.system
+        return CpuTimes(user, system)
+
+    def memory_info(self):
+        rss = 0
+        for process in self._all():
+            try:
+                rss += process.memory_info().rss
+            except psutil.NoSuchProcess:
+                continue
+        return Memory(rss)
+
+
+async def cpu_phase(url: str, proc: Tree, requests: int, concurrency: int = 100):
     data = body(8, 0.001)
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(
@@ -145,7 +192,7 @@ async def cpu_phase(url: str, proc: psutil.Process, requests: int, concurrency: 
     return cpu / requests * 1000, requests / wall
 
 
-async def open_streams_phase(url: str, proc: psutil.Process, streams: int):
+async def open_streams_phase(url: str, proc: Tree, streams: int):
     rss_idle = proc.memory_info().rss
     data = body(30, 0.5)
     opened: list = []
@@ -171,7 +218,7 @@ async def open_streams_phase(url: str, proc: psutil.Process, streams: int):
     return rss_idle, rss_open, outcomes.count("ok"), errors, open_all
 
 
-def start_target(name: str, port: int, backends: list[str], tmp: Path) -> subprocess.Popen:
+def start_target(name: str, port: int, backends: list[str], tmp: Path, args) -> subprocess.Popen:
     if name == "gateway":
         endpoints = tmp / "endpoints.yaml"
         endpoints.write_text(
@@ -186,7 +233,10 @@ def start_target(name: str, port: int, backends: list[str], tmp: Path) -> subpro
             "LLMEP_LOG_LEVEL": "warning",
             "GATEWAY_REQUIRE_KEYS": "false",  # the replicas are open: a bench of routing
             "GATEWAY_METRICS_PORT": "0",
-            "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in ("gateway", "common", "edge")),
+            "GATEWAY_WORKERS": str(args.workers),
+            "PYTHONPATH": os.pathsep.join(
+                str(source_tree(args.gateway_ref) / p) for p in ("gateway", "common", "edge")
+            ),
         }
         return spawn([PY, "-m", "llmendpoints_gateway", "serve"], tmp / "gateway.log", env)
     argv = [
@@ -203,7 +253,7 @@ def start_target(name: str, port: int, backends: list[str], tmp: Path) -> subpro
 
 async def run_target(name: str, backends: list[str], args, tmp: Path) -> Result:
     port = free_port()
-    process = start_target(name, port, backends, tmp)
+    process = start_target(name, port, backends, tmp, args)
     try:
         wait_http(
             f"http://127.0.0.1:{port}/v1/models"
@@ -218,7 +268,7 @@ async def run_target(name: str, backends: list[str], args, tmp: Path) -> Result:
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        proc = psutil.Process(process.pid)
+        proc = Tree(process.pid)
         cpu_ms, rps = await cpu_phase(url, proc, args.requests)
         rss_idle, rss_open, ok, errors, open_all = await open_streams_phase(url, proc, args.streams)
         return Result(
@@ -244,7 +294,8 @@ def markdown(results: list[Result], args) -> str:
         f"### Gateway: {args.streams} open streams and CPU per proxied request ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
         "",
         f"`{' '.join(['.venv/bin/python', 'bench/gateway_streams.py', *sys.argv[1:]])}` on {os.cpu_count()} cores "
-        f"({platform.machine()}, shared), two stand-in backends; load client in the same machine.",
+        f"({platform.machine()}, shared), two stand-in backends; load client in the same machine; "
+        f"gateway: {args.workers} worker(s), {args.gateway_ref or 'this checkout'}.",
         "",
         "| target | CPU ms / proxied request | requests/s (100 concurrent) | streams OK | errors | RSS idle MiB | RSS all open MiB | KiB / open stream | all open after s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -295,6 +346,8 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=2000)
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--targets", default="gateway,asgi,aiohttp")
+    parser.add_argument("--workers", type=int, default=1, help="the gateway's GATEWAY_WORKERS")
+    parser.add_argument("--gateway-ref", help="run the gateway at this git ref (e.g. main)")
     return asyncio.run(main_async(parser.parse_args()))
 
 

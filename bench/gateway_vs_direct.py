@@ -3,12 +3,18 @@
     .venv/bin/python bench/gateway_vs_direct.py                   # both parts, ~10 min on 2 cores
     .venv/bin/python bench/gateway_vs_direct.py --part overhead --rounds 3
     .venv/bin/python bench/gateway_vs_direct.py --part prefix
+    # The gateway with 2 worker processes, and main's gateway (the tree at a git ref) to compare:
+    .venv/bin/python bench/gateway_vs_direct.py --part overhead --workers 2
+    .venv/bin/python bench/gateway_vs_direct.py --part overhead --gateway-ref main
 
 Part ``overhead``: one runtime (demo model), one gateway in front of it (static endpoints file).
 vLLM's own benchmark client (as in bench/runtime_vs_vllm.py: random dataset, streamed
 /v1/completions, --ignore-eos) alternates direct, gateway, direct, gateway... Reported: request
 throughput ratio gateway/direct (target >= 0.97), median TTFT added by the gateway (target
-<= 2 ms), and the gateway process's CPU per proxied request.
+<= 2 ms), the gateway's CPU per proxied request (every process of it: with GATEWAY_WORKERS > 1
+the supervisor and its workers), and the runtime's API process's CPU for the same requests (the
+runtime's own process, not its engine core): the gateway/runtime-API ratio (issue 23's goal:
+<= 0.10).
 
 Part ``prefix``: two runtimes with prefix caching; a multi-turn chat load (conversations sharing
 one long system prompt, each turn resending the whole history) through the gateway, once with the
@@ -47,11 +53,65 @@ REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench" / "out"
 
 
+def source_tree(ref: str | None) -> Path:
+    """The repository's Python packages at git ``ref`` (None: this checkout), for PYTHONPATH: a
+    bench can run main's gateway next to this branch's."""
+    if ref is None:
+        return REPO
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", ref], cwd=REPO, check=True, capture_output=True, text=True
+    ).stdout.strip()
+    tree = OUT / "trees" / commit
+    if not (tree / "gateway").exists():
+        tree.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(
+            ["git", "archive", commit, "gateway", "common", "edge"],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
+
+
+def wait_port(port: int, timeout: float = 30.0) -> None:
+    """Until something listens on 127.0.0.1:port."""
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        assert time.monotonic() < deadline, f"nothing listens on port {port}"
+        time.sleep(0.1)
+
+
+def cpu_tree(pid: int) -> float:
+    """CPU seconds of a process and all its descendants (a gateway's supervisor and workers)."""
+    total = 0.0
+    main = psutil.Process(pid)
+    for process in [main, *main.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = process.cpu_times()
+            total += times.user + times.system
+    return total
+
+
 @contextlib.contextmanager
-def gateway(endpoints: list[dict], log_path: Path) -> Iterator[tuple[str, int]]:
+def gateway(
+    endpoints: list[dict],
+    log_path: Path,
+    *,
+    workers: int = 1,
+    ref: str | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> Iterator[tuple[str, int]]:
+    """A gateway over static ``endpoints``: this checkout's, or the one at git ``ref``."""
     port = rv.free_port()
     config = log_path.with_suffix(".yaml")
     config.write_text(yaml.safe_dump({"endpoints": endpoints}))
+    tree = source_tree(ref)
     env = {
         **os.environ,
         "GATEWAY_ENDPOINTS_FILE": str(config),
@@ -60,7 +120,9 @@ def gateway(endpoints: list[dict], log_path: Path) -> Iterator[tuple[str, int]]:
         "LLMEP_LOG_LEVEL": "warning",
         "GATEWAY_REQUIRE_KEYS": "false",  # the replicas are open: a bench of routing
         "GATEWAY_METRICS_PORT": "0",
-        "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in ("gateway", "common", "edge")),
+        "GATEWAY_WORKERS": str(workers),
+        "PYTHONPATH": os.pathsep.join(str(tree / p) for p in ("gateway", "common", "edge")),
+        **(extra_env or {}),
     }
     with log_path.open("wb") as log:
         process = subprocess.Popen(
@@ -86,11 +148,6 @@ def gateway(endpoints: list[dict], log_path: Path) -> Iterator[tuple[str, int]]:
             process.wait(30)
 
 
-def cpu_seconds(pid: int) -> float:
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system
-
-
 def overhead(args, model: Path, out: Path) -> dict:
     load = rv.Load(
         num_prompts=args.num_prompts,
@@ -106,24 +163,39 @@ def overhead(args, model: Path, out: Path) -> dict:
         gateway(
             [{"name": "demo", "models": [rv.SERVED_NAME], "backends": [runtime.url]}],
             out / "gateway.log",
+            workers=args.workers,
+            ref=args.gateway_ref,
         ) as (gw_url, gw_pid),
     ):
+        requests = load.num_prompts + load.warmups
+        # What both cost with no request at all (the gateway's probes and engine-load reads,
+        # the runtime's answers to them), per second: taken off each run's CPU, so that the
+        # client's own start-up time in each run does not count as request work.
+        time.sleep(2)
+        idle_started, gw_idle0, api_idle0 = time.perf_counter(), cpu_tree(gw_pid), runtime.cpu()
+        time.sleep(args.idle_seconds)
+        idle_wall = time.perf_counter() - idle_started
+        gw_idle = (cpu_tree(gw_pid) - gw_idle0) / idle_wall
+        api_idle = (runtime.cpu() - api_idle0).api_seconds / idle_wall
+        print(f"  idle: gateway {gw_idle * 100:.2f}% of a core, runtime API {api_idle * 100:.2f}%")
         for round_ in range(args.rounds):
             for side, url in (("direct", runtime.url), ("gateway", gw_url)):
-                before = cpu_seconds(gw_pid)
+                before, runtime_before = cpu_tree(gw_pid), runtime.cpu()
+                started = time.perf_counter()
                 data = rv.run_client(
                     url, model, load, out, f"{side}-{round_}.json", out / f"{side}-{round_}.log"
                 )
-                gw_cpu = cpu_seconds(gw_pid) - before
+                wall = time.perf_counter() - started
+                gw_cpu = cpu_tree(gw_pid) - before - gw_idle * wall
+                api_cpu = (runtime.cpu() - runtime_before).api_seconds - api_idle * wall
                 runs[side].append(
                     {
                         "request_throughput": data["request_throughput"],
                         "median_ttft_ms": data["median_ttft_ms"],
                         "completed": data["completed"],
                         "failed": data.get("failed", 0),
-                        "gateway_cpu_ms_per_request": gw_cpu
-                        * 1000
-                        / (load.num_prompts + load.warmups),
+                        "gateway_cpu_ms_per_request": gw_cpu * 1000 / requests,
+                        "runtime_api_cpu_ms_per_request": api_cpu * 1000 / requests,
                     }
                 )
                 print(f"  round {round_} {side}: {runs[side][-1]}", flush=True)
@@ -145,6 +217,17 @@ def overhead(args, model: Path, out: Path) -> dict:
         "gateway_cpu_ms_per_request": statistics.median(
             r["gateway_cpu_ms_per_request"] for r in runs["gateway"]
         ),
+        "runtime_api_cpu_ms_per_request": statistics.median(
+            r["runtime_api_cpu_ms_per_request"] for r in runs["gateway"]
+        ),
+        # The same requests: the gateway's CPU over the runtime API process's, per round.
+        "gateway_to_runtime_api_cpu": [
+            r["gateway_cpu_ms_per_request"] / r["runtime_api_cpu_ms_per_request"]
+            for r in runs["gateway"]
+        ],
+        "idle_cpu_per_s": {"gateway": gw_idle, "runtime_api": api_idle},
+        "workers": args.workers,
+        "gateway_ref": args.gateway_ref or "this checkout",
         "failed": sum(r["failed"] for side in runs.values() for r in side),
     }
 
@@ -305,7 +388,9 @@ def markdown(result: dict, argv: list[str]) -> str:
             "| --- | --- | --- |",
             f"| request throughput gateway/direct (median of rounds) | {o['throughput_ratio_median']:.3f} ({', '.join(f'{r:.3f}' for r in o['throughput_ratios'])}) | >= 0.97 |",
             f"| median TTFT added by the gateway, ms (median of rounds) | {o['ttft_added_ms_median']:.2f} ({', '.join(f'{a:.2f}' for a in o['ttft_added_ms'])}) | <= 2 |",
-            f"| gateway CPU per proxied request, ms | {o['gateway_cpu_ms_per_request']:.3f} | reported |",
+            f"| gateway CPU per proxied request, ms ({o['workers']} worker(s), {o['gateway_ref']}; net of its idle {o['idle_cpu_per_s']['gateway'] * 1000:.1f} ms/s) | {o['gateway_cpu_ms_per_request']:.3f} | reported |",
+            f"| runtime API process CPU per request, ms | {o['runtime_api_cpu_ms_per_request']:.3f} | reported |",
+            f"| gateway / runtime API CPU (per round) | {statistics.median(o['gateway_to_runtime_api_cpu']):.3f} ({', '.join(f'{r:.3f}' for r in o['gateway_to_runtime_api_cpu'])}) | <= 0.10 |",
             f"| failed requests | {o['failed']} | 0 |",
             "",
         ]
@@ -332,6 +417,13 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--workers", type=int, default=1, help="GATEWAY_WORKERS")
+    parser.add_argument(
+        "--idle-seconds", type=float, default=5.0, help="how long the idle cost is measured"
+    )
+    parser.add_argument(
+        "--gateway-ref", help="run the gateway at this git ref (e.g. main) instead of this checkout"
+    )
     args = parser.parse_args()
     out = OUT / "gateway_vs_direct"
     out.mkdir(parents=True, exist_ok=True)

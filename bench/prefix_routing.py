@@ -1,7 +1,8 @@
 """Routing strategies compared on what the engines report: prefix-cache hit rate and TTFT.
 
-    .venv/bin/python bench/prefix_routing.py            # ~5-8 min on 2 shared cores (mostly start-up)
-    .venv/bin/python bench/prefix_routing.py --rounds 2 --strategies round-robin,prefix-aware
+    .venv/bin/python bench/prefix_routing.py            # ~10 min on 2 shared cores
+    .venv/bin/python bench/prefix_routing.py --rounds 2 --strategies round-robin,scored
+    .venv/bin/python bench/prefix_routing.py --strategies scored,scored-2w   # 1 vs 2 workers
     # Drive a gateway you run yourself (the replicas' /metrics give the engines' counters):
     .venv/bin/python bench/prefix_routing.py --gateway http://127.0.0.1:8080 \
         --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 \
@@ -23,11 +24,14 @@ engines evict what the next request needs; one that partitions the system prompt
 conversations where their history is gets hits. (--system-words and --gpu-blocks move the load
 between those regimes; bench/RESULTS.md has several.)
 
-Each gateway strategy is one endpoint of the same gateway over the same two replicas (the
-replicas serve one model name per strategy; the gateway routes each name with its endpoint's
-strategy). `scored-core` is the new routing core (gateway/llmendpoints_gateway/prefix_index.py,
-scoring.py, engine_load.py) in bench/_scored_router.py, a bare router, until the gateway wires
-it in; then run the gateway's own strategy instead (--strategies, or --gateway). Every run
+Strategies, each an endpoint over the same two replicas (the replicas serve one model name per
+strategy; a gateway routes each name with its endpoint's `routing:`), all through real gateways:
+`round-robin` and `scored` (`prefix-aware`: the scorer over the prefix index and the engines'
+load) on this checkout's gateway; `chwbl`: `prefix-aware` as it was before the scorer --
+consistent hashing with bounded load on the system messages and first user turn -- on the
+gateway of git ref --chwbl-ref (default: where this branch left main), run from that tree;
+`scored-2w` (`-4w`): `scored` on a gateway with GATEWAY_WORKERS=2 (4), whose processes each
+have their own prefix index (connections, so requests, spread over them by the kernel). Every run
 gets fresh system prompts, so no run is warmed by an earlier one, and the strategies alternate
 within a round, their order rotated every round (A B C, B C A, ...), because the machine is
 shared. Measured per run, from the engines themselves: vLLM's prefix-cache hit rate
@@ -46,18 +50,21 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import httpx
 
+# This folder's modules, and the tests' kits (tests/conftest.py puts tests/ on the path too).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))
 import gateway_vs_direct as gvd
 import runtime_vs_vllm as rv
+from integration.nats_kit import running_nats
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench" / "out"
@@ -86,7 +93,7 @@ class Target:
 
     url: str
     model: str
-    stats: str | None = None  # the bench router's /stats
+    stats: str | None = None  # the gateway's /metrics (its routing decisions)
 
 
 @dataclass(frozen=True)
@@ -129,7 +136,7 @@ class RunResult:
     queries: float = 0.0
     requests_per_replica: list[float] = field(default_factory=list)
     seconds: float = 0.0
-    router_stats: dict | None = None  # the bench router's /stats after the run (cumulative)
+    router_stats: dict | None = None  # the gateway's routing decisions after the run (cumulative)
 
     @property
     def hit_rate(self) -> float:
@@ -246,7 +253,7 @@ def run_once(
         a["requests"] - b["requests"] for a, b in zip(after, before, strict=True)
     ]
     if target.stats:
-        result.router_stats = httpx.get(target.stats, timeout=10).json()
+        result.router_stats = {"reasons": gateway_reasons(target.stats, target.model)}
     return result
 
 
@@ -287,30 +294,44 @@ def aggregate(runs: list[RunResult]) -> dict[str, dict]:
 # --- servers (unless --gateway is given) -------------------------------------------------------
 
 
-SCORED = "scored-core"  # the new routing core, in bench/_scored_router.py until the gateway has it
+@dataclass(frozen=True)
+class Strategy:
+    """A strategy as a gateway endpoint: its routing, and which gateway serves it."""
+
+    routing: str
+    ref: str | None = None  # git ref of the gateway's tree (None: this checkout)
+    workers: int = 1
+    shared: bool = True  # GATEWAY_SHARE_PREFIX_INDEX (through a nats-server, with workers)
+
+
+STRATEGIES = {
+    "round-robin": Strategy("round-robin"),
+    "chwbl": Strategy("prefix-aware", ref="CHWBL"),  # the ref: --chwbl-ref
+    "scored": Strategy("prefix-aware"),
+    "scored-2w": Strategy("prefix-aware", workers=2),
+    "scored-4w": Strategy("prefix-aware", workers=4),
+    "scored-4w-own": Strategy("prefix-aware", workers=4, shared=False),
+}
+DEFAULT_STRATEGIES = ("round-robin", "chwbl", "scored")
 
 
 def model_name(strategy: str) -> str:
     return f"{rv.SERVED_NAME}-{strategy}"
 
 
-@contextlib.contextmanager
-def scored_router(args, replicas: list[str], log_path: Path) -> Iterator[str]:
-    """bench/_scored_router.py in front of the replicas; yields its URL."""
-    port = rv.free_port()
-    argv = [sys.executable, str(Path(__file__).with_name("_scored_router.py")), "--port", str(port)]
-    argv += [item for r in replicas for item in ("--replica", r)]
-    argv += ["--chunk-chars", str(args.chunk_chars), "--chars-per-token", str(args.chars_per_token)]
-    argv += ["--load-factor", str(args.load_factor), "--running-blocks", str(args.running_blocks)]
-    # Started and waited for as the runtimes are (it answers /ready?strict=1 once listening).
-    with gvd._process(argv, dict(os.environ), port, log_path) as waiter:
-        yield next(waiter)
+def chwbl_ref(ref: str | None) -> str:
+    """The commit whose gateway routes `chwbl`: ``ref``, or where this branch left main."""
+    if ref:
+        return ref
+    return subprocess.run(
+        ["git", "merge-base", "HEAD", "main"], cwd=REPO, check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 @contextlib.contextmanager
 def own_stack(args, strategies: list[str], out: Path):
-    """Two replicas (started together), a gateway with one endpoint per gateway strategy, and the
-    bench router of the new routing core (strategy scored-core)."""
+    """Two replicas (started together) and one gateway per (tree, workers) the strategies need,
+    each with one endpoint per strategy it serves."""
     model = rv.ensure_demo_model(OUT / "demo-model")
     with contextlib.ExitStack() as stack:
         starting = []
@@ -329,19 +350,58 @@ def own_stack(args, strategies: list[str], out: Path):
                 stack.enter_context(gvd._process(argv, env, port, out / f"replica-{i}.log"))
             )
         replicas = [next(waiter) for waiter in starting]
+        gateways: dict[tuple[str | None, int, bool], list[str]] = {}
+        for name in strategies:
+            strategy = STRATEGIES[name]
+            ref = chwbl_ref(args.chwbl_ref) if strategy.ref == "CHWBL" else None
+            gateways.setdefault((ref, strategy.workers, strategy.shared), []).append(name)
+        # Workers share limits and their prefix indexes through the queue: a nats-server.
+        queue = (
+            stack.enter_context(running_nats(out / "nats")).url
+            if any(workers > 1 for _, workers, _ in gateways)
+            else None
+        )
         targets: dict[str, Target] = {}
-        endpoints = [
-            {"name": f"pr-{s}", "models": [model_name(s)], "backends": replicas, "routing": s}
-            for s in strategies
-            if s != SCORED
-        ]
-        if endpoints:
-            gateway_url, _ = stack.enter_context(gvd.gateway(endpoints, out / "gateway.log"))
-            targets.update({e["routing"]: Target(gateway_url, e["models"][0]) for e in endpoints})
-        if SCORED in strategies:
-            router = stack.enter_context(scored_router(args, replicas, out / "scored-router.log"))
-            targets[SCORED] = Target(router, model_name(SCORED), router + "/stats")
+        for (ref, workers, shared), names in gateways.items():
+            endpoints = [
+                {
+                    "name": f"pr-{n}",
+                    "models": [model_name(n)],
+                    "backends": replicas,
+                    "routing": STRATEGIES[n].routing,
+                }
+                for n in names
+            ]
+            metrics_port = rv.free_port()
+            label = f"gateway-{ref or 'here'}-{workers}w{'' if shared else '-own'}"
+            url, _ = stack.enter_context(
+                gvd.gateway(
+                    endpoints,
+                    out / f"{label}.log",
+                    workers=workers,
+                    ref=ref,
+                    extra_env={
+                        "GATEWAY_METRICS_PORT": str(metrics_port),
+                        "GATEWAY_LOAD_FACTOR": str(args.load_factor),
+                        "GATEWAY_SHARE_PREFIX_INDEX": str(shared).lower(),
+                        **({"JOBS_QUEUE_URL": queue} if queue and workers > 1 else {}),
+                    },
+                )
+            )
+            for n in names:
+                targets[n] = Target(url, model_name(n), f"http://127.0.0.1:{metrics_port}/metrics")
         yield {s: targets[s] for s in strategies}, replicas
+
+
+def gateway_reasons(metrics_url: str, model: str) -> dict[str, float]:
+    """The gateway's routing decisions for the strategy's endpoint, by outcome (cumulative)."""
+    endpoint = f'endpoint="default/pr-{model.removeprefix(rv.SERVED_NAME + "-")}"'
+    reasons: dict[str, float] = {}
+    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+        if line.startswith("llmendpoints_gateway_routing_decisions_total{") and endpoint in line:
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            reasons[outcome] = reasons.get(outcome, 0.0) + float(line.rsplit(" ", 1)[1])
+    return reasons
 
 
 # --- report -----------------------------------------------------------------------------------
@@ -384,26 +444,13 @@ def main() -> int:
     parser.add_argument(
         "--strategies",
         default=",".join(DEFAULT_STRATEGIES),
-        help="routing strategies to compare, comma-separated: the gateway's spec.routing values, "
-        f"and {SCORED} (the new routing core in bench/_scored_router.py)",
+        help=f"routing strategies to compare, comma-separated, of: {', '.join(STRATEGIES)}",
     )
     parser.add_argument(
-        "--chunk-chars", type=int, default=256, help=f"{SCORED}: characters per prefix block"
+        "--chwbl-ref", help="git ref of the gateway for `chwbl` (default: merge-base with main)"
     )
     parser.add_argument(
-        "--load-factor", type=float, default=1.25, help=f"{SCORED}: the bound (GATEWAY_LOAD_FACTOR)"
-    )
-    parser.add_argument(
-        "--running-blocks",
-        type=float,
-        default=1.0,
-        help=f"{SCORED}: what a running request costs, in blocks (scoring.Weights)",
-    )
-    parser.add_argument(
-        "--chars-per-token",
-        type=float,
-        default=1.45,
-        help=f"{SCORED}: characters per token, to size its index (the demo tokenizer: ~1.45)",
+        "--load-factor", type=float, default=1.25, help="the bound (GATEWAY_LOAD_FACTOR)"
     )
     parser.add_argument("--conversations", type=int, default=Load.conversations)
     parser.add_argument("--turns", type=int, default=Load.turns)

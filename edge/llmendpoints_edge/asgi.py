@@ -19,6 +19,15 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 REQUEST_ID = b"x-request-id"
+# scope["extensions"][RAW_BODY]: the edge server's RawBody (server.py), for relays that write
+# a streamed body straight to the connection.
+RAW_BODY = "llmep.raw_body"
+
+
+def raw_body(scope: Scope) -> Any:
+    """The request's ``server.RawBody``, or None (another server, or not an HTTP/1.1 cycle)."""
+    extensions = scope.get("extensions")
+    return extensions.get(RAW_BODY) if extensions else None
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:

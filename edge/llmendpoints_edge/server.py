@@ -13,6 +13,14 @@ likes, and httptools accepts a 1 MiB header). Here the headers must be complete
 REQUEST_READ_TIMEOUT_SECONDS after the connection opens or the request's first byte arrives
 (408, closed), and end within the first MAX_HEADER_BYTES received (431, closed). The body has the
 same deadline again, counted from the headers (``body.read_body``).
+
+**Raw body writes.** A relay that streams thousands of small chunks (the gateway's SSE events)
+pays for an ASGI ``send`` per chunk and the task switch that feeds it. ``RawBody`` (in the scope
+at ``asgi.RAW_BODY``) writes a chunk straight to the connection, framed as uvicorn frames a chunked
+body, from a plain callback: the response head and its end still go through ASGI, so uvicorn's
+keep-alive and completion logic is untouched. It relies on uvicorn's httptools cycle
+(``chunked_encoding``, ``flow``, ``transport``, ``disconnected``), as the header bound relies on
+``cycle``.
 """
 
 from __future__ import annotations
@@ -20,18 +28,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from typing import TYPE_CHECKING, Any, Protocol
 
 import uvicorn
 from llmendpoints_common.errors import APIError, RequestTimeoutError
+
+from llmendpoints_edge.asgi import RAW_BODY
 
 if TYPE_CHECKING:  # settings.py reads this module's defaults
     from llmendpoints_edge.settings import EdgeSettings
 
 try:  # what uvicorn's "auto" picks when httptools is installed (it is, with both components)
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _HTTPProtocol
+
+    _RAW_BODY = True
 except ImportError:  # pragma: no cover
     from uvicorn.protocols.http.h11_impl import H11Protocol as _HTTPProtocol  # type: ignore[assignment]
+
+    _RAW_BODY = False
 
 logger = logging.getLogger("llmendpoints.edge.server")
 
@@ -91,6 +106,42 @@ class DrainingServer(uvicorn.Server):
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 
 
+class RawBody:
+    """One response's body written straight to its connection (see the module docstring):
+    only between ``http.response.start`` (no content-length: chunked) and the final empty
+    ``http.response.body``, both sent through ASGI."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+
+    @property
+    def ready(self) -> bool:
+        """The head went out, chunked, and the body is not complete."""
+        c = self._cycle
+        return bool(c.response_started and c.chunked_encoding and not c.response_complete)
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._cycle.disconnected or self._cycle.transport.is_closing())
+
+    @property
+    def paused(self) -> bool:
+        """The connection's write buffer is full (the client reads slower than we write)."""
+        return bool(self._cycle.flow.write_paused)
+
+    def write(self, data: bytes) -> bool:
+        """One chunk of the body; False when the connection is gone."""
+        if self.closed:
+            return False
+        self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return True
+
+    async def drain(self) -> None:
+        await self._cycle.flow.drain()
+
+
 class BoundedHeadersProtocol(_HTTPProtocol):  # type: ignore[misc, valid-type]
     """uvicorn's HTTP protocol with a deadline and a size bound on request headers.
 
@@ -140,6 +191,12 @@ class BoundedHeadersProtocol(_HTTPProtocol):  # type: ignore[misc, valid-type]
         self._cancel_header_timer()
         super().connection_lost(exc)
 
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        cycle = self.cycle
+        if _RAW_BODY and cycle is not None and cycle.scope is self.scope:
+            self.scope.setdefault("extensions", {})[RAW_BODY] = RawBody(cycle)
+
     def _arm_header_timer(self) -> None:
         self._header_timer = self.loop.call_later(self.header_timeout, self._headers_late)
 
@@ -183,18 +240,32 @@ def protocol_class(
     )
 
 
-def serve(app: Any, component: Drainable, settings: EdgeSettings, **uvicorn_options: Any) -> None:
-    """Serve ``app`` on the edge's settings (address, header bounds, drain) until a signal ends
-    the drain of ``component``; ``uvicorn_options`` are what differs between the two servers."""
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_config=None,  # logging is configured by logs.configure
-        http=protocol_class(settings.request_read_timeout_seconds, settings.max_header_bytes),
+def uvicorn_config(app: Any, settings: EdgeSettings, **uvicorn_options: Any) -> uvicorn.Config:
+    """uvicorn's configuration on the edge's settings; ``uvicorn_options`` are what differs
+    between the two servers."""
+    options: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "log_config": None,  # logging is configured by logs.configure
+        "http": protocol_class(settings.request_read_timeout_seconds, settings.max_header_bytes),
+        "timeout_keep_alive": settings.keep_alive_timeout_seconds,
         # By the time uvicorn shuts down, the drain has already waited; only stragglers remain.
-        timeout_graceful_shutdown=5,
-        lifespan="on",
-        **uvicorn_options,
-    )
-    DrainingServer(config, component, settings.drain_timeout_seconds).run()
+        "timeout_graceful_shutdown": 5,
+        "lifespan": "on",
+    }
+    return uvicorn.Config(app, **(options | uvicorn_options))
+
+
+def serve(
+    app: Any,
+    component: Drainable,
+    settings: EdgeSettings,
+    *,
+    sockets: list[socket.socket] | None = None,
+    **uvicorn_options: Any,
+) -> None:
+    """Serve ``app`` on the edge's settings (address, header bounds, keep-alive, drain) until a
+    signal ends the drain of ``component``; on ``sockets`` (listening already, e.g. one of
+    several SO_REUSEPORT sockets on one port) instead of binding the settings' address."""
+    config = uvicorn_config(app, settings, **uvicorn_options)
+    DrainingServer(config, component, settings.drain_timeout_seconds).run(sockets=sockets)

@@ -65,6 +65,15 @@ class EdgeSettings(BaseSettings):
         description="Request line and headers larger than this get 431 and the connection is "
         "closed.",
     )
+    keep_alive_timeout_seconds: float = Field(
+        75.0,
+        gt=0,
+        validation_alias="KEEP_ALIVE_TIMEOUT_SECONDS",
+        description="How long an idle connection is kept open for its next request. Longer than "
+        "the idle timeout of the proxies in front (nginx and cloud load balancers: 60 s), so "
+        "that they, not this server, close idle connections: a request sent on a connection "
+        "the server is closing fails as a 502.",
+    )
     drain_timeout_seconds: float = Field(
         30.0,
         ge=0,

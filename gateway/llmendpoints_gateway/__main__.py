@@ -22,8 +22,10 @@ from pydantic import ValidationError
 from llmendpoints_gateway import __version__
 from llmendpoints_gateway.config import GatewaySettings
 from llmendpoints_gateway.metering import USAGE_COLUMNS, summarize
-from llmendpoints_gateway.server import serve
-from llmendpoints_gateway.usage import read_usage
+from llmendpoints_gateway.workers import Supervisor, WorkerSlot, die_with_supervisor, worker_count
+
+# server.py (the whole gateway: discovery, NATS, the Kubernetes client) and usage.py are imported
+# where they are used: a supervisor of worker processes runs none of it (~100 MB less).
 
 
 def _settings_help() -> str:
@@ -40,13 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command")
-    commands.add_parser(
+    serve_cmd = commands.add_parser(
         "serve",
         help="run the gateway (settings from the environment)",
         description="Run the gateway. Configuration comes from the environment.",
         epilog=_settings_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    # A worker of several (GATEWAY_WORKERS > 1), as its supervisor starts it (workers.py).
+    for option in ("--worker", "--listen-fd", "--metrics-fd", "--supervisor-pid", "--drain-fd"):
+        serve_cmd.add_argument(option, help=argparse.SUPPRESS)
     usage = commands.add_parser(
         "usage",
         help="export usage per key, endpoint and model from the shared queue (JOBS_QUEUE_URL)",
@@ -70,7 +75,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"llmendpoints-gateway: {where}: {error['msg']}", file=sys.stderr)
         return 2
     configure(settings.log_format, settings.log_level)
-    serve(settings)
+    worker = None
+    if not getattr(args, "worker", None) and (count := worker_count(settings)) > 1:
+        return Supervisor(settings, count).run()
+    if getattr(args, "worker", None):
+        index, _, count = args.worker.partition("/")
+        worker = WorkerSlot(
+            int(index), int(count), int(args.listen_fd), int(args.metrics_fd),
+            int(args.supervisor_pid), int(args.drain_fd),
+        )  # fmt: skip
+        die_with_supervisor(worker.supervisor_pid)
+    from llmendpoints_gateway.server import serve
+
+    serve(settings, worker)
     return 0
 
 
@@ -102,6 +119,8 @@ def _usage(since: float, until: float | None, fmt: str) -> int:
     if until is not None and until <= since:
         print("llmendpoints-gateway usage: --until must be after --since", file=sys.stderr)
         return 2
+    from llmendpoints_gateway.usage import read_usage
+
     try:
         records = asyncio.run(
             read_usage(url, since, until, os.environ.get("JOBS_QUEUE_CREDS_FILE") or None)

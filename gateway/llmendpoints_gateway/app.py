@@ -2,8 +2,8 @@
 
 Measured (bench/gateway_streams.py, bench/RESULTS.md): the per-request work here is a path
 match, a JSON parse and one upstream call, and every framework layer costs CPU on each of
-thousands of concurrent streams. uvicorn (httptools, uvloop) serves it; aiohttp's client
-pool talks to the replicas.
+thousands of concurrent streams. uvicorn (httptools, uvloop) serves it; upstream.py's
+keep-alive pool talks to the replicas.
 
 This module is the shell: the edge's rules first (``llmendpoints_edge``: the path normalised,
 the request id, the caller's key from the headers, the body read once within its deadline and
@@ -19,7 +19,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import aiohttp
 from llmendpoints_common.errors import APIError, InternalServerError, NotFoundError
 from llmendpoints_edge import paths
 from llmendpoints_edge.asgi import (
@@ -43,6 +42,7 @@ from llmendpoints_gateway.metrics import GatewayMetrics
 from llmendpoints_gateway.openai import OpenAIRoutes
 from llmendpoints_gateway.registry import Registry
 from llmendpoints_gateway.request import CLIENT_GONE, RequestLog
+from llmendpoints_gateway.upstream import UpstreamPool
 from llmendpoints_gateway.usage import Metering
 
 logger = logging.getLogger("llmendpoints.gateway")
@@ -65,7 +65,6 @@ class Gateway:
     jobs: JobGateway | None = None  # the job API, with JOBS_QUEUE_URL
     started: list[Hook] = field(default_factory=list)
     stopped: list[Hook] = field(default_factory=list)
-    session: aiohttp.ClientSession | None = None
     draining: bool = False
     active: int = 0  # requests being answered (held, proxied or local)
 
@@ -77,7 +76,7 @@ class Gateway:
             self.access,
             self.limiter,
             self.metrics,
-            lambda: self.session,
+            UpstreamPool(self.settings.upstream_connect_timeout_seconds),
             self.settings.hold_timeout_seconds,
             token_secret=self.token_secret,
             default_max_tokens=self.settings.default_token_reservation,
@@ -96,14 +95,6 @@ class Gateway:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 try:
-                    self.session = aiohttp.ClientSession(
-                        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-                        timeout=aiohttp.ClientTimeout(
-                            total=None, sock_connect=self.settings.upstream_connect_timeout_seconds
-                        ),
-                        auto_decompress=False,
-                        skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-                    )
                     for hook in self.started:
                         await hook()
                 except Exception as exc:
@@ -117,8 +108,7 @@ class Gateway:
                         await hook()
                     except Exception:
                         logger.exception("shutdown hook failed")
-                if self.session is not None:
-                    await self.session.close()
+                await self.openai.pool.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 

@@ -104,8 +104,35 @@ class GatewaySettings(EdgeSettings):
         DEFAULT_LOAD_FACTOR,
         gt=1.0,
         validation_alias="GATEWAY_LOAD_FACTOR",
-        description="Prefix-aware routing: a replica takes a prefix's requests until it carries "
-        "this many times the mean in-flight load, then they spill to the next replica.",
+        description="Prefix-aware routing: a replica takes requests (even those whose prefix it "
+        "holds) only while it carries less than this many times the mean in-flight load; "
+        "beyond, they spill to the next best replica.",
+    )
+    workers: int = Field(
+        1,
+        ge=0,
+        le=64,
+        validation_alias="GATEWAY_WORKERS",
+        description="Processes serving the port (SO_REUSEPORT), each using up to one core; they "
+        "share limits, usage and signals through JOBS_QUEUE_URL and split the hold bounds. 1: a "
+        "single process; 0: one per CPU of the pod (its CPU limit, else the CPUs it may run "
+        "on), 1 without JOBS_QUEUE_URL.",
+    )
+    engine_load_interval_seconds: float = Field(
+        1.0,
+        ge=0,
+        validation_alias="GATEWAY_ENGINE_LOAD_INTERVAL_SECONDS",
+        description="Prefix-aware routing: how often each ready replica's engine load "
+        "(running and waiting requests, KV-cache usage, adapters, prefix-cache counters) is "
+        "read from its /metrics, by each gateway process (0: never; the scorer then weighs "
+        "this process's own in-flight requests).",
+    )
+    share_prefix_index: bool = Field(
+        True,
+        validation_alias="GATEWAY_SHARE_PREFIX_INDEX",
+        description="Prefix-aware routing with JOBS_QUEUE_URL: every gateway process (workers, "
+        "replicas) tells the others which prompt blocks it sent to which replica, so each "
+        "knows what all sent (batched every 20 ms on core NATS, 8 bytes per 256 characters).",
     )
     probe_interval_seconds: float = Field(
         0.5,

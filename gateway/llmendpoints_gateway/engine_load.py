@@ -11,8 +11,8 @@ vLLM's), what the engine reports about itself:
 - ``vllm:cache_config_info`` (num_gpu_blocks x block_size: how many tokens its KV cache holds,
   which sizes the prefix index's memory of that replica).
 
-`EngineLoadFeed` scrapes every replica it is given every `interval` seconds (default 0.5 s, so a
-sample is at most about a second old when read), all at once with bounded concurrency and a short
+`EngineLoadFeed` scrapes every replica it is given every `interval` seconds (the gateway's
+GATEWAY_ENGINE_LOAD_INTERVAL_SECONDS, 1 s: a sample is at most about a second old when read), all at once with bounded concurrency and a short
 timeout; a replica that fails keeps its last sample, which ages (the scorer ignores old ones);
 replicas no longer given are dropped. No per-request round trip: the request path only reads
 the latest samples.
@@ -45,7 +45,11 @@ CACHE_INFO = "vllm:cache_config_info"
 ADAPTER_READY = "llmendpoints_adapter_ready"
 # Summed over their label sets (one per engine, with data parallelism; KV usage then averaged).
 _SUMMED = (RUNNING, WAITING, KV_USAGE, f"{PREFIX_QUERIES}_total", f"{PREFIX_HITS}_total")
-_PREFIXES = ("vllm:", "llmendpoints_adapter_ready", "# TYPE vllm:", "# TYPE llmendpoints_adapter")
+# The sample names read; every other line (vLLM's histograms are most of a pod's /metrics) is
+# skipped before the Prometheus parser sees it: ~0.2 ms a scrape instead of ~4 ms.
+_WANTED = frozenset((*_SUMMED, LORA_INFO, CACHE_INFO, ADAPTER_READY))
+_FAMILIES = (RUNNING, WAITING, KV_USAGE, PREFIX_QUERIES, PREFIX_HITS, LORA_INFO, CACHE_INFO,
+             ADAPTER_READY)  # fmt: skip
 # vLLM's histograms make a pod's /metrics a few hundred kB at most; refuse anything absurd.
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
@@ -95,8 +99,7 @@ class EngineLoad:
 def parse_engine_metrics(text: str, taken_at: float = 0.0) -> EngineLoad:
     """PURE: one pod's Prometheus text -> its engine load. Raises EngineMetricsError when the
     three gauges are missing or out of range (not a vLLM engine, or not serving yet)."""
-    # Only vLLM's and the adapter lines go through the parser: the rest is most of the body.
-    wanted = "\n".join(line for line in text.splitlines() if line.startswith(_PREFIXES))
+    wanted = "\n".join(line for line in text.splitlines() if _wanted(line))
     sums: dict[str, float] = {}
     lora: tuple[float, Mapping[str, str]] | None = None
     cache: Mapping[str, str] = {}
@@ -147,6 +150,19 @@ def parse_engine_metrics(text: str, taken_at: float = 0.0) -> EngineLoad:
     )
 
 
+def _wanted(line: str) -> bool:
+    if line.startswith("# TYPE "):
+        return line[7:].split(" ", 1)[0] in _FAMILIES
+    if not line.startswith(("vllm:", "llmendpoints_adapter_ready")):
+        return False
+    end = len(line)
+    for stop in ("{", " "):
+        at = line.find(stop)
+        if 0 <= at < end:
+            end = at
+    return line[:end] in _WANTED
+
+
 def _int(value: str | None) -> int | None:
     try:
         return int(value) if value not in (None, "", "None") else None
@@ -185,6 +201,17 @@ class EngineLoadFeed:
     clock: Callable[[], float] = time.monotonic
     _replicas: dict[str, _Replica] = field(default_factory=dict)
     _session: aiohttp.ClientSession | None = None
+    _task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self.run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.close()
 
     def get(self, replica: str) -> EngineLoad | None:
         state = self._replicas.get(replica)

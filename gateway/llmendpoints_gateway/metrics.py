@@ -126,9 +126,45 @@ class GatewayMetrics:
         )
         self.routing = Counter(
             "llmendpoints_gateway_routing_decisions",
-            "How replicas were chosen: affinity (the prefix's own replica), spilled (over its "
-            "load bound), least_loaded, round_robin, retry (after a failure before any byte).",
+            "How replicas were chosen: affinity (where the longest cached prefix is, or a new "
+            "prefix's home), spilled (that replica was at its load bound), load (the replica "
+            "that starts it soonest), adapter (its LoRA adapter active there), least_loaded, "
+            "round_robin, retry (after a failure before any byte).",
             ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.prefix_index_queries = Counter(
+            "llmendpoints_gateway_prefix_index_queries",
+            "Prompt blocks (256 characters) of prefix-aware requests routed.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.prefix_index_hits = Counter(
+            "llmendpoints_gateway_prefix_index_hits",
+            "Of those, blocks the gateway's prefix index had sent to the chosen replica before "
+            "(hits / queries: the hit rate the gateway expects).",
+            ["endpoint"],
+            registry=r,
+        )
+        self.shared_records = Counter(
+            "llmendpoints_gateway_prefix_index_shared_records",
+            "Routing records (a request's prompt blocks and the replica they went to) this "
+            "process sent to the other gateway processes, and received from them.",
+            ["direction"],
+            registry=r,
+        )
+        self.engine_prefix_queries = Counter(
+            "llmendpoints_gateway_engine_prefix_cache_queries",
+            "Prompt tokens the endpoint's engines looked up in their prefix caches "
+            "(vllm:prefix_cache_queries, read from the replicas about once a second).",
+            ["endpoint"],
+            registry=r,
+        )
+        self.engine_prefix_hits = Counter(
+            "llmendpoints_gateway_engine_prefix_cache_hits",
+            "Of those, tokens found cached (vllm:prefix_cache_hits): hits / queries is the "
+            "hit rate the engines report.",
+            ["endpoint"],
             registry=r,
         )
         self.ttft = Histogram(
@@ -162,6 +198,14 @@ class GatewayMetrics:
 
     def held_for(self, endpoint: str, seconds: float, outcome: str) -> None:
         self.hold_seconds.labels(endpoint, outcome).observe(seconds)
+
+    def prefix_index(self, endpoint: str, hits: int, queries: int) -> None:
+        self.prefix_index_queries.labels(endpoint).inc(queries)
+        self.prefix_index_hits.labels(endpoint).inc(hits)  # 0 too: the series exists
+
+    def engine_prefix_cache(self, endpoint: str, hits: float, queries: float) -> None:
+        self.engine_prefix_queries.labels(endpoint).inc(queries)
+        self.engine_prefix_hits.labels(endpoint).inc(max(hits, 0.0))
 
     # -- the registry --
 

@@ -8,6 +8,7 @@ never through the gateway's Service or Ingress.
 from __future__ import annotations
 
 import logging
+import socket
 
 from aiohttp import web
 
@@ -17,10 +18,16 @@ logger = logging.getLogger("llmendpoints.gateway.metrics")
 
 
 class MetricsServer:
-    def __init__(self, metrics: GatewayMetrics, host: str, port: int):
+    """On ``host:port``, or -- a worker of several (workers.py) -- on the loopback socket its
+    supervisor gave it, which serves the workers' sum on the port."""
+
+    def __init__(
+        self, metrics: GatewayMetrics, host: str, port: int, sock: socket.socket | None = None
+    ):
         self.metrics = metrics
         self.host = host
         self.port = port
+        self.sock = sock
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -28,6 +35,9 @@ class MetricsServer:
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
+        if self.sock is not None:
+            await web.SockSite(self._runner, self.sock).start()
+            return
         await web.TCPSite(self._runner, self.host, self.port).start()
         logger.info("metrics on port %d", self.port)
 

@@ -18,10 +18,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
 from llmendpoints_common import gateway_token
 from llmendpoints_common.errors import APIError, BadRequestError, NotFoundError
-from llmendpoints_edge.asgi import Receive, Scope, Send, send_json
+from llmendpoints_edge.asgi import Receive, Scope, Send, raw_body, send_json
 from llmendpoints_edge.body import ClientGone, parse_object
 from llmendpoints_edge.paths import encode
 
@@ -36,9 +35,9 @@ from llmendpoints_gateway.metering import (
 )
 from llmendpoints_gateway.metrics import GatewayMetrics
 from llmendpoints_gateway.proxy import Meter, UpstreamFailed, bad_gateway, forward, upstream_headers
-from llmendpoints_gateway.registry import Endpoint, NoReplicaLeft, Registry
+from llmendpoints_gateway.registry import Endpoint, NoReplicaLeft, Registry, RouteKey
 from llmendpoints_gateway.request import Disconnect, RequestLog
-from llmendpoints_gateway.routing import prefix_key
+from llmendpoints_gateway.upstream import UpstreamPool
 
 logger = logging.getLogger("llmendpoints.gateway")
 
@@ -71,7 +70,7 @@ class OpenAIRoutes:
         access: Access,
         limiter: Limiter,
         metrics: GatewayMetrics,
-        session: Callable[[], aiohttp.ClientSession],
+        pool: UpstreamPool,
         hold_timeout_seconds: float,
         *,
         token_secret: bytes | None = None,
@@ -81,7 +80,7 @@ class OpenAIRoutes:
         self.access = access
         self.limiter = limiter
         self.metrics = metrics
-        self.session = session
+        self.pool = pool
         self.hold_timeout_seconds = hold_timeout_seconds
         self.token_secret = token_secret
         self.default_max_tokens = default_max_tokens
@@ -171,7 +170,9 @@ class OpenAIRoutes:
         state.record_kind = "openai"  # admitted: it is a request of the key's, billed or not
         if metered.ask_usage:
             body = with_usage_option(body, payload)
-        prefix = prefix_key(upstream_path, payload)
+        route = self.registry.route_key(ep, upstream_path, payload)
+        if route is not None:
+            state.prompt_chars = route.chars
         del payload  # a held request keeps its body, not a parsed copy of it
 
         def meter(status: int, is_sse: bool) -> Meter | None:
@@ -187,12 +188,14 @@ class OpenAIRoutes:
         headers = upstream_headers(
             scope["headers"], state.request_id, token=self.token(ep.id), caller=caller
         )
-        await self._forward(ep, prefix, path_qs, headers, body, receive, send, state, meter, caller)
+        await self._forward(
+            ep, route, path_qs, headers, body, receive, send, state, meter, caller, raw_body(scope)
+        )
 
     async def _forward(
         self,
         ep: Endpoint,
-        prefix: bytes | None,
+        route: RouteKey | None,
         path_qs: str,
         headers: dict[str, str],
         body: bytes,
@@ -201,6 +204,7 @@ class OpenAIRoutes:
         state: RequestLog,
         meter: Callable[[int, bool], Meter | None],
         caller: str,
+        raw: Any = None,
     ) -> None:
         disconnected = Disconnect(receive)
         failures: list[UpstreamFailed] = []
@@ -210,7 +214,7 @@ class OpenAIRoutes:
                 try:
                     async with self.registry.lease(
                         ep,
-                        prefix,
+                        route,
                         hold_timeout=self.hold_timeout_seconds,
                         gone=disconnected.wait,
                         exclude=tried,
@@ -220,7 +224,7 @@ class OpenAIRoutes:
                         state.replica, state.outcome = lease.replica, str(lease.outcome)
                         result = await disconnected.run(
                             forward(
-                                self.session(),
+                                self.pool,
                                 lease.replica,
                                 "POST",
                                 path_qs,
@@ -229,6 +233,7 @@ class OpenAIRoutes:
                                 send,
                                 retriable_503=len(ep.ready) > 1 and not tried,
                                 meter=meter,
+                                raw=raw,
                             )
                         )
                 except NoReplicaLeft:

@@ -23,6 +23,7 @@ it sent itself.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -234,3 +235,42 @@ class PrefixIndex:
             owners.discard(replica)
             if not owners:
                 del self._owners[block]
+
+
+# -- routing records between gateway processes (route_sharing.py) ------------------------------
+
+_HEAD = struct.Struct(">HHH")  # endpoint id length, replica length, blocks
+MAX_RECORD_BLOCKS = 0xFFFF
+
+
+def encode_records(records: Iterable[tuple[str, str, Sequence[int]]]) -> bytes:
+    """(endpoint id, replica, blocks) records as bytes: per record the three lengths, the two
+    names (UTF-8) and the blocks (unsigned 64-bit, big-endian)."""
+    parts: list[bytes] = []
+    for endpoint, replica, blocks in records:
+        name, url = endpoint.encode(), replica.encode()
+        count = min(len(blocks), MAX_RECORD_BLOCKS)
+        parts.append(_HEAD.pack(len(name), len(url), count) + name + url)
+        parts.append(struct.pack(f">{count}Q", *blocks[:count]))
+    return b"".join(parts)
+
+
+def decode_records(data: bytes) -> list[tuple[str, str, list[int]]]:
+    """Inverse of ``encode_records``; ValueError for bytes that are not records."""
+    records = []
+    at = 0
+    try:
+        while at < len(data):
+            name_len, url_len, count = _HEAD.unpack_from(data, at)
+            at += _HEAD.size
+            endpoint = data[at : at + name_len].decode()
+            replica = data[at + name_len : at + name_len + url_len].decode()
+            at += name_len + url_len
+            if at > len(data):
+                raise ValueError("a record's names run past its end")
+            blocks = list(struct.unpack_from(f">{count}Q", data, at))
+            at += 8 * count
+            records.append((endpoint, replica, blocks))
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise ValueError(f"not routing records: {exc}") from exc
+    return records

@@ -1,6 +1,8 @@
 """Forward one request to a replica and stream the answer back, byte for byte as it arrives.
 
-- No buffering: every chunk read from the replica is sent to the client at once.
+- No buffering: every chunk read from the replica is sent to the client at once -- from the
+  upstream connection's own callback (upstream.py), straight to the client's connection
+  (``llmendpoints_edge.server.RawBody``), with no task switch per chunk.
 - A replica that fails before answering (connection refused or reset, or a 503 from a replica
   that is draining or full) is retried once on another replica.
 - After the first byte a failure cannot be hidden: an SSE stream ends with an OpenAI-shaped
@@ -16,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -24,18 +27,18 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import quote
 
-import aiohttp
 from llmendpoints_common.errors import APIError, error_object
 from llmendpoints_common.gateway_token import CALLER_HEADER as _CALLER
+
+from llmendpoints_gateway.upstream import Connection, UpstreamError, UpstreamPool
 
 CALLER_HEADER = _CALLER.encode()
 
 logger = logging.getLogger("llmendpoints.gateway.proxy")
 
-# Hop-by-hop headers (RFC 9110 7.6.1) and the ones the client library sets itself.
-_DROP_REQUEST = frozenset(
+# Hop-by-hop headers (RFC 9110 7.6.1) and the framing each side sets itself.
+_HOP_BY_HOP = frozenset(
     {
-        b"host",
         b"connection",
         b"keep-alive",
         b"proxy-connection",
@@ -44,30 +47,20 @@ _DROP_REQUEST = frozenset(
         b"transfer-encoding",
         b"upgrade",
         b"content-length",
-        b"expect",
-        # credentials: the client's stay here
-        b"authorization",
-        b"proxy-authorization",
-        b"x-api-key",
-        b"cookie",
-        CALLER_HEADER,
-        b"x-request-id",  # replaced by the request's own (checked) id
     }
 )
-_DROP_RESPONSE = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "content-length",
-        "date",
-        "server",
-    }
-)
+_DROP_REQUEST = _HOP_BY_HOP | {
+    b"host",
+    b"expect",
+    # credentials: the client's stay here
+    b"authorization",
+    b"proxy-authorization",
+    b"x-api-key",
+    b"cookie",
+    CALLER_HEADER,
+    b"x-request-id",  # replaced by the request's own (checked) id
+}
+_DROP_RESPONSE = _HOP_BY_HOP | {b"date", b"server"}
 
 
 class UpstreamFailed(Exception):
@@ -116,7 +109,7 @@ def upstream_headers(
 
 
 async def forward(
-    session: aiohttp.ClientSession,
+    pool: UpstreamPool,
     replica: str,
     method: str,
     path_qs: str,
@@ -126,6 +119,7 @@ async def forward(
     *,
     retriable_503: bool,
     meter: Callable[[int, bool], Meter | None] | None = None,
+    raw: Any = None,
 ) -> UpstreamResult:
     """Send the request to ``replica`` and relay its answer through the ASGI ``send``.
 
@@ -133,78 +127,211 @@ async def forward(
     another replica may not have.
 
     ``meter(status, is_sse)``: a reader the answer's bytes pass through (metering.py), which
-    may hold back or drop some (the usage chunk the client did not ask for).
+    may hold back or drop some (the usage chunk the client did not ask for). ``raw``: the
+    client connection's ``llmendpoints_edge.server.RawBody``, through which body chunks are
+    written from the upstream connection's callback (None: every chunk through ``send``).
     """
     started = time.perf_counter()
+    conn = await _exchange(
+        pool, replica, _request_head(pool, replica, method, path_qs, headers, body) + body
+    )
+    relay: _Relay | None = None
     try:
-        response = await session.request(
-            method, replica + path_qs, data=body or None, headers=headers, allow_redirects=False
-        )
-    except (TimeoutError, aiohttp.ClientConnectionError) as exc:
-        raise UpstreamFailed(replica, _describe(exc)) from exc
-    try:
-        if response.status == 503 and retriable_503:
-            await response.read()
+        if conn.status == 503 and retriable_503:
+            conn.attach(lambda chunk: None, lambda: None)
+            with contextlib.suppress(UpstreamError):
+                await _until_end(conn)
             raise UpstreamFailed(replica, "answered 503", status=503)
         response_headers = [
-            (k.lower().encode("latin-1"), v.encode("latin-1"))
-            for k, v in response.headers.items()
-            if k.lower() not in _DROP_RESPONSE
+            (name.lower(), value)
+            for name, value in conn.headers
+            if name.lower() not in _DROP_RESPONSE
         ]
-        if "x-request-id" not in response.headers:
+        if not any(name == b"x-request-id" for name, _ in response_headers):
             response_headers.append((b"x-request-id", headers["x-request-id"].encode("latin-1")))
-        is_sse = response.content_type == "text/event-stream"
-        reader = meter(response.status, is_sse) if meter is not None else None
-        result_meter = reader
-        first_byte: float | None = None
-        sent = 0
+        is_sse = _content_type(response_headers) == b"text/event-stream"
+        reader = meter(conn.status, is_sse) if meter is not None else None
         try:
-            chunk = await response.content.readany()
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise UpstreamFailed(replica, _describe(exc)) from exc
+            await conn.first()
+        except UpstreamError as exc:
+            raise UpstreamFailed(replica, exc.reason) from exc
         first_byte = time.perf_counter() - started
         await send(
-            {"type": "http.response.start", "status": response.status, "headers": response_headers}
+            {"type": "http.response.start", "status": conn.status, "headers": response_headers}
         )
+        relay = _Relay(conn, reader, raw if raw is not None and raw.ready else None)
+        conn.attach(relay.feed, relay.poke, relay.flush)
+        status = conn.status
+        last = b""
         try:
-            while chunk:
-                sent += len(chunk)
-                out = chunk if reader is None else reader.feed(chunk)
-                if out:
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
-                chunk = await response.content.readany()
-            if reader is not None and (tail := reader.flush()):
-                await send({"type": "http.response.body", "body": tail, "more_body": True})
-        except (TimeoutError, aiohttp.ClientError) as exc:
+            await relay.run(send)
+        except UpstreamError as exc:
             logger.warning(
-                "replica %s failed mid-response after %d bytes: %s", replica, sent, _describe(exc)
+                "replica %s failed mid-response after %d bytes: %s", replica, relay.received, exc
             )
             if not is_sse:
-                raise  # the server closes the connection: an incomplete body, not a short one
-            event = {"error": error_object(502, f"the replica failed mid-stream: {_describe(exc)}")}
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": b"data: " + json.dumps(event).encode() + b"\n\n",
-                    "more_body": True,
-                }
-            )
+                raise UpstreamCut(replica, exc.reason) from exc  # cut: an incomplete body
+            event = {"error": error_object(502, f"the replica failed mid-stream: {exc.reason}")}
+            await relay.out(send, b"data: " + json.dumps(event).encode() + b"\n\n")
             status = 502
         else:
-            status = response.status
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return UpstreamResult(status, first_byte, time.perf_counter() - started, sent, result_meter)
+            # The last read's bytes and the reader's tail leave with the end of the answer.
+            last = relay.take() + (reader.flush() if reader is not None else b"")
+        await send({"type": "http.response.body", "body": last, "more_body": False})
+        return UpstreamResult(
+            status, first_byte, time.perf_counter() - started, relay.received, reader
+        )
     finally:
-        # On cancellation (client gone) this closes the connection: the runtime sees the
-        # disconnect and aborts the request in the engine.
-        response.close()
+        # Back to the pool when the answer is whole; closed otherwise -- on cancellation (the
+        # client left) closing is what makes the runtime abort the request in the engine.
+        conn.finish()
 
 
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.TimeoutError):
-        return "timed out"
-    text = str(exc) or type(exc).__name__
-    return text if len(text) < 300 else text[:300] + "..."
+class UpstreamCut(Exception):
+    """A replica failed in the middle of a non-streamed answer: the client's connection is cut
+    (an incomplete body, never a silently short one)."""
+
+    def __init__(self, replica: str, reason: str):
+        super().__init__(f"{replica}: {reason}")
+
+
+async def _exchange(pool: UpstreamPool, replica: str, request: bytes) -> Connection:
+    """A connection with the answer's head in; a reused connection the replica had closed is
+    replaced by a fresh one once (the request never reached the application)."""
+    for attempt in range(2):
+        try:
+            conn = await pool.connect(replica)
+        except UpstreamError as exc:
+            raise UpstreamFailed(replica, exc.reason) from exc
+        conn.send(request)
+        try:
+            await conn.head()
+            return conn
+        except UpstreamError as exc:
+            conn.close()
+            if exc.stale and attempt == 0:
+                continue
+            raise UpstreamFailed(replica, exc.reason) from exc
+        except BaseException:
+            conn.close()  # cancelled (the client left): the replica must see it too
+            raise
+    raise AssertionError("unreachable")
+
+
+async def _until_end(conn: Connection) -> None:
+    done = asyncio.get_running_loop().create_future()
+
+    def end() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    conn.attach(lambda chunk: None, end)
+    if not (conn.complete or conn.error):
+        await done
+    if conn.error is not None:
+        raise conn.error
+
+
+def _request_head(
+    pool: UpstreamPool,
+    replica: str,
+    method: str,
+    path_qs: str,
+    headers: dict[str, str],
+    body: bytes,
+) -> bytes:
+    _, _, host = pool.address(replica)
+    lines = [f"{method} {path_qs} HTTP/1.1\r\n".encode("latin-1"), b"host: " + host + b"\r\n"]
+    if body or method in ("POST", "PUT", "PATCH"):
+        lines.append(b"content-length: %d\r\n" % len(body))
+    for name, value in headers.items():
+        lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+    lines.append(b"\r\n")
+    return b"".join(lines)
+
+
+def _content_type(headers: list[tuple[bytes, bytes]]) -> bytes:
+    for name, value in headers:
+        if name == b"content-type":
+            return value.split(b";", 1)[0].strip().lower()
+    return b""
+
+
+class _Relay:
+    """Moves one answer's body from the replica's connection to the client's.
+
+    ``feed`` and ``flush`` run in the upstream connection's callback: each chunk goes through
+    the metering reader, and what one read from the replica brought goes, with a RawBody,
+    straight to the client connection in one write -- no task switch. The request's task
+    (``run``) sleeps until the answer ends, waking only to wait for a slow client (reading from
+    the replica is paused meanwhile) or, without a RawBody, to send what was queued. The read
+    that completes the answer is left for the task, which sends it with the answer's end (one
+    write: the last chunk and the terminator)."""
+
+    def __init__(self, conn: Connection, reader: Meter | None, raw: Any) -> None:
+        self.conn = conn
+        self.reader = reader
+        self.raw = raw
+        self.received = 0
+        self._out: list[bytes] = []  # this read's chunks, as the reader passed them
+        self._queue: list[bytes] = []
+        self._wake: asyncio.Future[None] | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        self.received += len(chunk)
+        out = chunk if self.reader is None else self.reader.feed(chunk)
+        if out:
+            self._out.append(out)
+
+    def flush(self) -> None:
+        if not self._out or self.conn.complete:
+            return
+        data = self.take()
+        raw = self.raw
+        if raw is None:
+            self._queue.append(data)
+            self.poke()
+        elif not raw.write(data):
+            self.conn.pause_reading()  # the client is gone: the disconnect watcher cancels us
+        elif raw.paused:
+            self.conn.pause_reading()
+            self.poke()
+
+    def take(self) -> bytes:
+        data = self._out[0] if len(self._out) == 1 else b"".join(self._out)
+        self._out.clear()
+        return data
+
+    def poke(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    async def run(self, send) -> None:
+        """Until the answer is complete (UpstreamError if the connection fails first)."""
+        conn, raw = self.conn, self.raw
+        loop = asyncio.get_running_loop()
+        while True:
+            while self._queue:
+                chunk = self._queue.pop(0)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if raw is not None and raw.paused and not raw.closed:
+                await raw.drain()
+                conn.resume_reading()
+                continue
+            if conn.error is not None:
+                raise conn.error
+            if conn.complete:
+                return
+            self._wake = loop.create_future()
+            await self._wake
+            self._wake = None
+
+    async def out(self, send, data: bytes) -> None:
+        """A chunk of the task's own (the tail held by the reader, an error event)."""
+        if self.raw is not None and self.raw.ready:
+            self.raw.write(data)
+        else:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
 
 
 def bad_gateway(replica_failures: list[UpstreamFailed]) -> APIError:

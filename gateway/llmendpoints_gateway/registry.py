@@ -8,6 +8,12 @@ namespaces are two endpoints. A served model name belongs to one endpoint, the o
 (``llmendpoints_common.model_names.claim_order``: creation time, then ``<namespace>/<name>``;
 static endpoints: file order); a later one is not routed to for that name (the operator reports
 it on the newcomer's status, from the same rule).
+
+Routing (``lease``): ``prefix-aware`` endpoints are scored (scoring.choose) over what this process
+knows of each ready replica -- the prompt blocks it sent there (the endpoint's PrefixIndex), the
+engine's own load (engine_load.EngineLoadFeed, one per process, fed back through
+``engine_sampled``), this process's in-flight requests and those sent since the engine's last
+sample; round-robin and least-loaded go through routing.Router as before.
 """
 
 from __future__ import annotations
@@ -15,20 +21,53 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmendpoints_common.identity import DEFAULT_NAMESPACE
 from llmendpoints_common.model_names import claim_order
 
+from llmendpoints_gateway.engine_load import EngineLoad, EngineLoadFeed, hit_rate
 from llmendpoints_gateway.holding import HoldBudget, HoldQueue, hold_timeout
 from llmendpoints_gateway.metrics import GatewayMetrics
-from llmendpoints_gateway.routing import Outcome, Router, Strategy
+from llmendpoints_gateway.prefix_index import PrefixIndex, block_hashes, render_prompt
+from llmendpoints_gateway.routing import Outcome, Router, Strategy, hash64, home_key
+from llmendpoints_gateway.scoring import DEFAULT_WEIGHTS, Candidate, Reason, Weights, choose
 
 logger = logging.getLogger("llmendpoints.gateway.registry")
 
 # How long a replica that refused a connection is routed around.
 SUSPEND_SECONDS = 2.0
+# The moving average of a routed request's uncached blocks (scoring's "typical" request).
+TYPICAL_WEIGHT = 0.1
+
+_OUTCOME = {
+    Reason.AFFINITY: Outcome.AFFINITY,
+    Reason.SPILL: Outcome.SPILLED,
+    Reason.LOAD: Outcome.LOAD,
+    Reason.ADAPTER: Outcome.ADAPTER,
+}
+
+
+@dataclass(frozen=True)
+class RouteKey:
+    """What a prefix-aware endpoint routes a request by (computed once, before any hold)."""
+
+    model: str
+    blocks: tuple[int, ...]  # prefix_index.block_hashes of its rendered prompt
+    chars: int  # the rendered prompt's length: with prompt_tokens, the characters per token
+    ring: int | None  # hash of routing.home_key: its home on the ring (scoring's ``home``)
+
+    @classmethod
+    def of(cls, path: str, payload: Mapping[str, Any], chunk_chars: int) -> RouteKey:
+        model = payload.get("model")
+        model = model if isinstance(model, str) else ""
+        text = render_prompt(path, payload)
+        blocks = () if text is None else tuple(block_hashes(model, text, chunk_chars))
+        key = home_key(path, payload)
+        return cls(model, blocks, len(text or ""), None if key is None else hash64(key))
 
 
 @dataclass
@@ -49,6 +88,12 @@ class Endpoint:
     startup_timeout: float | None = None
     # When it was created (epoch seconds; None: unknown): the oldest claimant keeps a model name.
     created: float | None = None
+    # Prefix-aware routing: the prompt blocks this process sent to each replica, a typical
+    # request's uncached blocks (moving average), and per replica the requests sent since its
+    # engine's last sample (not in that sample's numbers yet).
+    index: PrefixIndex = field(default_factory=PrefixIndex)
+    typical: float = 1.0
+    sent_since: dict[str, int] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -60,11 +105,6 @@ class Endpoint:
 
     def replica_label(self, replica: str) -> str:
         return self.replica_names.get(replica) or replica.split("://", 1)[-1]
-
-    def choose(
-        self, key: bytes | None, exclude: frozenset[str] = frozenset()
-    ) -> tuple[str, Outcome] | None:
-        return self.router.choose(key, self.loads, exclude)
 
 
 @dataclass(frozen=True)
@@ -89,8 +129,20 @@ class Registry:
         *,
         hold_key_share: float = 1.0,
         hold_max_bytes: int = 1 << 62,
+        weights: Weights = DEFAULT_WEIGHTS,
+        count_engine_hits: bool = True,
     ):
         self.metrics = metrics
+        self.weights = weights
+        # The engines' own prefix-cache counters are counted by one process of a pod only (the
+        # other workers see the same engines: their metrics are summed).
+        self.count_engine_hits = count_engine_hits
+        # Each ready replica's engine load (set by the composition root; None: not read, the
+        # scorer weighs this process's in-flight requests alone).
+        self.feed: EngineLoadFeed | None = None
+        # (endpoint id, replica, blocks) of every prefix-aware request routed: told to the other
+        # gateway processes (route_sharing.py), whose records come back through apply_shared.
+        self.on_record: Callable[[str, str, tuple[int, ...]], None] | None = None
         self.hold_queue_length = hold_queue_length
         self.hold_key_share = hold_key_share
         self.hold_budget = HoldBudget(hold_max_bytes)
@@ -139,6 +191,45 @@ class Registry:
 
     def held(self) -> int:
         return sum(len(ep.hold) for ep in self.endpoints.values())
+
+    def route_key(self, ep: Endpoint, path: str, payload: Mapping[str, Any]) -> RouteKey | None:
+        """What ``ep`` routes the request by: a RouteKey for a prefix-aware endpoint, else
+        None (round-robin and least-loaded look at no prompt)."""
+        if ep.router.strategy is not Strategy.PREFIX_AWARE:
+            return None
+        return RouteKey.of(path, payload, ep.index.chunk_chars)
+
+    # -- the engines' load (engine_load.EngineLoadFeed) --
+
+    def engine_targets(self) -> list[str]:
+        """The replicas whose engines the feed reads: every endpoint's discovered ones."""
+        return sorted({r for ep in self.endpoints.values() for r in ep.discovered})
+
+    def engine_sampled(self, replica: str, previous: EngineLoad | None, new: EngineLoad) -> None:
+        """A fresh sample of ``replica``'s engine: what this process sent it since is in the
+        engine's numbers now; its KV capacity sizes the index; its prefix-cache counters move."""
+        hits, queries = hit_rate(previous, new) if previous is not None else (0.0, 0.0)
+        for ep in self.endpoints.values():
+            if replica not in ep.discovered:
+                continue
+            ep.sent_since.pop(replica, None)
+            ep.index.set_kv_tokens(replica, new.kv_tokens)
+            if self.count_engine_hits and queries > 0:
+                self.metrics.engine_prefix_cache(ep.id, hits, queries)
+
+    def apply_shared(self, endpoint_id: str, replica: str, blocks: list[int]) -> None:
+        """Another gateway process sent ``blocks`` to ``replica``: this index learns it too
+        (for a replica this process knows; a departed one's records are dropped)."""
+        ep = self.endpoints.get(endpoint_id)
+        if ep is not None and replica in ep.discovered and blocks:
+            ep.index.record(replica, blocks)
+
+    def observe_prompt(self, endpoint_id: str | None, chars: int, prompt_tokens: int) -> None:
+        """Metering saw a request's prompt_tokens: learn the endpoint's characters per token
+        (it sizes what the index believes each engine can hold)."""
+        ep = self.endpoints.get(endpoint_id or "")
+        if ep is not None:
+            ep.index.observe_chars_per_token(chars, prompt_tokens)
 
     # -- writes (discovery) --
 
@@ -209,6 +300,11 @@ class Registry:
         ep.discovered = frozenset(replicas)
         if names:
             ep.replica_names.update(names)
+        # A replica that left took its cache with it (a suspended one keeps its index entries:
+        # it is still discovered).
+        ep.index.retain(ep.discovered)
+        for gone in [r for r in ep.sent_since if r not in ep.discovered]:
+            del ep.sent_since[gone]
         self._publish(ep)
 
     def mark_failed(self, endpoint_id: str, replica: str) -> None:
@@ -260,7 +356,7 @@ class Registry:
     async def lease(
         self,
         ep: Endpoint,
-        prefix: bytes | None,
+        route: RouteKey | None,
         *,
         hold_timeout: float,
         gone: Callable[[], Awaitable[object]],
@@ -273,9 +369,10 @@ class Registry:
         past ``ep.hold_seconds(hold_timeout)``, over ``key``'s share or the byte budget with
         its ``size``, or shutting down; ClientGone when ``gone()`` completes first); the chosen
         replica carries the request in its load until the block ends. A retry passes the
-        replicas already tried as ``exclude``: NoReplicaLeft when none is left."""
+        replicas already tried as ``exclude``: NoReplicaLeft when none is left. ``route``: what
+        a prefix-aware endpoint scores replicas by (``route_key``)."""
         while True:
-            choice = ep.choose(prefix, exclude=exclude)
+            choice = self.choose(ep, route, exclude)
             if choice is not None:
                 break
             if exclude:
@@ -286,10 +383,71 @@ class Registry:
             outcome = Outcome.RETRY
         self.metrics.routing.labels(ep.id, outcome).inc()
         self.acquire(ep, replica)
+        ep.sent_since[replica] = ep.sent_since.get(replica, 0) + 1
         try:
             yield Lease(replica, outcome)
         finally:
             self.release(ep, replica)
+
+    def choose(
+        self, ep: Endpoint, route: RouteKey | None, exclude: frozenset[str] = frozenset()
+    ) -> tuple[str, Outcome] | None:
+        """The replica for one request (None: no ready replica left), and how it was chosen.
+        Prefix-aware: scored, then its blocks recorded as the chosen replica's."""
+        if ep.router.strategy is not Strategy.PREFIX_AWARE or ep.router.ring is None:
+            return ep.router.choose(None, ep.loads, exclude)
+        if route is None:  # the endpoint turned prefix-aware while the request was held
+            route = RouteKey("", (), 0, None)
+        now = time.monotonic()
+        feed = self.feed
+        candidates = []
+        for replica in ep.ready:
+            if replica in exclude:
+                continue
+            load = feed.get(replica) if feed is not None else None
+            candidates.append(
+                Candidate(
+                    replica,
+                    ep.loads.get(replica, 0),
+                    None if load is None else load.state(now),
+                    ep.sent_since.get(replica, 0),
+                )
+            )
+        if not candidates:
+            return None
+        blocks = route.blocks
+        choice = choose(
+            candidates,
+            len(blocks),
+            ep.index.longest_match(blocks),
+            typical_blocks=ep.typical,
+            adapter=self._adapter(route.model, candidates),
+            load_factor=self.load_factor,
+            weights=self.weights,
+            home=ep.router.ring.walk(route.ring) if route.ring is not None else (),
+        )
+        assert choice is not None
+        chosen = next(s for s in choice.scores if s.replica == choice.replica)
+        ep.typical += TYPICAL_WEIGHT * (max(chosen.uncached, 1) - ep.typical)
+        if blocks:
+            ep.index.record(choice.replica, blocks)
+            self.metrics.prefix_index(ep.id, chosen.matched, len(blocks))
+            if self.on_record is not None:
+                self.on_record(ep.id, choice.replica, blocks)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("endpoint %s: %s", ep.id, choice.log_line())
+        return choice.replica, _OUTCOME[choice.reason]
+
+    def _adapter(self, model: str, candidates: list[Candidate]) -> str | None:
+        """``model`` when some replica's engine reports it as a LoRA adapter (active in its
+        batches, or loaded by the pod): then replicas that have it active are preferred."""
+        if not model or self.feed is None:
+            return None
+        for c in candidates:
+            load = self.feed.get(c.replica)
+            if load is not None and (model in load.active_adapters or model in load.ready_adapters):
+                return model
+        return None
 
     # -- load accounting --
 

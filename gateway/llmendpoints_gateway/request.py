@@ -35,6 +35,7 @@ class RequestLog:
     record_kind: str | None = None
     record_id: str | None = None
     record_requests: int = 1
+    prompt_chars: int = 0  # the rendered prompt's length (prefix-aware routing), for chars/token
     send: Send | None = None  # the send that adds x-ratelimit-* headers (keys with limits)
 
     def started(self, status: int) -> None:

@@ -35,11 +35,13 @@ class Strategy(enum.StrEnum):
 
 
 class Outcome(enum.StrEnum):
-    """How a replica was chosen (a metric label)."""
+    """How a replica was chosen (a metric label; prefix-aware's are scoring.Reason's)."""
 
-    AFFINITY = "affinity"  # the prefix's own replica
-    SPILLED = "spilled"  # its own replica was over its bound; the next one on the ring
-    LEAST_LOADED = "least_loaded"  # no prefix key, or the least-loaded strategy
+    AFFINITY = "affinity"  # where its longest cached prefix is (or, cached nowhere, its home)
+    SPILLED = "spilled"  # that replica was at its load bound; the next best took it
+    LOAD = "load"  # the replica that starts it soonest, no cached prefix deciding
+    ADAPTER = "adapter"  # its LoRA adapter being active there decided it
+    LEAST_LOADED = "least_loaded"  # the least-loaded strategy
     ROUND_ROBIN = "round_robin"
     RETRY = "retry"  # the first choice failed before answering
 
@@ -145,6 +147,27 @@ def prefix_key(path: str, body: Mapping[str, Any], max_chars: int = 4096) -> byt
         return None
     text = "\x1e".join(parts)[: max_chars + len(parts[0]) + 1]
     return text.encode("utf-8", "surrogatepass")
+
+
+def home_key(path: str, body: Mapping[str, Any]) -> bytes | None:
+    """Where a prefix-aware request lives on the hash ring when nothing decides otherwise
+    (scoring's ``home``): the model and the leading system/developer messages of a chat that
+    opens with them -- every conversation sharing an instruction shares a home, and keeps it as
+    it grows -- else ``prefix_key``."""
+    messages = body.get("messages")
+    if not (isinstance(messages, list) and messages and _instruction(messages[0])):
+        return prefix_key(path, body)
+    model = body.get("model")
+    parts = [model if isinstance(model, str) else ""]
+    for message in messages:
+        if not _instruction(message):
+            break
+        parts.append(f"{message.get('role')}\x1f{_content_text(message.get('content'))}")
+    return "\x1e".join(parts).encode("utf-8", "surrogatepass")
+
+
+def _instruction(message: Any) -> bool:
+    return isinstance(message, Mapping) and message.get("role") in ("system", "developer")
 
 
 def _content_text(content: Any) -> str:

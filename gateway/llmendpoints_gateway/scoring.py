@@ -27,6 +27,7 @@ score for debug logs. No I/O, no clock: the caller passes the engine loads and t
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -80,6 +81,10 @@ class Weights:
     adapter_free_slot_requests: float = 1.0
     adapter_no_slot_requests: float = 4.0
     max_engine_age_s: float = 5.0  # older samples do not count (the pod may be gone)
+    # A prefix no replica holds a block of leans to its home on the ring by this many blocks:
+    # near-ties break alike in every gateway process (each knows only what it sent), so a new
+    # system prompt lands on one replica, not one per process. 0: only exact ties go home.
+    home_blocks: float = 2.0
 
 
 DEFAULT_WEIGHTS = Weights()
@@ -129,15 +134,20 @@ def choose(
     adapter: str | None = None,
     load_factor: float = DEFAULT_LOAD_FACTOR,
     weights: Weights = DEFAULT_WEIGHTS,
+    home: Sequence[str] = (),
 ) -> Choice | None:
     """The replica that starts the request soonest among those within the load bound.
 
     `request_blocks`: the request's whole blocks; `matched`: leading blocks each replica holds
     (PrefixIndex.longest_match); `typical_blocks`: a typical request's uncached prefill (the
-    caller's moving average, at least 1); `adapter`: the LoRA adapter the request names, if any.
+    caller's moving average, at least 1); `adapter`: the LoRA adapter the request names, if any;
+    `home`: the request's replicas in its consistent-hash order (routing.HashRing.walk of its
+    prefix key), which breaks ties -- so a prefix nobody holds yet goes to the same replica
+    from every gateway process, each of which only knows what it sent itself.
     None when there is no candidate."""
     if not candidates:
         return None
+    rank = {replica: i for i, replica in enumerate(home)}
     typical = max(1.0, typical_blocks)
     bound = load_bound(sum(c.in_flight for c in candidates), len(candidates), load_factor)
     use_engine = all(
@@ -156,9 +166,18 @@ def choose(
         )
         for c in candidates
     ]
+    if weights.home_blocks and home and max(s.matched for s in scores) == 0:
+        own = min(
+            (s for s in scores if s.replica in rank), key=lambda s: rank[s.replica], default=None
+        )
+        if own is not None and not own.bounded:
+            scores[scores.index(own)] = dataclasses.replace(
+                own, cost=own.cost - weights.home_blocks
+            )
     eligible = [s for s in scores if not s.bounded]
-    best = min(eligible, key=_order)
-    return Choice(best.replica, _reason(best, scores, eligible), tuple(scores))
+    last = len(rank)
+    best = min(eligible, key=lambda s: _order(s, rank.get(s.replica, last)))
+    return Choice(best.replica, _reason(best, scores, eligible, home), tuple(scores))
 
 
 def _score(
@@ -212,23 +231,35 @@ def _adapter_cost(
     return w.adapter_no_slot_requests * typical
 
 
-def _order(s: Score) -> tuple[float, int, int, str]:
-    # Ties: the longer cached prefix, then fewer of our requests, then a stable name order.
-    return (s.cost, -s.matched, s.in_flight, s.replica)
+def _order(s: Score, home_rank: int = 0) -> tuple[float, int, int, int, str]:
+    # Ties: the longer cached prefix, then the request's place on the hash ring (the same in
+    # every gateway process), then fewer of our requests, then a stable name order.
+    return (s.cost, -s.matched, home_rank, s.in_flight, s.replica)
 
 
-def _reason(best: Score, scores: Sequence[Score], eligible: Sequence[Score]) -> Reason:
+def _reason(
+    best: Score, scores: Sequence[Score], eligible: Sequence[Score], home: Sequence[str] = ()
+) -> Reason:
     longest = max(s.matched for s in scores)
+    # Where a prefix nobody holds a block of goes: its home on the ring (the first candidate
+    # in `home` order), where its blocks will be.
+    by_name = {s.replica: s for s in scores}
+    own = next((by_name[r] for r in home if r in by_name), None) if longest == 0 else None
     if (
         longest > 0
         and best.matched < longest
         and any(s.bounded and s.matched == longest for s in scores)
-    ):
+    ) or (own is not None and own.bounded):
         return Reason.SPILL
     if best.adapter_cost == 0 and any(s.adapter_cost > 0 for s in eligible):
-        without = min(eligible, key=lambda s: _order(_without_adapter(s)))
+        rank = {replica: i for i, replica in enumerate(home)}
+        without = min(
+            eligible, key=lambda s: _order(_without_adapter(s), rank.get(s.replica, len(rank)))
+        )
         if without.replica != best.replica:
             return Reason.ADAPTER
+    if own is not None and best.replica == own.replica:
+        return Reason.AFFINITY
     if longest > 0 and best.matched == longest:
         return Reason.AFFINITY
     return Reason.LOAD

@@ -13,6 +13,9 @@ DRAIN_TIMEOUT_SECONDS. A second signal exits at once.
 
 from __future__ import annotations
 
+import os
+import socket
+
 from llmendpoints_common.gateway_token import read_secret
 from llmendpoints_edge.server import serve as serve_edge
 
@@ -21,6 +24,7 @@ from llmendpoints_gateway.app import Gateway
 from llmendpoints_gateway.config import GatewaySettings
 from llmendpoints_gateway.discovery.kube import KubeDiscovery
 from llmendpoints_gateway.discovery.static import StaticDiscovery
+from llmendpoints_gateway.engine_load import EngineLoadFeed
 from llmendpoints_gateway.jobs import JobGateway
 from llmendpoints_gateway.keys import KeyRing
 from llmendpoints_gateway.limiter import Limiter
@@ -28,18 +32,23 @@ from llmendpoints_gateway.metrics import GatewayMetrics
 from llmendpoints_gateway.metrics_server import MetricsServer
 from llmendpoints_gateway.queue import SharedQueue
 from llmendpoints_gateway.registry import Registry
+from llmendpoints_gateway.route_sharing import RouteSharing
 from llmendpoints_gateway.signals import SignalPublisher
 from llmendpoints_gateway.usage import JobUsageMeter, Metering, UsagePublisher
+from llmendpoints_gateway.workers import DrainBoard, PodDrain, WorkerSlot
 
 
-def build(settings: GatewaySettings) -> Gateway:
+def build(settings: GatewaySettings, worker: WorkerSlot | None = None) -> Gateway:
+    """The gateway's parts; ``worker``: this process is one of several (workers.py), which
+    share the pod's hold bounds and report the engines' own counters once (worker 0)."""
     metrics = GatewayMetrics(key_labels=settings.metrics_key_labels)
     registry = Registry(
         metrics,
-        settings.hold_queue_length,
+        worker.share(settings.hold_queue_length) if worker else settings.hold_queue_length,
         settings.load_factor,
         hold_key_share=settings.hold_key_share,
-        hold_max_bytes=settings.hold_max_bytes,
+        hold_max_bytes=worker.share(settings.hold_max_bytes) if worker else settings.hold_max_bytes,
+        count_engine_hits=worker is None or worker.index == 0,
     )
     keys = KeyRing.from_settings(
         settings.api_keys.get_secret_value() if settings.api_keys else None,
@@ -82,7 +91,10 @@ def build(settings: GatewaySettings) -> Gateway:
     )
     parts: list = []
     if queue is not None:
-        signals = SignalPublisher(queue, settings.gateway_id)
+        # Each process publishes its own held count (the autoscaler sums the gateways').
+        signals = SignalPublisher(
+            queue, f"{settings.gateway_id}-{worker.index}" if worker else settings.gateway_id
+        )
         registry.on_held = signals.held_changed
         gateway.jobs = JobGateway(
             queue,
@@ -93,22 +105,49 @@ def build(settings: GatewaySettings) -> Gateway:
             nudge=signals.nudge_soon,
         )
         parts += [queue, signals, gateway.jobs, publisher, JobUsageMeter(queue, metering.job_usage)]
+        if settings.share_prefix_index:
+            # What each process routed reaches every other's prefix index (a random suffix:
+            # two gateways on one host share a host name).
+            sharing = RouteSharing(
+                queue,
+                f"{settings.gateway_id}-{worker.index if worker else 0}-{os.urandom(3).hex()}",
+                registry.apply_shared,
+                metrics,
+            )
+            registry.on_record = sharing.record
+            parts.append(sharing)
     parts += [limiter, discovery]
-    if settings.metrics_port:
+    if settings.engine_load_interval_seconds > 0:
+        # One feed per process over every endpoint's replicas (the scorer's engine load).
+        registry.feed = EngineLoadFeed(
+            targets=registry.engine_targets,
+            interval=settings.engine_load_interval_seconds,
+            on_sample=registry.engine_sampled,
+        )
+        parts.append(registry.feed)
+    if worker is not None:
+        sock = socket.socket(fileno=worker.metrics_fd)
+        parts.append(MetricsServer(metrics, "127.0.0.1", sock.getsockname()[1], sock))
+    elif settings.metrics_port:
         parts.append(MetricsServer(metrics, settings.host, settings.metrics_port))
     gateway.started.extend(part.start for part in parts)
     gateway.stopped.extend(part.stop for part in reversed(parts))
     return gateway
 
 
-def serve(settings: GatewaySettings) -> None:
-    gateway = build(settings)
+def serve(settings: GatewaySettings, worker: WorkerSlot | None = None) -> None:
+    """Serve until drained, as the one process or as ``worker`` of several (GATEWAY_WORKERS > 1:
+    the CLI runs workers.Supervisor instead, which starts them)."""
+    gateway = build(settings, worker)
+    drain = gateway
+    if worker is not None and worker.drain_fd >= 0:
+        drain = PodDrain(gateway, DrainBoard(worker.drain_fd, worker.count), worker.index)
     serve_edge(
         gateway,
-        gateway,
+        drain,
         settings,
         loop="uvloop",
         access_log=False,  # the gateway writes its own access line with routing fields
-        timeout_keep_alive=30,
         backlog=4096,
+        sockets=[socket.socket(fileno=worker.listen_fd)] if worker else None,
     )

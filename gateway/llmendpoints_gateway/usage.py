@@ -75,6 +75,10 @@ class Metering:
         self.metrics.answered(state.endpoint, state.status, key)
         self._count_tokens(key, state.endpoint, usage)
         self.limiter.finish(state.ticket, usage.total)
+        counted = not getattr(state.meter, "estimated", True)  # by the engine, not estimated
+        if state.prompt_chars and usage.prompt_tokens and counted:
+            # Learn the endpoint's characters per token (prefix-aware routing sizes its index).
+            self.registry.observe_prompt(state.endpoint, state.prompt_chars, usage.prompt_tokens)
         if self.publisher is not None and state.record_kind is not None:
             self.publisher.record(
                 UsageRecord(

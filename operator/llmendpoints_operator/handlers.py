@@ -278,7 +278,22 @@ async def reconcile_endpoint(
         raise kopf.TemporaryError(str(exc), delay=30) from exc
 
 
-@kopf.on.event(*LLMEP)
+def _declared_name(type: str | None, name: str, body: kopf.Body) -> str | None:
+    return None if type == "DELETED" else served_model_name(name, body.get("spec"))
+
+
+def _model_claim_is_news(
+    type: str | None, namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any
+) -> bool:
+    """Status writes (the autoscaler's every tick) are events too: filtered here, they neither
+    run the handler nor log a line each."""
+    running = getattr(memo, "operator", None)
+    return running is None or running.reconciler.model_claim_is_news(
+        (namespace, name), _declared_name(type, name, body)
+    )
+
+
+@kopf.on.event(*LLMEP, when=_model_claim_is_news)
 async def model_name_claim_seen(
     type: str | None,
     namespace: str,
@@ -290,7 +305,7 @@ async def model_name_claim_seen(
 ) -> None:
     """Another endpoint declaring the same model name may have gained or lost it (the reconcile
     of this one publishes its own status)."""
-    served = None if type == "DELETED" else served_model_name(name, body.get("spec"))
+    served = _declared_name(type, name, body)
     await _running(memo).reconciler.model_claims_changed((namespace, name), served, logger)
 
 

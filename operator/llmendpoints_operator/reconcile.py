@@ -598,6 +598,10 @@ class Reconciler:
         keeper = owner([me, *others])
         return status.ModelNameState(served, None if keeper is me else keeper.id)
 
+    def model_claim_is_news(self, key: Key, served: str | None) -> bool:
+        """Whether endpoint `key` declaring `served` (None: deleted) differs from what was seen."""
+        return self._served.get(key) != served
+
     async def model_claims_changed(
         self, key: Key, served: str | None, logger: logging.Logger
     ) -> None:
@@ -607,9 +611,9 @@ class Reconciler:
         declaring the names involved may have gained or lost them: their status is published
         now. The index kopf passes has been updated for this event already. Otherwise nothing
         (a dict lookup per event: status writes come through here too)."""
-        before = self._served.get(key)
-        if served == before:
+        if not self.model_claim_is_news(key, served):
             return
+        before = self._served.get(key)
         if served is None:
             self._served.pop(key, None)
         else:

@@ -27,7 +27,12 @@ class Probe:
 def readiness(
     state: EngineState, *, phase: str | None, reason: str | None, draining: bool, strict: bool
 ) -> Probe:
-    """The answer of /ready (strict=False: 204 while initialising; strict=True: 503)."""
+    """The answer of /ready (strict=False: 204 while initialising; strict=True: 503).
+
+    A failed engine keeps saying why while the process drains towards its exit: "draining" would
+    hide the cause from whoever looks last (a load balancer's log, `kubectl describe`)."""
+    if state is EngineState.FAILED:
+        return Probe(503, {"status": str(state), "reason": reason or "the engine is not running"})
     if draining:
         return Probe(503, {"status": "draining", "reason": "the server is shutting down"})
     if state is EngineState.READY:

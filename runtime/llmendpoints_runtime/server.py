@@ -25,7 +25,6 @@ def serve(runtime: Runtime, app: ASGIApp) -> None:
         runtime,
         settings,
         access_log=not args.disable_uvicorn_access_log,
-        timeout_keep_alive=5,
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs,

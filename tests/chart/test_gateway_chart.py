@@ -265,6 +265,34 @@ def test_without_a_queue_the_gateway_has_none(helm: Path, tmp_path: Path) -> Non
     assert "LLMEP_OPERATOR_JOBS_QUEUE_URL" not in _env(docs, "llmendpoints")
 
 
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        # A queue to share limits through: one worker per CPU of the container's limit.
+        (
+            {"queue": {"enabled": True}},
+            {"resourceFieldRef": {"resource": "limits.cpu", "divisor": "1"}},
+        ),
+        (
+            {
+                "queue": {"enabled": True},
+                "gateway": {"resources": {"requests": {"cpu": "3"}, "limits": {"cpu": None}}},
+            },
+            {"resourceFieldRef": {"resource": "requests.cpu", "divisor": "1"}},
+        ),
+        ({}, "1"),  # no queue: per-key limits could not be shared among processes
+        ({"gateway": {"workers": 3}}, "3"),  # said explicitly
+    ],
+)
+def test_gateway_workers_follow_the_pods_cpus(
+    helm: Path, tmp_path: Path, values: dict[str, Any], expected: Any
+) -> None:
+    gateway = {"enabled": True, **values.get("gateway", {})}
+    docs = render(helm, tmp_path, {**values, "gateway": gateway})
+    entry = _env(docs, "llmendpoints-gateway")["GATEWAY_WORKERS"]
+    assert entry.get("valueFrom", entry.get("value")) == expected
+
+
 def _token_file(pod: dict[str, Any], variable: str) -> tuple[str, str]:
     """(Secret name, file path) of the gateway token secret the pod's container reads."""
     (container,) = pod["containers"]

@@ -454,3 +454,46 @@ def test_a_raw_nats_client_without_creds_is_refused(chart_nats):
         assert "authorization" in str(untrusted.value).lower()
 
     asyncio.run(scenario())
+
+
+def test_gateway_processes_share_routing_records_and_pods_cannot_forge_them(chart_nats):
+    """Two gateway processes with the chart's gateway credential: what one routes, the other's
+    prefix index learns (route_sharing.py). A runtime pod's credential may not publish one."""
+    from llmendpoints_gateway.queue import SharedQueue
+    from llmendpoints_gateway.route_sharing import RouteSharing
+
+    server = chart_nats[0]
+    gateway_creds = _gateway_creds_file(chart_nats)
+
+    async def scenario() -> None:
+        heard: list[tuple[str, str, list[int]]] = []
+        queues = [SharedQueue(server.url, f"g{i}", gateway_creds) for i in range(2)]
+        sharing = [
+            RouteSharing(queues[0], "gw-0", lambda *r: heard.append(("gw-0", *r))),
+            RouteSharing(queues[1], "gw-1", lambda *r: heard.append(("gw-1", *r))),
+        ]
+        for part in (*queues, *sharing):
+            await part.start()
+        a_pod = await _connect(server.url, _creds(chart_nats, "runtime", A), "pod-a")
+        try:
+            deadline = time.monotonic() + 20
+            while not all(s._subscription for s in sharing):
+                assert time.monotonic() < deadline, "not subscribed"
+                await asyncio.sleep(0.05)
+            sharing[0].record("team-a/chat", "http://10.0.0.1:8000", [1, 2, 3])
+            while not heard:
+                assert time.monotonic() < deadline, "the other process heard nothing"
+                await asyncio.sleep(0.05)
+            await a_pod.nc.publish(names.routes_subject("forged"), b"\x00")
+            await a_pod.nc.flush()
+            await asyncio.sleep(0.3)
+            # The other process applied it; the sender did not hear itself; the forgery died.
+            assert heard == [("gw-1", "team-a/chat", "http://10.0.0.1:8000", [1, 2, 3])]
+        finally:
+            await a_pod.close()
+            for part in (*sharing, *reversed(queues)):
+                await part.stop()
+
+    asyncio.run(scenario())
+    refused = "\n".join(server.violations())
+    assert "llmep.routes.forged" in refused, refused

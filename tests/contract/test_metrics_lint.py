@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 from llmendpoints_gateway.metrics import GatewayMetrics
+from llmendpoints_gateway.metrics_merge import merge
+from llmendpoints_gateway.workers import SupervisorMetrics
 from llmendpoints_operator.autoscaling.decision import Outside
 from llmendpoints_operator.autoscaling.metrics import AutoscalerMetrics
 from llmendpoints_operator.reconcile import ReconcileMetrics
@@ -35,6 +37,12 @@ def promtool() -> str:
 
 
 def gateway_text() -> str:
+    """A gateway pod with two workers: their series summed, then the supervisor's."""
+    workers = [_gateway_worker(), _gateway_worker()]
+    return merge([w.render().decode() for w in workers]) + SupervisorMetrics().render()
+
+
+def _gateway_worker() -> GatewayMetrics:
     metrics = GatewayMetrics(key_labels=True)
     metrics.answered("team-a/chat", 200, "team-a-key")
     metrics.answered("", 401)
@@ -47,7 +55,10 @@ def gateway_text() -> str:
     metrics.routing.labels("team-a/chat", "affinity").inc()
     metrics.ttft.labels("team-a/chat").observe(0.2)
     metrics.duration.labels("team-a/chat").observe(12.0)
-    return metrics.render().decode()
+    metrics.prefix_index("team-a/chat", 3, 8)
+    metrics.engine_prefix_cache("team-a/chat", 300.0, 800.0)
+    metrics.shared_records.labels("sent").inc(4)
+    return metrics
 
 
 def runtime_text() -> str:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import runtime_process
 import yaml
 from ports import free_port
@@ -89,6 +90,32 @@ def launch_standin(
         str(ready_after),
     ]
     return _spawn(argv, clean_env(), port, log_dir / f"standin-{name}-{port}.log")
+
+
+@contextlib.contextmanager
+def running_standins(log_dir: Path, *names: str) -> Iterator[dict[str, Process]]:
+    """Stand-ins by name, started together and ready."""
+    procs = {name: launch_standin(log_dir, name) for name in names}
+    try:
+        for proc in procs.values():
+            proc.wait_http("/ready")
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+def metric_sum(metrics_url: str, name: str, **labels: str) -> float:
+    """The sum of the series of ``name`` (exactly) whose labels include ``labels``."""
+    total = 0.0
+    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+        if (
+            line.startswith(name)
+            and line[len(name) : len(name) + 1] in (" ", "{")
+            and all(f'{k}="{v}"' in line for k, v in labels.items())
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def launch_runtime(model_path: Path, log_dir: Path, **overrides: str) -> RuntimeServer:

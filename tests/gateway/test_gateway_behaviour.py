@@ -3,6 +3,10 @@ input, holding, disconnects, retries and failures mid-stream, request ids, metri
 
 Stand-ins, not engines, because these behaviours need backends that crash or cut a stream on
 cue; tests/gateway/test_gateway_runtime.py runs the same gateway in front of real runtimes.
+
+Every test that runs on the module's gateway runs twice: with one process and with
+GATEWAY_WORKERS=2 (a supervisor and two workers sharing the port; /metrics their sum), which
+must behave alike to a client and on /metrics.
 """
 
 from __future__ import annotations
@@ -35,8 +39,13 @@ def logs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("gateway-logs")
 
 
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-process", "2-workers"])
+def workers(request) -> int:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def standins(logs):
+def standins(logs, workers):
     procs = {name: launch_standin(logs, name) for name in ("p1", "p2", "o1", "f1", "f2")}
     for proc in procs.values():
         proc.wait_http("/ready")
@@ -51,7 +60,7 @@ def solo_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def gateway(logs, standins, solo_port):
+def gateway(logs, standins, solo_port, workers):
     endpoints = [
         {
             "name": "pair",
@@ -93,6 +102,7 @@ def gateway(logs, standins, solo_port):
         MAX_REQUEST_BODY_BYTES="65536",
         MAX_HEADER_BYTES="32768",
         GATEWAY_METRICS_KEY_LABELS="1",
+        GATEWAY_WORKERS=str(workers),
     ) as gw:
         _wait_ready_replicas(gw, {"pair": 2, "other": 1, "fragile": 2})
         yield gw
@@ -294,6 +304,18 @@ def test_client_disconnect_cancels_the_upstream_stream(gateway, standins):
     )
 
 
+def test_a_client_leaving_before_the_answer_starts_closes_the_upstream_request(gateway, standins):
+    # Non-streamed: the stand-in answers after 1,000 x 10 ms; the client gives up after 0.5 s.
+    body = chat("other-model", standin_chunks=1000, standin_interval=0.01)
+    before = httpx.get(standins["o1"].url + "/stats").json()["disconnects"]
+    with _client(gateway, BOB, timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
+        c.post(CHAT, json=body)
+    deadline = time.monotonic() + 5
+    while httpx.get(standins["o1"].url + "/stats").json()["disconnects"] != before + 1:
+        assert time.monotonic() < deadline, "the replica still works for a client that left"
+        time.sleep(0.05)
+
+
 def test_a_replica_failing_before_the_first_byte_is_retried_on_another(gateway, standins):
     f1, f2 = standins["f1"], standins["f2"]
     # A prompt whose own replica (the first on the ring) is f1: it crashes on it, f2 answers.
@@ -432,7 +454,7 @@ def test_beyond_the_hold_bounds_503_with_retry_after(logs):
 # ------------------------------------------------------------------ drain
 
 
-def test_sigterm_finishes_streams_and_answers_held_requests_503(logs, standins):
+def test_sigterm_finishes_streams_and_answers_held_requests_503(logs, standins, workers):
     endpoints = write_endpoints(
         logs / "drain.yaml",
         [
@@ -445,7 +467,10 @@ def test_sigterm_finishes_streams_and_answers_held_requests_503(logs, standins):
         ],
     )
     with running_gateway(
-        logs, GATEWAY_ENDPOINTS_FILE=str(endpoints), GATEWAY_REQUIRE_KEYS="false"
+        logs,
+        GATEWAY_ENDPOINTS_FILE=str(endpoints),
+        GATEWAY_REQUIRE_KEYS="false",
+        GATEWAY_WORKERS=str(workers),
     ) as gw:
         gw.wait_http("/v1/models")
         while httpx.get(gw.url + "/v1/models").json()["data"][1]["ready_replicas"] != 1:

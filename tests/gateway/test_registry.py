@@ -12,13 +12,19 @@ from llmendpoints_gateway.registry import Registry
 from llmendpoints_gateway.routing import Strategy
 
 
-async def test_a_failed_replica_is_routed_around_then_trusted_again(
-    monkeypatch: pytest.MonkeyPatch,
-):
+def _two_replicas(monkeypatch: pytest.MonkeyPatch):
+    """A prefix-aware endpoint on replicas a and b; a failed replica is suspended for 50 ms."""
     monkeypatch.setattr(registry_module, "SUSPEND_SECONDS", 0.05)
     reg = Registry(GatewayMetrics(), hold_queue_length=10, load_factor=1.25)
     ep = reg.upsert("e", ["m"], Strategy.PREFIX_AWARE)
     reg.set_ready("default/e", ["http://a", "http://b"])
+    return reg, ep
+
+
+async def test_a_failed_replica_is_routed_around_then_trusted_again(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    reg, ep = _two_replicas(monkeypatch)
     reg.mark_failed("default/e", "http://a")
     assert ep.ready == ("http://b",)
     reg.set_ready(
@@ -169,6 +175,75 @@ def test_a_discovered_endpoint_is_held_for_at_least_its_own_start_up():
     assert reg.get("ns/big").hold_seconds(600) == 5400 + SCHEDULING_MARGIN_SECONDS
     assert reg.get("ns/plain").hold_seconds(600) == 3600 + SCHEDULING_MARGIN_SECONDS  # CRD default
     assert reg.upsert("static", ["m"], Strategy.PREFIX_AWARE).hold_seconds(600) == 600
+
+
+# ------------------------------------------------------------------ prefix-aware routing state
+
+
+def _route(reg: Registry, ep, text: str):
+    from llmendpoints_gateway.registry import RouteKey
+
+    body = {"model": "m", "messages": [{"role": "system", "content": text}]}
+    return RouteKey.of("/v1/chat/completions", body, ep.index.chunk_chars)
+
+
+async def test_the_index_keeps_only_discovered_replicas_and_a_suspended_one_keeps_its_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    reg, ep = _two_replicas(monkeypatch)
+    route = _route(reg, ep, "policy " * 200)
+    replica, _ = reg.choose(ep, route)
+    assert ep.index.size(replica) == len(route.blocks) > 0
+    reg.mark_failed("default/e", replica)  # routed around for a moment: still holds its cache
+    assert ep.index.size(replica) == len(route.blocks)
+    reg.set_ready("default/e", sorted({"http://a", "http://b"} - {replica}))  # gone for good
+    assert ep.index.replicas() == []
+    await asyncio.sleep(0.1)
+
+
+def test_an_engine_sample_resets_what_was_sent_since_and_sizes_the_index():
+    from llmendpoints_gateway.engine_load import EngineLoad
+
+    metrics = GatewayMetrics()
+    reg = Registry(metrics, hold_queue_length=10, load_factor=1.25)
+    ep = reg.upsert("e", ["m"], Strategy.PREFIX_AWARE)
+    reg.set_ready("default/e", ["http://a"])
+    assert reg.engine_targets() == ["http://a"]
+    ep.sent_since["http://a"] = 3
+    first = EngineLoad(1, 0, 0.2, prefix_queries=1000, prefix_hits=400, block_size=16,
+                       num_gpu_blocks=64)  # fmt: skip
+    reg.engine_sampled("http://a", None, first)
+    assert "http://a" not in ep.sent_since
+    assert ep.index.capacity("http://a") == 64 * 16 * 4 // 256  # kv tokens x chars/token / chunk
+    text = _series(metrics)
+    # The first sample is the baseline: an engine's history before this gateway is not counted.
+    assert "engine_prefix_cache_queries_total{" not in text
+    second = EngineLoad(1, 0, 0.2, prefix_queries=1500, prefix_hits=700)
+    reg.engine_sampled("http://a", first, second)
+    text = _series(metrics)
+    assert (
+        'llmendpoints_gateway_engine_prefix_cache_queries_total{endpoint="default/e"} 500.0' in text
+    )
+    assert 'llmendpoints_gateway_engine_prefix_cache_hits_total{endpoint="default/e"} 300.0' in text
+    quiet = Registry(GatewayMetrics(), 10, 1.25, count_engine_hits=False)  # another worker
+    quiet.upsert("e", ["m"], Strategy.PREFIX_AWARE)
+    quiet.set_ready("default/e", ["http://a"])
+    quiet.engine_sampled("http://a", first, second)
+    assert "engine_prefix_cache_queries_total{" not in _series(quiet.metrics)
+    reg.set_ready("default/e", [])
+    assert reg.engine_targets() == []  # a departed replica is no longer read
+
+
+async def test_lease_counts_what_was_sent_since_the_engine_sample():
+    reg = Registry(GatewayMetrics(), hold_queue_length=10, load_factor=1.25)
+    ep = reg.upsert("e", ["m"], Strategy.PREFIX_AWARE)
+    reg.set_ready("default/e", ["http://a"])
+    never = asyncio.get_running_loop().create_future
+    for _ in range(2):
+        async with reg.lease(ep, _route(reg, ep, "x" * 600), hold_timeout=1, gone=never) as lease:
+            assert lease.replica == "http://a"
+    assert ep.sent_since == {"http://a": 2}
+    assert ep.loads == {}
 
 
 def test_a_model_name_stays_with_the_endpoint_that_claimed_it_first():

@@ -20,7 +20,8 @@ from .harness import free_port, running_gateway, write_endpoints
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-async def test_held_requests_and_nudges_reach_the_autoscaler(tmp_path: Path):
+@pytest.mark.parametrize("workers", ["1", "2"])  # with 2 workers, their counts add up
+async def test_held_requests_and_nudges_reach_the_autoscaler(tmp_path: Path, workers: str):
     endpoints = write_endpoints(
         tmp_path / "endpoints.yaml",
         [
@@ -39,6 +40,7 @@ async def test_held_requests_and_nudges_reach_the_autoscaler(tmp_path: Path):
             JOBS_QUEUE_URL=url,
             GATEWAY_ID="gw-a.1",
             GATEWAY_REQUIRE_KEYS="false",
+            GATEWAY_WORKERS=workers,
         ) as gw,
     ):
         nc = await nats.connect(url)

@@ -214,7 +214,7 @@ def test_worker_killed_mid_job_the_job_completes_on_the_other(pods) -> None:
     a, b = pods
     # The demo model finishes this job in about two seconds: both engines are frozen while it
     # is taken, so that it is surely running (not done) when its worker is known; only the
-    # victim's engine is let go, long enough to stream its first chunks.
+    # victim's engine is let go, in slices, until it has streamed its first chunks.
     cores = {pod.process.pid: proc_kit.engine_core_pids(pod.process.pid) for pod in pods}
     frozen = [pid for pids in cores.values() for pid in pids]
     for pid in frozen:
@@ -231,20 +231,23 @@ def test_worker_killed_mid_job_the_job_completes_on_the_other(pods) -> None:
             victim, survivor, on_survivor = (
                 (a, b, on_b) if running["workerId"] == worker_id(a) else (b, a, on_a)
             )
-            for pid in cores[victim.process.pid]:
-                os.kill(pid, signal.SIGCONT)
-            # Read part of the first attempt's stream, then kill its worker without warning.
+            # The victim's engine runs in slices of 50 ms, frozen after each, until part of the
+            # first attempt's stream can be read: it cannot end the job while the reader waits
+            # (let go at once, a loaded CI run saw the job end before its first chunk was read).
             first: list = []
+            deadline = time.monotonic() + 120
             while not first:
+                assert time.monotonic() < deadline, "the victim never streamed a chunk"
+                for pid in cores[victim.process.pid]:
+                    os.kill(pid, signal.SIGCONT)
+                time.sleep(0.05)
+                for pid in cores[victim.process.pid]:
+                    os.kill(pid, signal.SIGSTOP)
+                time.sleep(0.3)  # its worker stores what the engine sent before it stopped
                 first += [
                     c["output"] for c in on_survivor.get(f"/stream/{job_id}").json()["stream"]
                 ]
-                time.sleep(0.02)
-            # Its engine stops where it is, so that it cannot end the job in the moments
-            # before the kill (a loaded machine delays what the reader sees); then its worker
-            # dies without warning.
-            for pid in cores[victim.process.pid]:
-                os.kill(pid, signal.SIGSTOP)
+            # Then its worker dies without warning, its engine stopped where it is.
             victim.process.send_signal(signal.SIGKILL)
             victim.process.wait(10)
             at_kill = on_survivor.get(f"/status/{job_id}").json()["status"]

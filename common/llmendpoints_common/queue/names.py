@@ -159,6 +159,14 @@ def held_filter(endpoint: EndpointRef | str) -> str:
 
 
 NUDGE_WILDCARD = "llmep.nudge.*.*"
+# Gateway processes tell each other which prompt blocks they sent to which replica (prefix-aware
+# routing), one subject per sending process: core NATS, nothing stored.
+ROUTES_WILDCARD = "llmep.routes.*"
+
+
+def routes_subject(process_token: str) -> str:
+    """Where one gateway process publishes its routing records (a token: no dots)."""
+    return f"llmep.routes.{process_token}"
 
 
 def nudge_subject(endpoint: EndpointRef | str) -> str:

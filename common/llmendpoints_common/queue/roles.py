@@ -14,7 +14,8 @@ does without them (queue/client.py).
   deleted. The operator creates the streams and the endpoint's consumers.
 - ``gateway``: every endpoint's jobs (it accepts jobs for all of them), records, chunks and
   queue messages (a cancel takes a queued job's message out, so the depth drops at once), the
-  quotas bucket, the usage stream, held-request signals and nudges; the consumers it reads with
+  quotas bucket, the usage stream, held-request signals and nudges, the routing records gateway
+  processes share (``llmep.routes.*``, publish and subscribe); the consumers it reads with
   (the job records' usage meter, the quotas follower, the usage export). No stream or bucket
   purged or deleted, no consumer of the job queue created or deleted.
 - ``operator``: creates the streams and each endpoint's worker consumers (and updates their
@@ -137,6 +138,7 @@ def gateway() -> Permissions:
             "llmep.nudge.>",
             "llmep.usage.>",
             "llmep.chunks.>",
+            names.ROUTES_WILDCARD,
             *(
                 names.kv_subject(b, ">")
                 for b in (
@@ -173,6 +175,7 @@ def gateway() -> Permissions:
         sub_allow=(
             f"{GATEWAY_INBOX}.>",
             names.kv_subject(names.JOB_STATE_BUCKET, ">"),
+            names.ROUTES_WILDCARD,
         ),
         sub_deny=("$SYS.>",),
     )

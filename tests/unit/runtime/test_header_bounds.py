@@ -1,6 +1,6 @@
-"""The header deadline and size bound (server.BoundedHeadersProtocol) on a real uvicorn, serving
-a trivial ASGI app on loopback: no engine. The same against the runtime: tests/runtime/
-test_front_door.py."""
+"""The header deadline and size bound (server.BoundedHeadersProtocol) and the keep-alive timeout
+on a real uvicorn configured as both servers are (server.uvicorn_config), serving a trivial ASGI
+app on loopback: no engine. The same against the runtime: tests/runtime/test_front_door.py."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 from llmendpoints_edge.server import DEFAULT_MAX_HEADER_BYTES as MAX_HEADER_BYTES
-from llmendpoints_edge.server import protocol_class
+from llmendpoints_edge.server import uvicorn_config
+from llmendpoints_edge.settings import EdgeSettings
 from ports import free_port
 
 DEADLINE = 1.0
+KEEP_ALIVE = 2.0
 WAIT = 30.0  # generous: a condition to wait for, never a timing assertion
 
 
@@ -35,15 +37,13 @@ async def ok_app(scope, receive, send):
 @pytest.fixture(scope="module")
 def port() -> Iterator[int]:
     port = free_port()
-    config = uvicorn.Config(
-        ok_app,
-        host="127.0.0.1",
-        port=port,
-        log_config=None,
-        timeout_keep_alive=5,
-        http=protocol_class(DEADLINE),
-        lifespan="off",
+    settings = EdgeSettings(
+        HOST="127.0.0.1",
+        PORT=port,
+        REQUEST_READ_TIMEOUT_SECONDS=DEADLINE,
+        KEEP_ALIVE_TIMEOUT_SECONDS=KEEP_ALIVE,
     )
+    config = uvicorn_config(ok_app, settings, lifespan="off")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -119,6 +119,29 @@ def test_ordinary_requests_and_keep_alive_are_untouched(port):
         while not received.endswith(b"ok"):
             received += sock.recv(65536)
         assert received.startswith(b"HTTP/1.1 200")
+
+
+def test_an_idle_connection_is_kept_for_the_keep_alive_timeout_then_closed(port):
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        received = b""
+        while not received.endswith(b"ok"):
+            received += sock.recv(65536)
+        time.sleep(KEEP_ALIVE / 2)  # idle, but within the timeout: the next request is served
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        received = b""
+        while not received.endswith(b"ok"):
+            received += sock.recv(65536)
+        assert received.startswith(b"HTTP/1.1 200")
+        sock.settimeout(WAIT)
+        assert sock.recv(65536) == b""  # then the server closes it, idle
+
+
+def test_idle_connections_outlive_the_proxies_in_front_by_default():
+    """nginx's upstream keepalive_timeout and cloud load balancers' idle timeouts are 60 s: the
+    proxy must be the one to close an idle connection, or it sends a request on a connection
+    this server is closing and answers 502 (uvicorn's own default is 5 s)."""
+    assert uvicorn_config(ok_app, EdgeSettings()).timeout_keep_alive > 60
 
 
 def test_a_kept_alive_connection_that_starts_a_request_and_stalls_gets_408(port):

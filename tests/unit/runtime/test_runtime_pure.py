@@ -171,6 +171,11 @@ def test_readiness_answers():
     )
 
 
+def test_a_failed_engine_keeps_its_cause_on_readiness_while_the_process_drains_to_exit():
+    probe = readiness(EngineState.FAILED, phase=None, reason="OOM", draining=True, strict=True)
+    assert (probe.status, probe.body) == (503, {"status": "failed", "reason": "OOM"})
+
+
 def test_liveness_answers():
     assert liveness(EngineState.INITIALIZING, reason=None).status == 200
     assert liveness(EngineState.READY, reason=None).status == 200
