@@ -78,10 +78,27 @@ def usage_of_body(body: bytes) -> Usage | None:
 JOB_USAGE_STATUS = {JobStatus.COMPLETED: 200, JobStatus.TIMED_OUT: 408, JobStatus.CANCELLED: 499}
 
 
-def usage_of_job(record: JobRecord) -> Usage | None:
+# The usage stream drops a record published again with the same id within its duplicate
+# window (QueueLayout.usage_duplicate_window_seconds, 10 min). A finished job's record is
+# written again later too -- a /stream read moving its cursor, hours after the end -- and would
+# then be billed twice: only the writes of its first half window are billed at all. (Half of
+# that window, written out: this module stays free of the NATS client; a test holds them equal.)
+BILLED_WRITES_WITHIN_SECONDS = 300.0
+
+
+def usage_of_job(record: JobRecord, written_at: float | None = None) -> Usage | None:
     """What a finished job is billed (None: nothing). COMPLETED: the usage of its output.
     TIMED_OUT, or CANCELLED while it ran: what its worker reports the engine used up to the
-    stop (``record.usage``; none for a job that never started). FAILED: nothing."""
+    stop (``record.usage``; none for a job that never started). FAILED: nothing.
+
+    ``written_at``: when the queue stored this write of the record. A write long after the
+    job ended is a rewrite of a record already billed (BILLED_WRITES_WITHIN_SECONDS)."""
+    if (
+        written_at is not None
+        and record.finished_at is not None
+        and written_at - record.finished_at > BILLED_WRITES_WITHIN_SECONDS
+    ):
+        return None
     if record.status is JobStatus.COMPLETED:
         return usage_of_job_output(record.output)
     if record.status in JOB_USAGE_STATUS and record.usage is not None:

@@ -219,7 +219,8 @@ class JobUsageMeter:
     CANCELLED job's ``usage`` (what its worker stopped at; a job cancelled while queued has
     none and is billed nothing). It becomes the usage record ``job_usage_id(id, run)``, one per
     run; the stream drops a second copy (a later write to the finished record, e.g. a
-    ``/stream`` read moving its cursor, within ``usage_duplicate_window``), and only a record
+    ``/stream`` read moving its cursor, within ``usage_duplicate_window``; a write after half
+    that window is not billed at all: ``usage_of_job``), and only a record
     the stream stored for the first time is counted in ``tokens_total`` and charged to the
     owner's tokensPerMinute. A CANCELLED record is written twice -- by whoever cancelled
     (no usage: skipped, so its id is not spent) and by the worker adding its usage -- and
@@ -265,7 +266,7 @@ class JobUsageMeter:
                     except TimeoutError:
                         continue
                     for msg in messages:
-                        await self._handle(js, msg.data)
+                        await self._handle(js, msg.data, msg.metadata.timestamp.timestamp())
                         await msg.ack()
             except asyncio.CancelledError:
                 raise
@@ -273,14 +274,14 @@ class JobUsageMeter:
                 logger.warning("metering job usage: %s; retrying", exc)
                 await asyncio.sleep(2.0)
 
-    async def _handle(self, js: Any, data: bytes | None) -> None:
+    async def _handle(self, js: Any, data: bytes | None, written_at: float | None) -> None:
         if not data:
             return
         try:
             record = JobRecord.decode(data)
         except ValueError:
             return
-        usage = usage_of_job(record)
+        usage = usage_of_job(record, written_at)
         if usage is None:
             return
         entry, count = self.on_usage(record, usage)

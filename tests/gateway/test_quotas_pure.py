@@ -286,7 +286,12 @@ def test_usage_of_answers_and_jobs():
 def test_a_job_is_billed_what_it_used_once_per_run():
     from llmendpoints_common.jobs.models import JobStatus
     from llmendpoints_common.jobs.record import JobRecord, JobUsage
-    from llmendpoints_gateway.metering import job_usage_id, usage_of_job
+    from llmendpoints_common.queue.topology import QueueLayout
+    from llmendpoints_gateway.metering import (
+        BILLED_WRITES_WITHIN_SECONDS,
+        job_usage_id,
+        usage_of_job,
+    )
 
     def ended(status, **fields):
         return JobRecord(
@@ -304,6 +309,12 @@ def test_a_job_is_billed_what_it_used_once_per_run():
     assert usage_of_job(ended(JobStatus.TIMED_OUT, usage=JobUsage())) is None
     assert usage_of_job(ended(JobStatus.FAILED, usage=used)) is None
     assert usage_of_job(ended(JobStatus.IN_PROGRESS, usage=used)) is None
+    # A write long after the end (a /stream read moving the cursor, past the usage stream's
+    # duplicate window) is a rewrite of a record already billed; the ending writes are billed.
+    late = ended(JobStatus.COMPLETED, output=output, finished_at=1_000.0)
+    assert usage_of_job(late, written_at=1_000.0 + BILLED_WRITES_WITHIN_SECONDS) == Usage(3, 8)
+    assert usage_of_job(late, written_at=1_000.0 + BILLED_WRITES_WITHIN_SECONDS + 1) is None
+    assert QueueLayout.usage_duplicate_window_seconds / 2 == BILLED_WRITES_WITHIN_SECONDS
     # Run 1 keeps the id completed jobs always had; each /retry is a run billed on its own.
     assert job_usage_id("j", 1) == "job-j-usage"
     assert job_usage_id("j", 2) == "job-j-run2-usage" != job_usage_id("j", 3)
