@@ -108,6 +108,14 @@ class OperatorSettings(BaseSettings):
         "queue (passed as LLMEP_JOBS_QUEUE_REPLICAS; the chart sets its NATS cluster's size). "
         "Unset: the runtime's default, 1.",
     )
+    jobs_max_queued_per_owner: int = Field(
+        1_000,
+        ge=0,
+        description="Jobs one API key (owner) may have queued or running per endpoint and "
+        "priority in the shared job queue; over it /run and /runsync answer 429. Enforced by "
+        "NATS JetStream itself (the jobs stream's per-subject limit, set by the operator), so "
+        "across every gateway replica and pod. 0: no per-key cap (10,000 per key).",
+    )
     gateway_url: str | None = Field(
         None,
         description="URL of the gateway in front of all endpoints (the chart sets it when it "

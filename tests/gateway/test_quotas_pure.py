@@ -283,6 +283,43 @@ def test_usage_of_answers_and_jobs():
     assert usage_of_job_output("text") is None
 
 
+def test_a_job_is_billed_what_it_used_once_per_run():
+    from llmendpoints_common.jobs.models import JobStatus
+    from llmendpoints_common.jobs.record import JobRecord, JobUsage
+    from llmendpoints_common.queue.topology import QueueLayout
+    from llmendpoints_gateway.metering import (
+        BILLED_WRITES_WITHIN_SECONDS,
+        job_usage_id,
+        usage_of_job,
+    )
+
+    def ended(status, **fields):
+        return JobRecord(
+            id="j", endpoint="ns/ep", owner="k", request={}, sync=False, submitted_at=0,
+            retention_seconds=1, status=status, **fields,
+        )  # fmt: skip
+
+    used = JobUsage(prompt_tokens=3, completion_tokens=4)
+    output = [{"usage": {"input": 3, "output": 8}}]
+    assert usage_of_job(ended(JobStatus.COMPLETED, output=output)) == Usage(3, 8)
+    assert usage_of_job(ended(JobStatus.TIMED_OUT, usage=used)) == Usage(3, 4)
+    assert usage_of_job(ended(JobStatus.CANCELLED, usage=used)) == Usage(3, 4)
+    # Cancelled while queued (no usage), nothing made, or failed: nothing billed.
+    assert usage_of_job(ended(JobStatus.CANCELLED)) is None
+    assert usage_of_job(ended(JobStatus.TIMED_OUT, usage=JobUsage())) is None
+    assert usage_of_job(ended(JobStatus.FAILED, usage=used)) is None
+    assert usage_of_job(ended(JobStatus.IN_PROGRESS, usage=used)) is None
+    # A write long after the end (a /stream read moving the cursor, past the usage stream's
+    # duplicate window) is a rewrite of a record already billed; the ending writes are billed.
+    late = ended(JobStatus.COMPLETED, output=output, finished_at=1_000.0)
+    assert usage_of_job(late, written_at=1_000.0 + BILLED_WRITES_WITHIN_SECONDS) == Usage(3, 8)
+    assert usage_of_job(late, written_at=1_000.0 + BILLED_WRITES_WITHIN_SECONDS + 1) is None
+    assert QueueLayout.usage_duplicate_window_seconds / 2 == BILLED_WRITES_WITHIN_SECONDS
+    # Run 1 keeps the id completed jobs always had; each /retry is a run billed on its own.
+    assert job_usage_id("j", 1) == "job-j-usage"
+    assert job_usage_id("j", 2) == "job-j-run2-usage" != job_usage_id("j", 3)
+
+
 def _asks(path: str, payload: dict) -> tuple[bool, bool]:
     metered = metered_request(path, payload, len(json.dumps(payload)), 16)
     return metered.ask_usage, metered.strip
