@@ -11,9 +11,11 @@ Part ``cost``: the limiter (gateway/llmendpoints_gateway/limiter.py) in one proc
 real nats-server: the time of ``admit`` + ``finish`` per request, sequential, for a key without
 limits (no NATS), a key with limits on one replica's own state (no NATS), a key with
 requestsPerMinute + tokensPerMinute shared through NATS (mostly admitted from the replica's
-reservation, no round trip) and one that also has maxConcurrent (a lease: one compare-and-set
-round trip per request); also bucket round trips per request (admission + the background
-release / token charge). Then the same through a real gateway process: median end-to-end
+reservation, no round trip), the same key admitted as the gateway admits a chat request
+(reserving its prompt estimate + max_tokens of tokensPerMinute, where the code does: a write per
+admission), and one that also has maxConcurrent (a lease: one compare-and-set round trip per
+request); also bucket round trips per request (admission + the background release / token
+charge). With PYTHONPATH pointing at an older checkout, the same part measures that code. Then the same through a real gateway process: median end-to-end
 latency of each limited key minus the unlimited one, alternating (the limiter's share of a
 proxied request).
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import inspect
 import json
 import os
 import statistics
@@ -56,6 +59,9 @@ from integration.nats_kit import nats_server  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "demo", "messages": [{"role": "user", "content": "one two three"}]}
+# What the gateway reserves of tokensPerMinute for BODY (metering.metered_request): the prompt
+# estimate (13 characters / 4 + 4 tokens for the message) + GATEWAY_DEFAULT_MAX_TOKENS (1024).
+CHAT_RESERVATION = 8 + 1024
 
 
 def pct(values: list[float], q: float) -> float:
@@ -69,22 +75,42 @@ def pct(values: list[float], q: float) -> float:
 async def limiter_cost(url: str, requests: int) -> dict:
     from llmendpoints_gateway.keys import Key
     from llmendpoints_gateway.limiter import Limiter
-    from llmendpoints_gateway.queue import SharedQueue
     from llmendpoints_gateway.quotas import Limits
+
+    # Older code (PYTHONPATH) has no shared queue object: its limiter opened its own NATS
+    # connection from a URL. (Not an ImportError test: this venv's editable install would
+    # supply this checkout's module to the older package.)
+    shares_queue = "queue" in inspect.signature(Limiter.__init__).parameters
+    # Newer code reserves a request's tokens of tokensPerMinute at admission (the gateway passes
+    # prompt estimate + n x max_tokens); older code took no such argument.
+    reserves = "tokens" in inspect.signature(Limiter.admit).parameters
 
     rates = Limits(requests_per_minute=10**9, tokens_per_minute=10**12)
     every = Limits(requests_per_minute=10**9, tokens_per_minute=10**12, max_concurrent=10**6)
     results = {}
-    for label, key, shared in [
-        ("no limits", Key("free"), False),
-        ("rpm+tpm+maxConcurrent, this replica's own state", Key("local", limits=every), False),
-        ("rpm+tpm, shared through NATS", Key("rates", limits=rates), True),
-        ("rpm+tpm+maxConcurrent, shared through NATS", Key("every", limits=every), True),
+    for label, key, shared, tokens in [
+        ("no limits", Key("free"), False, 0),
+        ("rpm+tpm+maxConcurrent, this replica's own state", Key("local", limits=every), False, 0),
+        ("rpm+tpm, shared through NATS", Key("rates", limits=rates), True, 0),
+        (
+            "rpm+tpm, shared through NATS, admitted as the gateway admits BODY",
+            Key("chat", limits=rates),
+            True,
+            CHAT_RESERVATION,
+        ),
+        ("rpm+tpm+maxConcurrent, shared through NATS", Key("every", limits=every), True, 0),
     ]:
-        queue = SharedQueue(url, "bench") if shared else None
-        if queue is not None:
-            await queue.start()
-        limiter = Limiter("bench", queue)
+        if not shares_queue:
+            queue = None
+            limiter = Limiter("bench", url if shared else None)
+        else:
+            from llmendpoints_gateway.queue import SharedQueue
+
+            queue = SharedQueue(url, "bench") if shared else None
+            if queue is not None:
+                await queue.start()
+            limiter = Limiter("bench", queue)
+        reserve = {"tokens": tokens} if reserves and tokens else {}
         await limiter.start()
         if shared:
             deadline = time.monotonic() + 20
@@ -92,13 +118,14 @@ async def limiter_cost(url: str, requests: int) -> dict:
                 assert time.monotonic() < deadline, "the limiter did not connect"
                 await asyncio.sleep(0.05)
         for _ in range(200):  # warm-up
-            limiter.finish(await limiter.admit(key), 11)
+            limiter.finish(await limiter.admit(key, **reserve), 11)
         await asyncio.sleep(0.2)
         trips_before = limiter.round_trips
+        local_before = limiter.local_admissions
         times = []
         for _ in range(requests):
             started = time.perf_counter()
-            ticket = await limiter.admit(key)
+            ticket = await limiter.admit(key, **reserve)
             limiter.finish(ticket, 11)
             times.append((time.perf_counter() - started) * 1e6)
             if limiter._background:
@@ -107,7 +134,8 @@ async def limiter_cost(url: str, requests: int) -> dict:
         if queue is not None:
             await queue.stop()
         results[label] = {
-            "admitted_without_round_trip": limiter.local_admissions,
+            "tokens_reserved_at_admission": reserve.get("tokens", 0),
+            "admitted_without_round_trip": limiter.local_admissions - local_before,
             "p50_us": round(statistics.median(times), 1),
             "p99_us": round(pct(times, 0.99), 1),
             # admit (on the request path) + the lease release and token charge (after it)
@@ -144,6 +172,7 @@ def fleet(log_dir: Path, url: str, api_keys: list[dict], gateways: int = 2) -> I
                     JOBS_QUEUE_URL=url,
                     GATEWAY_ID=f"bench{i}",
                     LLMEP_LOG_LEVEL="warning",
+                    LOG_LEVEL="warning",  # the same, for an older gateway (PYTHONPATH)
                     GATEWAY_METRICS_KEY_LABELS="1",  # counted per key below
                 )
             )
