@@ -55,16 +55,19 @@ from llmendpoints_gateway.keys import Key
 from llmendpoints_gateway.queue import SharedQueue
 from llmendpoints_gateway.quotas import (
     LEASE_RENEW_SECONDS,
+    Allowance,
     Denied,
     Limits,
     QuotaState,
-    admit,
+    admit_locally,
+    admit_shared,
     denial_message,
     finish,
+    own_view,
     rate_headers,
     renew,
-    reservation,
     reserved_tokens,
+    settle_locally,
 )
 from llmendpoints_gateway.request import RequestLog
 
@@ -90,6 +93,7 @@ class Ticket:
     finished: bool = False
     reserved: int = 0  # tokens reserved at admission (settled when it ends)
     window: int | None = None  # the minute it was admitted in
+    local: bool = False  # its tokens came from this replica's allowance (settled there)
 
 
 class _Pending:
@@ -124,8 +128,9 @@ class Limiter:
         self._fallback_logged = False
         self.round_trips = 0  # bucket writes and reads made (bench, tests)
         self.local_admissions = 0  # admitted from a reservation, no round trip
-        # tenant token -> (window, requests reserved by this replica and not used yet)
-        self._allowance: dict[str, tuple[int, int]] = {}
+        self.local_settlements = 0  # ended requests settled in the allowance, no round trip
+        # tenant token -> what this replica holds of the key's minute and has not used yet
+        self._allowance: dict[str, Allowance] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -202,55 +207,50 @@ class Limiter:
             else None
         )
         reserved = reserved_tokens(limits, tokens)
-        # Admissions from a local allowance of requests (no round trip) count no tokens: a
-        # request that reserves some is written, so the window never takes more than it holds.
-        reserve = lease is None and reserved == 0 and self.shared
-        if reserve and (headers := self._admit_locally(token, limits)) is not None:
-            return Ticket(key.name, limits, None, headers)
+        # Without a lease, an admission is taken from this replica's allowance (requests and
+        # tokens already counted in the shared state) when it covers it: no round trip.
+        reserve = lease is None and self.shared
+        if reserve and (ticket := self._admit_locally(key.name, token, limits, reserved)):
+            return ticket
 
         def op(state: QuotaState, now: float) -> tuple[QuotaState, Any, bool]:
-            after, denied = admit(state, limits, now, lease, reserved)
-            extra = reservation(after, limits) if reserve and denied is None else 0
-            after.requests += extra
-            view = QuotaState(after.window, after.requests - extra, after.tokens)
-            return (
-                after,
-                (denied, rate_headers(view, limits, now), extra, after.window),
-                (denied is None),
+            # The allowance as it is when the write is computed (a batch's later ops see what
+            # the earlier ones took only once their write returns: each takes a share of
+            # what is left, so a batch takes a bounded, shrinking series of blocks).
+            after, denied, extra, view = admit_shared(
+                state, limits, now, lease, reserved, self._allowance.get(token), reserve
             )
+            return after, (denied, rate_headers(view, limits, now), extra), (denied is None)
 
-        denied, headers, extra, window = await self._submit(token, op)
+        denied, headers, extra = await self._submit(token, op)
         if denied is not None:
             raise _rate_limited(key.name, limits, denied, headers)
-        if extra:
-            have_window, left = self._allowance.get(token, (window, 0))
-            self._allowance[token] = (window, extra + (left if have_window == window else 0))
+        if extra.requests or extra.tokens:
+            held = self._allowance.get(token)
+            self._allowance[token] = held.add(extra) if held is not None else extra
         if lease is not None:
             self._held.setdefault(token, set()).add(lease)
-        return Ticket(key.name, limits, lease, headers, reserved=reserved, window=window)
+        return Ticket(key.name, limits, lease, headers, reserved=reserved, window=extra.window)
 
-    def _admit_locally(self, token: str, limits: Limits) -> list[tuple[bytes, bytes]] | None:
-        """Admit with no round trip when the cached state allows it: from this replica's
-        reserved requests (requestsPerMinute), and the minute's tokens below tokensPerMinute
-        (the cache follows the bucket; a window's counts only grow, so a stale cache may admit
-        a request the tokens limit would refuse only by the charges still in flight -- the
-        bound quotas.py states). None: decide by a write."""
+    def _admit_locally(self, name: str, token: str, limits: Limits, reserved: int) -> Ticket | None:
+        """Admit with no round trip when this replica's copy of the state (it follows the
+        bucket) and its allowance allow it (quotas.admit_locally). None: decide by a write."""
         cached = self._cache.get(token)
         if cached is None:
             return None
         now = self.clock()
         state = cached[0].current(now)
-        if limits.tokens_per_minute is not None and state.tokens >= limits.tokens_per_minute:
+        held = self._allowance.get(token)
+        after = admit_locally(state, held, limits, reserved)
+        if after is None:
             return None
-        if limits.requests_per_minute is None:
-            return rate_headers(state, limits, now)
-        window, left = self._allowance.get(token, (-1, 0))
-        if window != state.window or left <= 0:
-            return None
-        self._allowance[token] = (window, left - 1)
-        self.local_admissions += 1
-        view = QuotaState(state.window, state.requests - (left - 1), state.tokens)
-        return rate_headers(view, limits, now)
+        self._allowance[token] = after
+        if limits.requests_per_minute is not None or reserved:
+            self.local_admissions += 1
+        headers = rate_headers(own_view(state, after), limits, now)
+        return Ticket(
+            name, limits, None, headers, reserved=reserved, window=state.window, local=reserved > 0
+        )
 
     def peek(self, key: Key) -> list[tuple[bytes, bytes]]:
         """The x-ratelimit-* headers as this replica sees the key now, counting nothing."""
@@ -292,10 +292,23 @@ class Limiter:
             return
         if ticket.limits.tokens_per_minute is None and ticket.lease is None:
             return
+        reserved, window = ticket.reserved, ticket.window
+        if ticket.local:
+            # Its reservation came from the allowance: settled there, a write only for what it
+            # used beyond the reservation and the allowance.
+            held, tokens = settle_locally(
+                self._allowance.get(token), self.clock(), window, reserved, tokens
+            )
+            if held is not None:
+                self._allowance[token] = held
+            self.local_settlements += 1
+            if tokens <= 0:
+                return
+            reserved, window = 0, None
 
         def op(state: QuotaState, now: float) -> tuple[QuotaState, Any, bool]:
             charged = tokens if ticket.limits.tokens_per_minute is not None else 0
-            after = finish(state, now, ticket.lease, charged, ticket.reserved, ticket.window)
+            after = finish(state, now, ticket.lease, charged, reserved, window)
             return after, None, True
 
         task = asyncio.get_running_loop().create_task(self._submit(token, op))
