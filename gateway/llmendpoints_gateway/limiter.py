@@ -258,7 +258,9 @@ class Limiter:
         cached = self._cache.get(token) if self.shared else None
         state = cached[0] if cached is not None else self._local.get(token, QuotaState())
         now = self.clock()
-        return rate_headers(state.current(now), key.limits, now)
+        state = state.current(now)
+        held = self._allowance.get(token) if cached is not None else None
+        return rate_headers(own_view(state, held) if held else state, key.limits, now)
 
     def reporting(self, key: Key, send: Send, state: RequestLog) -> Send:
         """``send`` that puts x-ratelimit-* on every answer to ``key``: the admission's view
