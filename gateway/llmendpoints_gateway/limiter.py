@@ -131,6 +131,7 @@ class Limiter:
         self.local_settlements = 0  # ended requests settled in the allowance, no round trip
         # tenant token -> what this replica holds of the key's minute and has not used yet
         self._allowance: dict[str, Allowance] = {}
+        self._taking: dict[str, Allowance] = {}  # taken by the ops of the write being computed
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -214,12 +215,17 @@ class Limiter:
             return ticket
 
         def op(state: QuotaState, now: float) -> tuple[QuotaState, Any, bool]:
-            # The allowance as it is when the write is computed (a batch's later ops see what
-            # the earlier ones took only once their write returns: each takes a share of
-            # what is left, so a batch takes a bounded, shrinking series of blocks).
+            # The allowance with what earlier ops of the same write took: a burst committed
+            # in one write takes one allowance, not one per request.
+            held = self._allowance.get(token)
+            taking = self._taking.get(token)
+            if taking is not None:
+                held = held.add(taking) if held is not None else taking
             after, denied, extra, view = admit_shared(
-                state, limits, now, lease, reserved, self._allowance.get(token), reserve
+                state, limits, now, lease, reserved, held, reserve
             )
+            if extra.requests or extra.tokens:
+                self._taking[token] = taking.add(extra) if taking is not None else extra
             return after, (denied, rate_headers(view, limits, now), extra), (denied is None)
 
         denied, headers, extra = await self._submit(token, op)
@@ -351,8 +357,10 @@ class Limiter:
                     self._pending.pop(token, None)
         return await future
 
-    @staticmethod
-    def _run_ops(state: QuotaState, ops: list[Op], now: float) -> tuple[QuotaState, list, bool]:
+    def _run_ops(
+        self, token: str, state: QuotaState, ops: list[Op], now: float
+    ) -> tuple[QuotaState, list, bool]:
+        self._taking.pop(token, None)  # a write computed again (it lost) takes again
         results = []
         changed = False
         for op in ops:
@@ -378,7 +386,7 @@ class Limiter:
 
     def _apply_local(self, token: str, ops: list[Op]) -> list[Any]:
         state = self._local.get(token) or QuotaState()
-        state, results, _ = self._run_ops(state, ops, self.clock())
+        state, results, _ = self._run_ops(token, state, ops, self.clock())
         self._local[token] = state
         return results
 
@@ -393,7 +401,7 @@ class Limiter:
                 fresh = True
             state, seq = cached
             now = self.clock()
-            after, results, changed = self._run_ops(state.current(now), ops, now)
+            after, results, changed = self._run_ops(token, state.current(now), ops, now)
             if not changed:
                 # Nothing admitted and nothing to release: refusals. A concurrency refusal is
                 # checked against the stored value once (a slot may have been freed).

@@ -575,7 +575,7 @@ def test_a_tpm_key_on_one_replica_is_admitted_and_settled_from_its_allowance():
             self.round_trips += 1
             state, _ = self._cache.get(token, (QuotaState(), 0))
             now = self.clock()
-            after, results, _ = self._run_ops(state.current(now), ops, now)
+            after, results, _ = self._run_ops(token, state.current(now), ops, now)
             self._cache[token] = (after, 0)
             return results
 
