@@ -11,9 +11,13 @@ Cost on the request path:
 
 - a key without limits: nothing (no NATS, no lock);
 - a key with requestsPerMinute / tokensPerMinute only: usually none. A replica that writes an
-  admission also reserves a share of what is left of the minute's requests (quotas.reservation:
-  1/8 of it, at most 32; none near the limit) and admits the next ones from that allowance
-  without a round trip; tokens are checked against its cached copy of the state;
+  admission also takes an allowance (quotas.admit_shared): a share of what is left of the
+  minute's requests (quotas.reservation: 1/8 of it, at most 32) and, when the request reserves
+  tokens, of its tokens (quotas.token_block: 1/8, at most 32 such reservations); none near the
+  limit. It admits the next requests from that allowance without a round trip, and settles
+  them there when they end (quotas.settle_locally: unused tokens back, an excess taken; only
+  what the allowance cannot cover is written). The allowance counts in the shared state when
+  taken; a replica that dies loses what it held, until that minute ends;
 - a key with maxConcurrent, or whose allowance is used up: one publish round trip in the usual
   case. Every replica follows the bucket (an ordered consumer delivering each change), so its
   cached revision is the latest and the write wins the first time; a write that loses re-reads

@@ -17,6 +17,12 @@ admitted only if the reservation fits in what is left of the minute; when it end
 reservation is settled against what the engine reported (the difference charged, or given back
 while the window lasts). Requests in flight can therefore never take the window past its limit
 by more than their estimates of their prompts were short.
+
+A replica may hold an ``Allowance`` of a key's minute (requests and tokens counted in the shared
+state when it took them, not used yet) and admit and settle requests from it with no round trip
+(``admit_shared`` takes it, ``admit_locally`` uses it, ``settle_locally`` settles in it). It is
+never more than a 1/RESERVE_SHARE share of what was left, none near the limit; what a replica
+holds when it dies, or when the minute ends, is lost for that minute.
 """
 
 from __future__ import annotations
