@@ -5,13 +5,19 @@ through (a) a stand-in for vLLM's app called directly and (b) the runtime's full
 `create_app` (request id, HTTP metrics, body guard, API keys, FastAPI routing, the catch-all
 mount, admission) with that stand-in as the engine's app. The difference is what our layers cost
 per request, without a network, an engine or other processes in the way. Used by
-bench/runtime_vs_vllm.py (files starting with "_" are not benchmarks of their own).
+bench/runtime_vs_vllm.py (files starting with "_" are not benchmarks of their own); run as a
+script (``python bench/_middleware_overhead.py MODEL``) it prints the measure as JSON, for the
+code its PYTHONPATH names (``measure_code``: an older checkout's).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -122,3 +128,25 @@ def measure(model: Path, chunks: int, requests: int = 2000, repeats: int = 5) ->
         "runtime_stack_us": through * 1e6,
         "overhead_us": (through - direct) * 1e6,
     }
+
+
+def measure_code(pythonpath: str, model: Path, chunks: int) -> dict:
+    """``measure`` in a child process whose PYTHONPATH is ``pythonpath`` (another checkout's
+    runtime, imported instead of this one)."""
+    result = subprocess.run(
+        [sys.executable, __file__, str(model), "--chunks", str(chunks)],
+        env={**os.environ, "PYTHONPATH": pythonpath},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--chunks", type=int, default=34)
+    args = parser.parse_args()
+    print(json.dumps(measure(args.model, args.chunks)))

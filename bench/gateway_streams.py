@@ -6,6 +6,10 @@ candidate HTTP stacks (bench/gateway_stacks.py) under the same load for comparis
     # the gateway with 2 worker processes, and main's gateway (its tree at a git ref):
     .venv/bin/python bench/gateway_streams.py --targets gateway --workers 2
     .venv/bin/python bench/gateway_streams.py --targets gateway --gateway-ref main
+    # an older checkout's gateway next to this one, alternated, and where its CPU goes:
+    .venv/bin/python bench/gateway_streams.py --targets gateway --before /path/to/old/checkout \
+        --rounds 3
+    .venv/bin/python bench/gateway_streams.py --targets gateway --before ... --profile DIR
 
 For each target (the real gateway, the minimal bare-ASGI proxy, the minimal aiohttp-server
 proxy), in its own process in front of two stand-in backends:
@@ -17,6 +21,11 @@ proxy), in its own process in front of two stand-in backends:
    send an event every 0.5 s for ~15 s); once every one has its first event, the target's RSS
    is sampled; memory per open stream = (RSS with all open - RSS idle) / streams. Every stream
    must end with ``[DONE]`` and status 200: any other ending is an error.
+
+``--before PATH`` adds the target ``gateway-before``: the gateway of an older checkout (its
+gateway/ and common/ first on PYTHONPATH; ``--gateway-ref`` needs the ref in this repository's
+history, a checkout does not), run next to ``gateway`` in each of ``--rounds`` rounds (the two
+swapped every other round).
 
 Target (bench/README.md, the table's target column): 2,000 concurrent open streams on 2 cores with no error; CPU per proxied
 request and memory per open stream reported. Results: JSON in bench/out/gateway_streams.json and
@@ -30,6 +39,7 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -82,8 +92,10 @@ def wait_http(url: str, timeout: float = 30) -> None:
 @dataclass
 class Result:
     target: str
+    round: int
     requests: int
     cpu_ms_per_request: float
+    system_cpu_ms_per_request: float  # the kernel's share of it (sockets, epoll)
     requests_per_s: float
     streams: int
     streams_ok: int
@@ -166,7 +178,9 @@ class Tree:
         return Memory(rss)
 
 
-async def cpu_phase(url: str, proc: Tree, requests: int, concurrency: int = 100):
+async def cpu_phase(
+    url: str, proc: Tree, requests: int, concurrency: int = 100, profile: bool = False
+):
     data = body(8, 0.001)
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(
@@ -181,15 +195,22 @@ async def cpu_phase(url: str, proc: Tree, requests: int, concurrency: int = 100)
             for _ in queue:
                 outcomes.append(await one_stream(s, url, data, None, []))
 
+        if profile:  # bench/_profiled.py: start
+            proc.main.send_signal(signal.SIGUSR1)
+            await asyncio.sleep(0.2)
         before = proc.cpu_times()
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - started
         after = proc.cpu_times()
+        if profile:  # stop, write the stats
+            proc.main.send_signal(signal.SIGUSR2)
+            await asyncio.sleep(1.0)
     cpu = (after.user - before.user) + (after.system - before.system)
     bad = [o for o in outcomes if o != "ok"]
     assert not bad, f"errors in the CPU phase: {bad[:5]}"
-    return cpu / requests * 1000, requests / wall
+    system = after.system - before.system
+    return cpu / requests * 1000, system / requests * 1000, requests / wall
 
 
 async def open_streams_phase(url: str, proc: Tree, streams: int):
@@ -218,8 +239,19 @@ async def open_streams_phase(url: str, proc: Tree, streams: int):
     return rss_idle, rss_open, outcomes.count("ok"), errors, open_all
 
 
-def start_target(name: str, port: int, backends: list[str], tmp: Path, args) -> subprocess.Popen:
-    if name == "gateway":
+def gateway_code_path(code: Path) -> str:
+    """PYTHONPATH that runs the gateway of the checkout ``code`` (older ones have no edge/)."""
+    folders = ("gateway", "common", "edge")
+    return os.pathsep.join(str(code / f) for f in folders if (code / f).is_dir())
+
+
+def start_target(
+    name: str, port: int, backends: list[str], tmp: Path, args, profile: Path | None = None
+) -> subprocess.Popen:
+    if name in ("gateway", "gateway-before"):
+        if name == "gateway-before" and args.before is None:
+            raise ValueError("the target gateway-before needs --before")
+        code = args.before if name == "gateway-before" else source_tree(args.gateway_ref)
         endpoints = tmp / "endpoints.yaml"
         endpoints.write_text(
             yaml.safe_dump(
@@ -231,14 +263,17 @@ def start_target(name: str, port: int, backends: list[str], tmp: Path, args) -> 
             "PORT": str(port),
             "HOST": "127.0.0.1",
             "LLMEP_LOG_LEVEL": "warning",
+            "LOG_LEVEL": "warning",  # the same, for an older gateway
             "GATEWAY_REQUIRE_KEYS": "false",  # the replicas are open: a bench of routing
             "GATEWAY_METRICS_PORT": "0",
             "GATEWAY_WORKERS": str(args.workers),
-            "PYTHONPATH": os.pathsep.join(
-                str(source_tree(args.gateway_ref) / p) for p in ("gateway", "common", "edge")
-            ),
+            "PYTHONPATH": gateway_code_path(code),
         }
-        return spawn([PY, "-m", "llmendpoints_gateway", "serve"], tmp / "gateway.log", env)
+        # --profile: the gateway under cProfile (bench/_profiled.py), profiled in the CPU
+        # phase's measured part only (the supervisor's process: with --workers 1, the gateway).
+        profiler = [str(REPO / "bench" / "_profiled.py"), str(profile)] if profile else []
+        argv = [PY, *profiler, "-m", "llmendpoints_gateway", "serve"]
+        return spawn(argv, tmp / f"{name}.log", env)
     argv = [
         PY,
         str(REPO / "bench" / "gateway_stacks.py"),
@@ -251,16 +286,16 @@ def start_target(name: str, port: int, backends: list[str], tmp: Path, args) -> 
     return spawn(argv, tmp / f"{name}.log")
 
 
-async def run_target(name: str, backends: list[str], args, tmp: Path) -> Result:
+async def run_target(name: str, round_: int, backends: list[str], args, tmp: Path) -> Result:
     port = free_port()
-    process = start_target(name, port, backends, tmp, args)
+    profile = args.profile / f"{name}-{round_}.prof" if args.profile is not None else None
+    process = start_target(name, port, backends, tmp, args, profile)
+    is_gateway = name in ("gateway", "gateway-before")
     try:
         wait_http(
-            f"http://127.0.0.1:{port}/v1/models"
-            if name == "gateway"
-            else f"http://127.0.0.1:{port}/"
+            f"http://127.0.0.1:{port}/v1/models" if is_gateway else f"http://127.0.0.1:{port}/"
         )
-        if name == "gateway":
+        if is_gateway:
             deadline = time.monotonic() + 10
             while httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0][
                 "ready_replicas"
@@ -269,12 +304,16 @@ async def run_target(name: str, backends: list[str], args, tmp: Path) -> Result:
                 time.sleep(0.1)
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         proc = Tree(process.pid)
-        cpu_ms, rps = await cpu_phase(url, proc, args.requests)
+        cpu_ms, system_ms, rps = await cpu_phase(
+            url, proc, args.requests, profile=profile is not None
+        )
         rss_idle, rss_open, ok, errors, open_all = await open_streams_phase(url, proc, args.streams)
         return Result(
             name,
+            round_,
             args.requests,
             round(cpu_ms, 3),
+            round(system_ms, 3),
             round(rps, 1),
             args.streams,
             ok,
@@ -297,12 +336,12 @@ def markdown(results: list[Result], args) -> str:
         f"({platform.machine()}, shared), two stand-in backends; load client in the same machine; "
         f"gateway: {args.workers} worker(s), {args.gateway_ref or 'this checkout'}.",
         "",
-        "| target | CPU ms / proxied request | requests/s (100 concurrent) | streams OK | errors | RSS idle MiB | RSS all open MiB | KiB / open stream | all open after s |",
+        "| target (round) | CPU ms / proxied request (system) | requests/s (100 concurrent) | streams OK | errors | RSS idle MiB | RSS all open MiB | KiB / open stream | all open after s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         lines.append(
-            f"| {r.target} | {r.cpu_ms_per_request} | {r.requests_per_s} | {r.streams_ok}/{r.streams} | "
+            f"| {r.target} ({r.round}) | {r.cpu_ms_per_request} ({r.system_cpu_ms_per_request}) | {r.requests_per_s} | {r.streams_ok}/{r.streams} | "
             f"{r.stream_errors or 0} | {r.rss_idle_mib} | {r.rss_open_mib} | {r.kib_per_open_stream} | {r.open_all_s} |"
         )
     return "\n".join(lines) + "\n"
@@ -311,6 +350,8 @@ def markdown(results: list[Result], args) -> str:
 async def main_async(args) -> int:
     tmp = OUT / "gateway_streams"
     tmp.mkdir(parents=True, exist_ok=True)
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
     backends, standins = [], []
     for i in range(2):
         port = free_port()
@@ -331,7 +372,11 @@ async def main_async(args) -> int:
     try:
         for b in backends:
             wait_http(b + "/ready")
-        results = [await run_target(name, backends, args, tmp) for name in args.targets.split(",")]
+        results = [
+            await run_target(name, round_, backends, args, tmp)
+            for round_ in range(1, args.rounds + 1)
+            for name in round_targets(args.targets.split(","), round_, args.before is not None)
+        ]
     finally:
         for p in standins:
             p.terminate()
@@ -341,6 +386,16 @@ async def main_async(args) -> int:
     return 0 if all(r.streams_ok == r.streams for r in results) else 1
 
 
+def round_targets(targets: list[str], round_: int, before: bool) -> list[str]:
+    """The targets of one round (pure): with an older gateway, ``gateway-before`` right after
+    ``gateway``, and before it every other round, so neither always runs first."""
+    if not before or "gateway" not in targets:
+        return targets
+    pair = ["gateway", "gateway-before"] if round_ % 2 else ["gateway-before", "gateway"]
+    at = targets.index("gateway")
+    return [*targets[:at], *pair, *targets[at + 1 :]]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--streams", type=int, default=2000)
@@ -348,6 +403,17 @@ def main() -> int:
     parser.add_argument("--targets", default="gateway,asgi,aiohttp")
     parser.add_argument("--workers", type=int, default=1, help="the gateway's GATEWAY_WORKERS")
     parser.add_argument("--gateway-ref", help="run the gateway at this git ref (e.g. main)")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--before", type=Path, help="also measure the gateway of this older checkout"
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="profile the gateways' CPU phase (cProfile, CPU clock: bench/_profiled.py); stats "
+        "in this folder as <target>-<round>.prof (the CPU numbers then include the profiler's "
+        "cost)",
+    )
     return asyncio.run(main_async(parser.parse_args()))
 
 

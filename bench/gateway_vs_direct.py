@@ -6,6 +6,8 @@
     # The gateway with 2 worker processes, and main's gateway (the tree at a git ref) to compare:
     .venv/bin/python bench/gateway_vs_direct.py --part overhead --workers 2
     .venv/bin/python bench/gateway_vs_direct.py --part overhead --gateway-ref main
+    # ... and an older checkout's gateway next to it in every round:
+    .venv/bin/python bench/gateway_vs_direct.py --part overhead --rounds 3 --before /old/checkout
 
 Part ``overhead``: one runtime (demo model), one gateway in front of it (static endpoints file).
 vLLM's own benchmark client (as in bench/runtime_vs_vllm.py: random dataset, streamed
@@ -14,7 +16,9 @@ throughput ratio gateway/direct (target >= 0.97), median TTFT added by the gatew
 <= 2 ms), the gateway's CPU per proxied request (every process of it: with GATEWAY_WORKERS > 1
 the supervisor and its workers), and the runtime's API process's CPU for the same requests (the
 runtime's own process, not its engine core): the gateway/runtime-API ratio (issue 23's goal:
-<= 0.10).
+<= 0.10). ``--before PATH`` puts a second gateway, of an older checkout's code (its gateway/ and
+common/ first on PYTHONPATH), in front of the same runtime and adds it to every round (the two
+gateways' order swapped every other round): the same measures for both codes, in one run.
 
 Part ``prefix``: two runtimes with prefix caching; a multi-turn chat load (conversations sharing
 one long system prompt, each turn resending the whole history) through the gateway, once with the
@@ -64,8 +68,16 @@ def source_tree(ref: str | None) -> Path:
     tree = OUT / "trees" / commit
     if not (tree / "gateway").exists():
         tree.mkdir(parents=True, exist_ok=True)
+        # Only the folders the ref has: an older one has no edge/.
+        folders = subprocess.run(
+            ["git", "ls-tree", "--name-only", commit, "gateway", "common", "edge"],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.split()
         archive = subprocess.run(
-            ["git", "archive", commit, "gateway", "common", "edge"],
+            ["git", "archive", commit, *folders],
             cwd=REPO,
             check=True,
             capture_output=True,
@@ -105,23 +117,28 @@ def gateway(
     *,
     workers: int = 1,
     ref: str | None = None,
+    code: Path | None = None,
     extra_env: dict[str, str] | None = None,
 ) -> Iterator[tuple[str, int]]:
-    """A gateway over static ``endpoints``: this checkout's, or the one at git ``ref``."""
+    """A gateway over static ``endpoints``: this checkout's, the one at git ``ref``, or the
+    one of the checkout ``code``."""
     port = rv.free_port()
     config = log_path.with_suffix(".yaml")
     config.write_text(yaml.safe_dump({"endpoints": endpoints}))
-    tree = source_tree(ref)
+    tree = code if code is not None else source_tree(ref)
     env = {
         **os.environ,
         "GATEWAY_ENDPOINTS_FILE": str(config),
         "PORT": str(port),
         "HOST": "127.0.0.1",
         "LLMEP_LOG_LEVEL": "warning",
+        "LOG_LEVEL": "warning",  # the same, for an older gateway
         "GATEWAY_REQUIRE_KEYS": "false",  # the replicas are open: a bench of routing
         "GATEWAY_METRICS_PORT": "0",
         "GATEWAY_WORKERS": str(workers),
-        "PYTHONPATH": os.pathsep.join(str(tree / p) for p in ("gateway", "common", "edge")),
+        "PYTHONPATH": os.pathsep.join(
+            str(tree / p) for p in ("gateway", "common", "edge") if (tree / p).is_dir()
+        ),
         **(extra_env or {}),
     }
     with log_path.open("wb") as log:
@@ -157,36 +174,49 @@ def overhead(args, model: Path, out: Path) -> dict:
         warmups=8,
         seed=0,
     )
-    runs: dict[str, list[dict]] = {"direct": [], "gateway": []}
-    with (
-        rv.running_server(rv.OURS, model, out / "runtime.log") as runtime,
-        gateway(
-            [{"name": "demo", "models": [rv.SERVED_NAME], "backends": [runtime.url]}],
-            out / "gateway.log",
-            workers=args.workers,
-            ref=args.gateway_ref,
-        ) as (gw_url, gw_pid),
-    ):
+    gateways = ["gateway", "gateway-before"] if args.before is not None else ["gateway"]
+    runs: dict[str, list[dict]] = {side: [] for side in ["direct", *gateways]}
+    with contextlib.ExitStack() as stack:
+        runtime = stack.enter_context(rv.running_server(rv.OURS, model, out / "runtime.log"))
+        endpoints = [{"name": "demo", "models": [rv.SERVED_NAME], "backends": [runtime.url]}]
+        urls, pids = {"direct": runtime.url}, {}
+        for side in gateways:
+            urls[side], pids[side] = stack.enter_context(
+                gateway(
+                    endpoints,
+                    out / f"{side}.log",
+                    workers=args.workers,
+                    ref=args.gateway_ref,
+                    code=args.before.resolve() if side == "gateway-before" else None,
+                )
+            )
         requests = load.num_prompts + load.warmups
-        # What both cost with no request at all (the gateway's probes and engine-load reads,
+        # What each costs with no request at all (the gateway's probes and engine-load reads,
         # the runtime's answers to them), per second: taken off each run's CPU, so that the
         # client's own start-up time in each run does not count as request work.
         time.sleep(2)
-        idle_started, gw_idle0, api_idle0 = time.perf_counter(), cpu_tree(gw_pid), runtime.cpu()
+        idle_started, api_idle0 = time.perf_counter(), runtime.cpu()
+        gw_idle0 = {side: cpu_tree(pid) for side, pid in pids.items()}
         time.sleep(args.idle_seconds)
         idle_wall = time.perf_counter() - idle_started
-        gw_idle = (cpu_tree(gw_pid) - gw_idle0) / idle_wall
+        gw_idle = {side: (cpu_tree(pid) - gw_idle0[side]) / idle_wall for side, pid in pids.items()}
         api_idle = (runtime.cpu() - api_idle0).api_seconds / idle_wall
-        print(f"  idle: gateway {gw_idle * 100:.2f}% of a core, runtime API {api_idle * 100:.2f}%")
+        print(f"  idle: gateways {gw_idle} cores, runtime API {api_idle * 100:.2f}% of a core")
         for round_ in range(args.rounds):
-            for side, url in (("direct", runtime.url), ("gateway", gw_url)):
-                before, runtime_before = cpu_tree(gw_pid), runtime.cpu()
+            for side in ["direct", *(gateways if round_ % 2 == 0 else gateways[::-1])]:
+                pid = pids.get(side)
+                before, runtime_before = (cpu_tree(pid) if pid else 0.0), runtime.cpu()
                 started = time.perf_counter()
                 data = rv.run_client(
-                    url, model, load, out, f"{side}-{round_}.json", out / f"{side}-{round_}.log"
+                    urls[side],
+                    model,
+                    load,
+                    out,
+                    f"{side}-{round_}.json",
+                    out / f"{side}-{round_}.log",
                 )
                 wall = time.perf_counter() - started
-                gw_cpu = cpu_tree(gw_pid) - before - gw_idle * wall
+                gw_cpu = cpu_tree(pid) - before - gw_idle[side] * wall if pid else 0.0
                 api_cpu = (runtime.cpu() - runtime_before).api_seconds - api_idle * wall
                 runs[side].append(
                     {
@@ -199,36 +229,45 @@ def overhead(args, model: Path, out: Path) -> dict:
                     }
                 )
                 print(f"  round {round_} {side}: {runs[side][-1]}", flush=True)
-    ratios = [
-        g["request_throughput"] / d["request_throughput"]
-        for d, g in zip(runs["direct"], runs["gateway"], strict=True)
-    ]
-    added = [
-        g["median_ttft_ms"] - d["median_ttft_ms"]
-        for d, g in zip(runs["direct"], runs["gateway"], strict=True)
-    ]
-    return {
-        "load": load.__dict__,
-        "runs": runs,
-        "throughput_ratio_median": statistics.median(ratios),
-        "throughput_ratios": ratios,
-        "ttft_added_ms_median": statistics.median(added),
-        "ttft_added_ms": added,
-        "gateway_cpu_ms_per_request": statistics.median(
-            r["gateway_cpu_ms_per_request"] for r in runs["gateway"]
-        ),
-        "runtime_api_cpu_ms_per_request": statistics.median(
-            r["runtime_api_cpu_ms_per_request"] for r in runs["gateway"]
-        ),
-        # The same requests: the gateway's CPU over the runtime API process's, per round.
-        "gateway_to_runtime_api_cpu": [
-            r["gateway_cpu_ms_per_request"] / r["runtime_api_cpu_ms_per_request"]
-            for r in runs["gateway"]
-        ],
-        "idle_cpu_per_s": {"gateway": gw_idle, "runtime_api": api_idle},
+    result: dict = {"load": load.__dict__, "runs": runs}
+    for side in gateways:
+        result |= gateway_summary(
+            runs["direct"], runs[side], "" if side == "gateway" else "_before"
+        )
+    return result | {
+        "idle_cpu_per_s": {**gw_idle, "runtime_api": api_idle},
         "workers": args.workers,
         "gateway_ref": args.gateway_ref or "this checkout",
+        "before": str(args.before) if args.before is not None else None,
         "failed": sum(r["failed"] for side in runs.values() for r in side),
+    }
+
+
+def gateway_summary(direct: list[dict], through: list[dict], suffix: str) -> dict:
+    """One gateway's rounds against the direct ones (pure): medians of the per-round ratios,
+    its CPU per request, and that over the runtime API process's; keys end with ``suffix``."""
+    ratios = [
+        g["request_throughput"] / d["request_throughput"]
+        for d, g in zip(direct, through, strict=True)
+    ]
+    added = [
+        g["median_ttft_ms"] - d["median_ttft_ms"] for d, g in zip(direct, through, strict=True)
+    ]
+    cpu = [r["gateway_cpu_ms_per_request"] for r in through]
+    return {
+        f"throughput_ratio_median{suffix}": statistics.median(ratios),
+        f"throughput_ratios{suffix}": ratios,
+        f"ttft_added_ms_median{suffix}": statistics.median(added),
+        f"ttft_added_ms{suffix}": added,
+        f"gateway_cpu_ms_per_request{suffix}": statistics.median(cpu),
+        f"gateway_cpu_ms_per_request_rounds{suffix}": cpu,
+        f"runtime_api_cpu_ms_per_request{suffix}": statistics.median(
+            r["runtime_api_cpu_ms_per_request"] for r in through
+        ),
+        # The same requests: the gateway's CPU over the runtime API process's, per round.
+        f"gateway_to_runtime_api_cpu{suffix}": [
+            r["gateway_cpu_ms_per_request"] / r["runtime_api_cpu_ms_per_request"] for r in through
+        ],
     }
 
 
@@ -388,12 +427,17 @@ def markdown(result: dict, argv: list[str]) -> str:
             "| --- | --- | --- |",
             f"| request throughput gateway/direct (median of rounds) | {o['throughput_ratio_median']:.3f} ({', '.join(f'{r:.3f}' for r in o['throughput_ratios'])}) | >= 0.97 |",
             f"| median TTFT added by the gateway, ms (median of rounds) | {o['ttft_added_ms_median']:.2f} ({', '.join(f'{a:.2f}' for a in o['ttft_added_ms'])}) | <= 2 |",
-            f"| gateway CPU per proxied request, ms ({o['workers']} worker(s), {o['gateway_ref']}; net of its idle {o['idle_cpu_per_s']['gateway'] * 1000:.1f} ms/s) | {o['gateway_cpu_ms_per_request']:.3f} | reported |",
+            f"| gateway CPU per proxied request, ms ({o['workers']} worker(s), {o['gateway_ref']}; net of its idle {o['idle_cpu_per_s']['gateway'] * 1000:.1f} ms/s) | {o['gateway_cpu_ms_per_request']:.3f} ({', '.join(f'{c:.3f}' for c in o['gateway_cpu_ms_per_request_rounds'])}) | reported |",
             f"| runtime API process CPU per request, ms | {o['runtime_api_cpu_ms_per_request']:.3f} | reported |",
             f"| gateway / runtime API CPU (per round) | {statistics.median(o['gateway_to_runtime_api_cpu']):.3f} ({', '.join(f'{r:.3f}' for r in o['gateway_to_runtime_api_cpu'])}) | <= 0.10 |",
-            f"| failed requests | {o['failed']} | 0 |",
-            "",
         ]
+        if o.get("before") is not None:
+            lines += [
+                f"| older gateway ({o['before']}): request throughput gateway/direct | {o['throughput_ratio_median_before']:.3f} ({', '.join(f'{r:.3f}' for r in o['throughput_ratios_before'])}) | >= 0.97 |",
+                f"| older gateway: median TTFT added, ms | {o['ttft_added_ms_median_before']:.2f} ({', '.join(f'{a:.2f}' for a in o['ttft_added_ms_before'])}) | <= 2 |",
+                f"| older gateway: CPU per proxied request, ms (net of its idle {o['idle_cpu_per_s']['gateway-before'] * 1000:.1f} ms/s) | {o['gateway_cpu_ms_per_request_before']:.3f} ({', '.join(f'{c:.3f}' for c in o['gateway_cpu_ms_per_request_rounds_before'])}) | this one no higher |",
+            ]
+        lines += [f"| failed requests | {o['failed']} | 0 |", ""]
     if "prefix" in result:
         p = result["prefix"]
         lines += [
@@ -423,6 +467,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--gateway-ref", help="run the gateway at this git ref (e.g. main) instead of this checkout"
+    )
+    parser.add_argument(
+        "--before", type=Path, help="overhead: also a gateway of this older checkout's code"
     )
     args = parser.parse_args()
     out = OUT / "gateway_vs_direct"

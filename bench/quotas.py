@@ -11,15 +11,18 @@ Part ``cost``: the limiter (gateway/llmendpoints_gateway/limiter.py) in one proc
 real nats-server: the time of ``admit`` + ``finish`` per request, sequential, for a key without
 limits (no NATS), a key with limits on one replica's own state (no NATS), a key with
 requestsPerMinute + tokensPerMinute shared through NATS (mostly admitted from the replica's
-reservation, no round trip) and one that also has maxConcurrent (a lease: one compare-and-set
-round trip per request); also bucket round trips per request (admission + the background
-release / token charge). Then the same through a real gateway process: median end-to-end
+reservation, no round trip), the same key admitted as the gateway admits a chat request
+(reserving its prompt estimate + max_tokens of tokensPerMinute, where the code does: a write per
+admission), and one that also has maxConcurrent (a lease: one compare-and-set round trip per
+request); also bucket round trips per request (admission + the background release / token
+charge). With PYTHONPATH pointing at an older checkout, the same part measures that code. Then the same through a real gateway process: median end-to-end
 latency of each limited key minus the unlimited one, alternating (the limiter's share of a
 proxied request).
 
 Part ``overshoot``: 200 concurrent requests of one key with ``requestsPerMinute: 60`` spread
 over 2 gateway processes sharing the nats-server, inside one minute window: how many were
-admitted (target: 60, overshoot 0); and ``maxConcurrent: 4`` with 200 concurrent slow streams:
+admitted (target: 60, overshoot 0); the same with ``tokensPerMinute: 960`` (requests reserving
+16 tokens, using 11): the tokens the upstream reported against the limit; and ``maxConcurrent: 4`` with 200 concurrent slow streams:
 the most streams the upstream ever saw open at once for that key.
 
 Part ``metering``: N requests (non-streamed, streamed without and with include_usage) over both
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import inspect
 import json
 import os
 import statistics
@@ -56,6 +60,11 @@ from integration.nats_kit import nats_server  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "demo", "messages": [{"role": "user", "content": "one two three"}]}
+# What the gateway reserves of tokensPerMinute for BODY (metering.metered_request): the prompt
+# estimate (13 characters / 4 + 4 tokens for the message) + GATEWAY_DEFAULT_MAX_TOKENS (1024).
+CHAT_RESERVATION = 8 + 1024
+# overshoot: the tokensPerMinute of the burst's key (60 requests' reservations of 16 tokens)
+TPM_LIMIT = 60 * 16
 
 
 def pct(values: list[float], q: float) -> float:
@@ -69,22 +78,42 @@ def pct(values: list[float], q: float) -> float:
 async def limiter_cost(url: str, requests: int) -> dict:
     from llmendpoints_gateway.keys import Key
     from llmendpoints_gateway.limiter import Limiter
-    from llmendpoints_gateway.queue import SharedQueue
     from llmendpoints_gateway.quotas import Limits
+
+    # Older code (PYTHONPATH) has no shared queue object: its limiter opened its own NATS
+    # connection from a URL. (Not an ImportError test: this venv's editable install would
+    # supply this checkout's module to the older package.)
+    shares_queue = "queue" in inspect.signature(Limiter.__init__).parameters
+    # Newer code reserves a request's tokens of tokensPerMinute at admission (the gateway passes
+    # prompt estimate + n x max_tokens); older code took no such argument.
+    reserves = "tokens" in inspect.signature(Limiter.admit).parameters
 
     rates = Limits(requests_per_minute=10**9, tokens_per_minute=10**12)
     every = Limits(requests_per_minute=10**9, tokens_per_minute=10**12, max_concurrent=10**6)
     results = {}
-    for label, key, shared in [
-        ("no limits", Key("free"), False),
-        ("rpm+tpm+maxConcurrent, this replica's own state", Key("local", limits=every), False),
-        ("rpm+tpm, shared through NATS", Key("rates", limits=rates), True),
-        ("rpm+tpm+maxConcurrent, shared through NATS", Key("every", limits=every), True),
+    for label, key, shared, tokens in [
+        ("no limits", Key("free"), False, 0),
+        ("rpm+tpm+maxConcurrent, this replica's own state", Key("local", limits=every), False, 0),
+        ("rpm+tpm, shared through NATS", Key("rates", limits=rates), True, 0),
+        (
+            "rpm+tpm, shared through NATS, admitted as the gateway admits BODY",
+            Key("chat", limits=rates),
+            True,
+            CHAT_RESERVATION,
+        ),
+        ("rpm+tpm+maxConcurrent, shared through NATS", Key("every", limits=every), True, 0),
     ]:
-        queue = SharedQueue(url, "bench") if shared else None
-        if queue is not None:
-            await queue.start()
-        limiter = Limiter("bench", queue)
+        if not shares_queue:
+            queue = None
+            limiter = Limiter("bench", url if shared else None)
+        else:
+            from llmendpoints_gateway.queue import SharedQueue
+
+            queue = SharedQueue(url, "bench") if shared else None
+            if queue is not None:
+                await queue.start()
+            limiter = Limiter("bench", queue)
+        reserve = {"tokens": tokens} if reserves and tokens else {}
         await limiter.start()
         if shared:
             deadline = time.monotonic() + 20
@@ -92,13 +121,15 @@ async def limiter_cost(url: str, requests: int) -> dict:
                 assert time.monotonic() < deadline, "the limiter did not connect"
                 await asyncio.sleep(0.05)
         for _ in range(200):  # warm-up
-            limiter.finish(await limiter.admit(key), 11)
+            limiter.finish(await limiter.admit(key, **reserve), 11)
         await asyncio.sleep(0.2)
         trips_before = limiter.round_trips
+        local_before = limiter.local_admissions
+        settled_before = getattr(limiter, "local_settlements", 0)
         times = []
         for _ in range(requests):
             started = time.perf_counter()
-            ticket = await limiter.admit(key)
+            ticket = await limiter.admit(key, **reserve)
             limiter.finish(ticket, 11)
             times.append((time.perf_counter() - started) * 1e6)
             if limiter._background:
@@ -107,7 +138,10 @@ async def limiter_cost(url: str, requests: int) -> dict:
         if queue is not None:
             await queue.stop()
         results[label] = {
-            "admitted_without_round_trip": limiter.local_admissions,
+            "tokens_reserved_at_admission": reserve.get("tokens", 0),
+            "admitted_without_round_trip": limiter.local_admissions - local_before,
+            # settled in the replica's token allowance (older code: no such path)
+            "settled_without_round_trip": getattr(limiter, "local_settlements", 0) - settled_before,
             "p50_us": round(statistics.median(times), 1),
             "p99_us": round(pct(times, 0.99), 1),
             # admit (on the request path) + the lease release and token charge (after it)
@@ -144,6 +178,7 @@ def fleet(log_dir: Path, url: str, api_keys: list[dict], gateways: int = 2) -> I
                     JOBS_QUEUE_URL=url,
                     GATEWAY_ID=f"bench{i}",
                     LLMEP_LOG_LEVEL="warning",
+                    LOG_LEVEL="warning",  # the same, for an older gateway (PYTHONPATH)
                     GATEWAY_METRICS_KEY_LABELS="1",  # counted per key below
                 )
             )
@@ -220,11 +255,18 @@ async def _burst(urls: list[str], key: str, n: int, body: dict) -> list[int]:
 
 
 def overshoot(log_dir: Path, url: str, rounds: int, concurrency: int) -> dict:
-    keys = [
-        {"name": f"rpm{r}", "key": f"sk-rpm-{r}", "limits": {"requestsPerMinute": 60}}
-        for r in range(rounds)
-    ] + [{"name": "conc", "key": "sk-conc", "limits": {"maxConcurrent": 4}}]
-    out: dict = {"requestsPerMinute": [], "maxConcurrent": None}
+    keys = (
+        [
+            {"name": f"rpm{r}", "key": f"sk-rpm-{r}", "limits": {"requestsPerMinute": 60}}
+            for r in range(rounds)
+        ]
+        + [
+            {"name": f"tpm{r}", "key": f"sk-tpm-{r}", "limits": {"tokensPerMinute": TPM_LIMIT}}
+            for r in range(rounds)
+        ]
+        + [{"name": "conc", "key": "sk-conc", "limits": {"maxConcurrent": 4}}]
+    )
+    out: dict = {"requestsPerMinute": [], "tokensPerMinute": [], "maxConcurrent": None}
     with fleet(log_dir, url, keys) as (standin, procs):
         urls = [p.url for p in procs]
         for r in range(rounds):
@@ -239,6 +281,33 @@ def overshoot(log_dir: Path, url: str, rounds: int, concurrency: int) -> dict:
                     "other": len(codes) - codes.count(200) - codes.count(429),
                     "overshoot": codes.count(200) - 60,
                     "seconds": round(time.perf_counter() - started, 2),
+                }
+            )
+        # tokensPerMinute: each request reserves 16 (max_tokens 8 + its prompt's estimate 8)
+        # and uses 11 (the stand-in's 3 prompt words + 8 chunks); reservations come back as
+        # requests end, so more than TPM_LIMIT / 16 may be admitted. Overshoot: the tokens the
+        # upstream reported for the burst beyond the limit.
+        small = {**BODY, "max_tokens": 8}
+        for r in range(rounds):
+            fresh_window()
+            before = httpx.get(standin.url + "/stats").json()
+            started = time.perf_counter()
+            codes = asyncio.run(_burst(urls, f"sk-tpm-{r}", concurrency, small))
+            seconds = time.perf_counter() - started
+            time.sleep(0.5)  # the settlements written in the background
+            after = httpx.get(standin.url + "/stats").json()
+            used = sum(after[k] - before[k] for k in ("prompt_tokens", "completion_tokens"))
+            out["tokensPerMinute"].append(
+                {
+                    "limit": TPM_LIMIT,
+                    "sent": concurrency,
+                    "admitted": codes.count(200),
+                    "refused_429": codes.count(429),
+                    "other": len(codes) - codes.count(200) - codes.count(429),
+                    "tokens_used": used,
+                    "overshoot_tokens": max(0, used - TPM_LIMIT),
+                    "left_unused": max(0, TPM_LIMIT - used),
+                    "seconds": round(seconds, 2),
                 }
             )
         # Concurrency: slow streams; the stand-in's "open" gauge, sampled while they run.

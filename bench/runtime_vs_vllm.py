@@ -6,8 +6,14 @@ the machine hits both sides alike.
     .venv/bin/python bench/runtime_vs_vllm.py              # 12 rounds, ~5 minutes on 2 cores
     .venv/bin/python bench/runtime_vs_vllm.py --rounds 2 --num-prompts 200
     .venv/bin/python bench/runtime_vs_vllm.py --restart    # a fresh server for every run
+    .venv/bin/python bench/runtime_vs_vllm.py --before /path/to/old/checkout --rounds 6
 
 Targets (bench/README.md): request throughput ours/plain >= 0.97, median TTFT ours/plain <= 1.05.
+
+``--before PATH`` adds a third server, A': the runtime of an older checkout (its runtime/ and
+common/ first on PYTHONPATH), in every round next to A (their order swapped every other round),
+so a change of the runtime is measured against the same plain vLLM in the same run: ratios
+A'/B and A/A' as well, and the middleware's in-process cost of both codes.
 
 Both servers start once, one after the other, and stay up for all rounds: an idle engine uses
 next to no CPU (measured: ~0.3 % of one core), each takes ~2-3 GB, and start-ups (40-160 s on a
@@ -58,6 +64,9 @@ BIN = Path(sys.executable).parent
 SERVED_NAME = "demo"
 START_TIMEOUT = 300.0
 OURS, PLAIN = "runtime", "vllm"
+OLD = "runtime-before"  # --before: the runtime of an older checkout
+LABELS = {OURS: "A runtime", OLD: "A' runtime (before)", PLAIN: "B plain vLLM"}
+LETTERS = {OURS: "A", OLD: "A'", PLAIN: "B"}
 TARGET_THROUGHPUT_RATIO = 0.97
 TARGET_TTFT_RATIO = 1.05
 
@@ -142,15 +151,16 @@ RATIOS = {
 }
 
 
-def compare(runs: list[RunResult]) -> dict:
-    """Ratios ours/plain: the median over rounds of each round's ratio.
+def compare(runs: list[RunResult], ours_name: str = OURS, plain_name: str = PLAIN) -> dict:
+    """Ratios ours/plain (or any two servers' runs): the median over rounds of each round's
+    ratio.
 
     A round's two runs are back to back, so they share whatever else the machine was doing;
     the median keeps one disturbed round from deciding the result. The ratio of the two sides'
     medians is reported too, and each round's ratios with their range, to show the noise.
     """
-    ours = {r.round: r for r in runs if r.server == OURS}
-    plain = {r.round: r for r in runs if r.server == PLAIN}
+    ours = {r.round: r for r in runs if r.server == ours_name}
+    plain = {r.round: r for r in runs if r.server == plain_name}
     paired = sorted(ours.keys() & plain.keys())
     if not paired:
         raise ValueError("need at least one round with a run of each server")
@@ -186,9 +196,11 @@ def markdown(
     facts: dict,
     command: str,
     overhead: dict | None = None,
+    others: dict[str, dict] | None = None,
 ) -> str:
-    """The Markdown section for bench/RESULTS.md (pure)."""
-    yes = {True: "yes", False: "**no**"}
+    """The Markdown section for bench/RESULTS.md (pure). ``others``: more comparisons (title ->
+    ``compare`` result), e.g. the older runtime's against plain vLLM and ours against it;
+    ``overhead`` may carry the older code's in-process measure under "before"."""
     lines = [
         "## Runtime vs plain vLLM (bench/runtime_vs_vllm.py)",
         "",
@@ -209,27 +221,58 @@ def markdown(
         )
         + f", seed {load.seed}, {load.warmups} warm-up requests, "
         f"streamed `/v1/completions`. Servers: {facts['servers']}; order "
-        + " ".join("A" if r.server == OURS else "B" for r in runs)
-        + " (A = `llmendpoints-runtime serve`, B = `python -m vllm.entrypoints.openai.api_server`).",
+        + " ".join(LETTERS[r.server] for r in runs)
+        + " (A = `llmendpoints-runtime serve`, B = `python -m vllm.entrypoints.openai.api_server`"
+        + (f", A' = the runtime of {facts['before']}" if facts.get("before") else "")
+        + ").",
         "",
         "| run | server | req/s | output tok/s | median TTFT ms | p99 TTFT ms | median TPOT ms | median E2E ms | API CPU ms/req | engine CPU ms/req | failed |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for i, r in enumerate(runs, 1):
         lines.append(
-            f"| {i} (round {r.round}) | {'A runtime' if r.server == OURS else 'B plain vLLM'} "
+            f"| {i} (round {r.round}) | {LABELS[r.server]} "
             f"| {r.request_throughput:.2f} | {r.output_throughput:.1f} | {r.median_ttft_ms:.1f} "
             f"| {r.p99_ttft_ms:.1f} | {r.median_tpot_ms:.1f} | {r.median_e2el_ms:.1f} "
             f"| {r.api_cpu_ms_per_request:.2f} | {r.engine_cpu_ms_per_request:.2f} | {r.failed} |"
         )
-    c = comparison
+    lines += _ratio_lines(comparison, "Ratios ours/plain")
+    for title, other in (others or {}).items():
+        lines += _ratio_lines(other, title)
+    if overhead is not None:
+        ours_rate = statistics.median(r.request_throughput for r in runs if r.server == OURS)
+        share = overhead["overhead_us"] * 1e-6 * ours_rate
+        lines += [
+            "Our layers' CPU per request, in-process (no network, no engine; the same streamed "
+            f"completion with {overhead['chunks_per_request']} SSE messages through a stand-in "
+            f"for vLLM's app): {overhead['direct_us']:.0f} µs called directly, "
+            f"{overhead['runtime_stack_us']:.0f} µs through the runtime's full stack, so "
+            f"**{overhead['overhead_us']:.0f} µs** added per request — at {ours_rate:.1f} req/s "
+            f"that is {share * 100:.2f} % of one core.",
+            "",
+        ]
+        old = overhead.get("before")
+        if old is not None:
+            lines += [
+                f"The older code's layers, measured the same way: {old['direct_us']:.0f} µs "
+                f"directly, {old['runtime_stack_us']:.0f} µs through its stack: "
+                f"**{old['overhead_us']:.0f} µs** added per request (ours/older: "
+                f"{overhead['overhead_us'] / old['overhead_us']:.2f}).",
+                "",
+            ]
+    return "\n".join(lines)
+
+
+def _ratio_lines(c: dict, title: str) -> list[str]:
+    """One comparison's ratios as Markdown bullets (pure)."""
+    yes = {True: "yes", False: "**no**"}
     rounds = ", ".join(
         f"round {p['round']}: {p['request_throughput_ratio']:.3f} / {p['median_ttft_ratio']:.3f}"
         for p in c["per_round"]
     )
-    lines += [
+    lines = [
         "",
-        "Ratios ours/plain, median over rounds of each round's ratio "
+        f"{title}, median over rounds of each round's ratio "
         "(range over rounds; ratio of the two sides' medians):",
         "",
     ]
@@ -252,20 +295,7 @@ def markdown(
             f"- {label}: **{c[ratio]:.3f}** ({low:.3f}-{high:.3f}; "
             f"{c['ratio_of_medians'][ratio]:.3f}){verdict}"
         )
-    lines += [f"- each round (throughput / median TTFT): {rounds}", ""]
-    if overhead is not None:
-        ours_rate = statistics.median(r.request_throughput for r in runs if r.server == OURS)
-        share = overhead["overhead_us"] * 1e-6 * ours_rate
-        lines += [
-            "Our layers' CPU per request, in-process (no network, no engine; the same streamed "
-            f"completion with {overhead['chunks_per_request']} SSE messages through a stand-in "
-            f"for vLLM's app): {overhead['direct_us']:.0f} µs called directly, "
-            f"{overhead['runtime_stack_us']:.0f} µs through the runtime's full stack, so "
-            f"**{overhead['overhead_us']:.0f} µs** added per request — at {ours_rate:.1f} req/s "
-            f"that is {share * 100:.2f} % of one core.",
-            "",
-        ]
-    return "\n".join(lines)
+    return [*lines, f"- each round (throughput / median TTFT): {rounds}", ""]
 
 
 # --- I/O: servers and the client ------------------------------------------------------------
@@ -288,9 +318,21 @@ def server_env(port: int) -> dict[str, str]:
     return env
 
 
-def server_command(server: str, model: Path, port: int) -> tuple[list[str], dict[str, str]]:
+def older_code_path(code: Path) -> str:
+    """PYTHONPATH that runs the runtime of the checkout ``code`` (ahead of this venv's
+    editable install of this checkout)."""
+    return os.pathsep.join(str(code / folder) for folder in ("runtime", "common"))
+
+
+def server_command(
+    server: str, model: Path, port: int, before: Path | None = None
+) -> tuple[list[str], dict[str, str]]:
     env = server_env(port)
-    if server == OURS:
+    if server == OLD:
+        if before is None:
+            raise ValueError("the older runtime needs --before")
+        env["PYTHONPATH"] = older_code_path(before)
+    if server in (OURS, OLD):
         env.update(
             MODEL_NAME=str(model),
             OPENAI_SERVED_MODEL_NAME_OVERRIDE=SERVED_NAME,
@@ -345,13 +387,15 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(server: str, model: Path, log_path: Path) -> Iterator[Server]:
+def running_server(
+    server: str, model: Path, log_path: Path, before: Path | None = None
+) -> Iterator[Server]:
     port = free_port()
-    argv, env = server_command(server, model, port)
+    argv, env = server_command(server, model, port, before)
     url = f"http://127.0.0.1:{port}"
     # Ours answers /ready?strict=1 200 once the engine is up; plain vLLM's /health is 200 once
     # it listens, which it does only after its engine is up.
-    probe = url + ("/ready?strict=1" if server == OURS else "/health")
+    probe = url + ("/ready?strict=1" if server in (OURS, OLD) else "/health")
     with log_path.open("wb") as log:
         process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         try:
@@ -463,28 +507,37 @@ def ensure_demo_model(path: Path) -> Path:
     return path
 
 
+def round_order(round_: int, plain_first: bool, before: bool) -> list[str]:
+    """The servers of one round, in order (pure): A B (or B A); with the older runtime A' next
+    to A, the two swapped every other round so neither always runs first."""
+    ours = [OURS, OLD] if before else [OURS]
+    if before and round_ % 2 == 0:
+        ours.reverse()
+    return [PLAIN, *ours] if plain_first else [*ours, PLAIN]
+
+
 def run_rounds(args, model: Path, load: Load, run_dir: Path) -> list[RunResult]:
-    """A B A B ...: both servers up for all rounds, or (--restart) a fresh server per run."""
+    """A B A B ...: the servers up for all rounds, or (--restart) a fresh server per run."""
     runs: list[RunResult] = []
+    older = args.before.resolve() if args.before is not None else None
     with contextlib.ExitStack() as stack:
         servers: dict[str, Server] = {}
         if not args.restart:
-            # One after the other, so neither start-up competes with the other for the CPU.
-            for server in (OURS, PLAIN):
+            # One after the other, so no start-up competes with another for the CPU.
+            for server in (OURS, OLD, PLAIN) if older else (OURS, PLAIN):
                 print(f"starting {server}", flush=True)
                 servers[server] = stack.enter_context(
-                    running_server(server, model, run_dir / f"{server}.server.log")
+                    running_server(server, model, run_dir / f"{server}.server.log", older)
                 )
-        order = (PLAIN, OURS) if args.plain_first else (OURS, PLAIN)
         for round_ in range(1, args.rounds + 1):
-            for server in order:
+            for server in round_order(round_, args.plain_first, older is not None):
                 name = f"round{round_}-{server}"
                 print(f"round {round_}: {server}", flush=True)
                 with contextlib.ExitStack() as fresh:
                     running = servers.get(server) or fresh.enter_context(
-                        running_server(server, model, run_dir / f"{name}.server.log")
+                        running_server(server, model, run_dir / f"{name}.server.log", older)
                     )
-                    before = running.cpu()
+                    cpu_before = running.cpu()
                     data = run_client(
                         running.url,
                         model,
@@ -493,7 +546,7 @@ def run_rounds(args, model: Path, load: Load, run_dir: Path) -> list[RunResult]:
                         f"{name}.json",
                         run_dir / f"{name}.client.log",
                     )
-                    cpu = running.cpu() - before
+                    cpu = running.cpu() - cpu_before
                 requests = load.num_prompts + load.warmups
                 result = RunResult.from_vllm_json(server, round_, data, cpu, requests)
                 runs.append(result)
@@ -536,6 +589,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fail-on-miss", action="store_true", help="exit 1 when a target is missed"
     )
+    parser.add_argument(
+        "--before",
+        type=Path,
+        help="also run the runtime of this older checkout (A') in every round",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -553,7 +611,9 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = args.out / "runtime_vs_vllm"
     run_dir.mkdir(parents=True, exist_ok=True)
     facts = machine_facts()
-    facts["servers"] = "fresh per run" if args.restart else "both up for all rounds"
+    facts["servers"] = "fresh per run" if args.restart else "all up for all rounds"
+    if args.before is not None:
+        facts["before"] = str(args.before)
     command = ".venv/bin/python bench/runtime_vs_vllm.py " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
@@ -561,10 +621,20 @@ def main(argv: list[str] | None = None) -> int:
     runs = run_rounds(args, model, load, run_dir)
     facts["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     comparison = compare(runs)
+    others = {}
+    if args.before is not None:
+        others = {
+            "Ratios older runtime/plain (A'/B)": compare(runs, OLD, PLAIN),
+            "Ratios ours/older runtime (A/A')": compare(runs, OURS, OLD),
+        }
     print("measuring the middleware's CPU per request in-process", flush=True)
     overhead = middleware_overhead.measure(model, chunks=load.output_len + 2)
+    if args.before is not None:
+        overhead["before"] = middleware_overhead.measure_code(
+            older_code_path(args.before.resolve()), model, chunks=load.output_len + 2
+        )
     facts["wall_seconds"] = round(time.monotonic() - started)
-    summary = markdown(runs, comparison, load, facts, command.strip(), overhead)
+    summary = markdown(runs, comparison, load, facts, command.strip(), overhead, others)
     (args.out / "runtime_vs_vllm.json").write_text(
         json.dumps(
             {
@@ -572,6 +642,7 @@ def main(argv: list[str] | None = None) -> int:
                 "machine": facts,
                 "runs": [asdict(r) for r in runs],
                 "comparison": comparison,
+                "other_comparisons": others,
                 "middleware_overhead": overhead,
             },
             indent=2,

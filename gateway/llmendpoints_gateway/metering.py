@@ -8,8 +8,10 @@
   client sees what it would have seen without the gateway. /v1/responses streams carry usage in
   their ``response.completed`` event anyway.
 - Jobs: a request when accepted; the usage of the job's output (``usage.input`` /
-  ``usage.output`` of its last batch, or an OpenAI route's ``usage``) when it completes, read by
-  jobs.JobUsageMeter from the job records whoever ran it and however its result is fetched.
+  ``usage.output`` of its last batch, or an OpenAI route's ``usage``) when it completes, and
+  what the engine used up to the stop when it ends TIMED_OUT or CANCELLED while running (the
+  record's ``usage``, written by its worker), read by usage.JobUsageMeter from the job records
+  whoever ran it and however its result is fetched; one record per run of the job.
 
 A request that failed before the engine produced anything has no usage: it counts as a request
 (with its status) and zero tokens. Records go to the JetStream stream ``LLMEP_USAGE`` with the
@@ -30,6 +32,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from llmendpoints_common.errors import BadRequestError
+from llmendpoints_common.jobs.models import JobStatus
+from llmendpoints_common.jobs.record import JobRecord
 
 # Routes whose streams take stream_options.include_usage (vLLM's OpenAI server).
 USAGE_OPTION_ROUTES = ("/v1/chat/completions", "/v1/completions")
@@ -67,6 +71,48 @@ def usage_of_body(body: bytes) -> Usage | None:
     if not isinstance(document, dict):
         return None
     return usage_of(document.get("usage"))
+
+
+# A job's usage record's status: how the run ended (TIMED_OUT as HTTP's 408; CANCELLED as 499,
+# "the client closed the request", the status proxies log for a request its client gave up on).
+JOB_USAGE_STATUS = {JobStatus.COMPLETED: 200, JobStatus.TIMED_OUT: 408, JobStatus.CANCELLED: 499}
+
+
+# The usage stream drops a record published again with the same id within its duplicate
+# window (QueueLayout.usage_duplicate_window_seconds, 10 min). A finished job's record is
+# written again later too -- a /stream read moving its cursor, hours after the end -- and would
+# then be billed twice: only the writes of its first half window are billed at all. (Half of
+# that window, written out: this module stays free of the NATS client; a test holds them equal.)
+BILLED_WRITES_WITHIN_SECONDS = 300.0
+
+
+def usage_of_job(record: JobRecord, written_at: float | None = None) -> Usage | None:
+    """What a finished job is billed (None: nothing). COMPLETED: the usage of its output.
+    TIMED_OUT, or CANCELLED while it ran: what its worker reports the engine used up to the
+    stop (``record.usage``; none for a job that never started). FAILED: nothing.
+
+    ``written_at``: when the queue stored this write of the record. A write long after the
+    job ended is a rewrite of a record already billed (BILLED_WRITES_WITHIN_SECONDS)."""
+    if (
+        written_at is not None
+        and record.finished_at is not None
+        and written_at - record.finished_at > BILLED_WRITES_WITHIN_SECONDS
+    ):
+        return None
+    if record.status is JobStatus.COMPLETED:
+        return usage_of_job_output(record.output)
+    if record.status in JOB_USAGE_STATUS and record.usage is not None:
+        usage = Usage(record.usage.prompt_tokens, record.usage.completion_tokens)
+        return usage if usage.total > 0 else None
+    return None
+
+
+def job_usage_id(job_id: str, run: int) -> str:
+    """One usage record per run of a job: /retry starts a new run (billed on its own), while
+    a record written again within a run (a /stream read moving its cursor, the worker adding
+    its usage, a redelivery to the meter) has the same id and is stored once. Run 1 keeps the
+    id records had before runs were counted."""
+    return f"job-{job_id}-usage" if run <= 1 else f"job-{job_id}-run{run}-usage"
 
 
 def usage_of_job_output(output: Any) -> Usage | None:

@@ -4,7 +4,8 @@
   limiter ticket (the lease released, the tokens charged) and its usage record;
 - ``UsagePublisher``: records go to the stream ``LLMEP_USAGE`` in the background (the request
   path only appends to a bounded buffer), de-duplicated by the record's id;
-- ``JobUsageMeter``: a job's tokens when it completes, whoever ran it;
+- ``JobUsageMeter``: a job's tokens when it ends (completed, timed out, cancelled while it
+  ran), whoever ran it;
 - ``read_usage``: the records back, for ``llmendpoints-gateway usage``.
 
 What is metered and how is metering.py's (pure).
@@ -22,7 +23,6 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from llmendpoints_common.jobs.models import JobStatus
 from llmendpoints_common.jobs.record import JobRecord
 from llmendpoints_common.queue import names
 from llmendpoints_common.queue.connect import connect
@@ -31,7 +31,13 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from llmendpoints_gateway.keys import KeyRing
 from llmendpoints_gateway.limiter import Limiter
-from llmendpoints_gateway.metering import Usage, UsageRecord, usage_of_job_output
+from llmendpoints_gateway.metering import (
+    JOB_USAGE_STATUS,
+    Usage,
+    UsageRecord,
+    job_usage_id,
+    usage_of_job,
+)
 from llmendpoints_gateway.metrics import GatewayMetrics
 from llmendpoints_gateway.queue import SharedQueue
 from llmendpoints_gateway.registry import Registry
@@ -97,17 +103,17 @@ class Metering:
         self.metrics.tokens_used(endpoint, "completion", usage.completion_tokens, key)
 
     def job_usage(self, record: JobRecord, usage: Usage) -> tuple[UsageRecord, Callable[[], None]]:
-        """JobUsageMeter's callback: a completed job's usage record, and what to count once
-        the usage stream stored it for the first time."""
+        """JobUsageMeter's callback: a finished job's usage record (one per run), and what to
+        count once the usage stream stored it for the first time."""
         ep = self.registry.by_id(record.endpoint)  # a job record names "<namespace>/<name>"
         batch = record.batch is not None  # a batch's request: metered apart, not rate-limited
         entry = UsageRecord(
-            id=f"job-{record.id}-usage",
+            id=job_usage_id(record.id, record.runs),
             time=record.finished_at or time.time(),
             key=record.owner,
             endpoint=record.endpoint,
             model=ep.models[0] if ep is not None and ep.models else "",
-            status=200,
+            status=JOB_USAGE_STATUS.get(record.status, 200),
             prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens,
             gateway=self.gateway_id,
@@ -208,15 +214,21 @@ JOB_USAGE_CONSUMER = "gateway-job-usage"
 
 
 class JobUsageMeter:
-    """Meters the tokens of jobs when they complete, whoever ran them and however the client
-    learns the result (``/runsync``, ``/status``, a webhook, never).
+    """Meters the tokens of jobs when they end, whoever ran them and however the client learns
+    the result (``/runsync``, ``/status``, a webhook, never).
 
     Every gateway replica pulls from one durable consumer on the job records
-    (``KV_LLMEP_JOB_STATE``), so each change is handled by one replica. A COMPLETED record's
-    output usage becomes the usage record ``job-<id>-usage``; the stream drops a second copy
-    (a later write to the finished record, e.g. a ``/stream`` read moving its cursor), and only
-    a record the stream stored for the first time is counted in ``tokens_total`` and charged to
-    the owner's tokensPerMinute."""
+    (``KV_LLMEP_JOB_STATE``), so each change is handled by one replica. What a finished record
+    is billed is ``metering.usage_of_job``: a COMPLETED job's output usage, a TIMED_OUT or
+    CANCELLED job's ``usage`` (what its worker stopped at; a job cancelled while queued has
+    none and is billed nothing). It becomes the usage record ``job_usage_id(id, run)``, one per
+    run; the stream drops a second copy (a later write to the finished record, e.g. a
+    ``/stream`` read moving its cursor, within ``usage_duplicate_window``; a write after half
+    that window is not billed at all: ``usage_of_job``), and only a record
+    the stream stored for the first time is counted in ``tokens_total`` and charged to the
+    owner's tokensPerMinute. A CANCELLED record is written twice -- by whoever cancelled
+    (no usage: skipped, so its id is not spent) and by the worker adding its usage -- and
+    billed on the second."""
 
     def __init__(
         self,
@@ -258,7 +270,7 @@ class JobUsageMeter:
                     except TimeoutError:
                         continue
                     for msg in messages:
-                        await self._handle(js, msg.data)
+                        await self._handle(js, msg.data, msg.metadata.timestamp.timestamp())
                         await msg.ack()
             except asyncio.CancelledError:
                 raise
@@ -266,16 +278,14 @@ class JobUsageMeter:
                 logger.warning("metering job usage: %s; retrying", exc)
                 await asyncio.sleep(2.0)
 
-    async def _handle(self, js: Any, data: bytes | None) -> None:
+    async def _handle(self, js: Any, data: bytes | None, written_at: float | None) -> None:
         if not data:
             return
         try:
             record = JobRecord.decode(data)
         except ValueError:
             return
-        if record.status is not JobStatus.COMPLETED:
-            return
-        usage = usage_of_job_output(record.output)
+        usage = usage_of_job(record, written_at)
         if usage is None:
             return
         entry, count = self.on_usage(record, usage)

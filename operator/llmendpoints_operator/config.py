@@ -116,6 +116,14 @@ class OperatorSettings(BaseSettings):
         "queue.nats.batchFilesMaxBytes); uploads and results beyond it get 507. Unset: only "
         "the NATS server's storage bounds it.",
     )
+    jobs_max_queued_per_owner: int = Field(
+        1_000,
+        ge=0,
+        description="Jobs one API key (owner) may have queued or running per endpoint and "
+        "priority in the shared job queue; over it /run and /runsync answer 429. Enforced by "
+        "NATS JetStream itself (the jobs stream's per-subject limit, set by the operator), so "
+        "across every gateway replica and pod. 0: no per-key cap (10,000 per key).",
+    )
     gateway_url: str | None = Field(
         None,
         description="URL of the gateway in front of all endpoints (the chart sets it when it "

@@ -8,7 +8,9 @@ endpoint's worker consumers, and each endpoint's own credential.
   Without it the URL's password is everyone's (a NATS you bring; weaker).
 - Streams and consumers: created here, not by the runtime pods, whose credential may not. The
   streams at connect; an endpoint's two worker consumers when it is reconciled (and again at an
-  autoscaler read, should NATS have been down then). Existing ones are left as they are.
+  autoscaler read, should NATS have been down then). Existing ones are left as they are, but
+  for the per-owner cap (the jobs stream's per-subject limit, set to this operator's setting)
+  and the worker consumers' filters (made to take jobs queued per owner).
 
 One connection per operator process; nats-py reconnects on its own.
 """
@@ -21,7 +23,7 @@ import time
 
 from llmendpoints_common.identity import EndpointRef
 from llmendpoints_common.queue.client import QueueConnection
-from llmendpoints_common.queue.topology import QueueLayout, ensure_consumers
+from llmendpoints_common.queue.topology import QueueLayout, ensure_consumers, ensure_streams
 from llmendpoints_common.queue.trust import Signer, mint
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ class JobsQueue:
         layout = QueueLayout(
             replicas=settings.jobs_queue_replicas or 1,
             files_max_bytes=settings.jobs_queue_files_max_bytes or -1,
+            max_queued_per_owner=settings.jobs_max_queued_per_owner,
         )
         return cls(settings.jobs_queue_url, layout=layout, signer=signer)
 
@@ -76,6 +79,8 @@ class JobsQueue:
                     layout=self.layout,
                     connect_timeout=CONNECT_TIMEOUT_SECONDS,
                 )
+                # The per-owner cap is this operator's setting, also on an existing stream.
+                await ensure_streams(self._connection.js, self.layout, reconcile=True)
             return self._connection
 
     async def ensure_endpoint(self, endpoint: EndpointRef) -> None:

@@ -130,6 +130,10 @@ class JobEngineAdapter:
         # outputs to detokenise-and-hand-over for text nobody reads before the end.
         sampling = self._sampling_params(params, final_only=not request.stream)
         lora = EngineAdapters(self.engine).lora_request(request.model) if request.model else None
+        if not request.stream and prompt_len:
+            # A non-streamed job hears from the engine only at its end: say what the prompt
+            # costs now, so a job stopped before the end still bills it (jobs/tally.py).
+            yield GenerationStep(prompt_tokens=prompt_len, choices=())
         try:
             async for output in self.engine.generate(
                 engine_input,

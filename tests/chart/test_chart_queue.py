@@ -132,6 +132,20 @@ def test_existing_nats_by_url_or_secret(helm: Path, tmp_path: Path) -> None:
     }
 
 
+def test_the_per_key_cap_on_queued_jobs_reaches_the_operator(
+    helm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llmendpoints_operator.config import OperatorSettings
+
+    name = "LLMEP_OPERATOR_JOBS_MAX_QUEUED_PER_OWNER"
+    default = operator_env(render(helm, tmp_path, QUEUE))[name]
+    values = {"queue": {"enabled": True, "maxQueuedJobsPerKey": 5}}
+    rendered = operator_env(render(helm, tmp_path, values))[name]
+    assert (default, rendered) == ("1000", "5")
+    monkeypatch.setenv(name, rendered)
+    assert OperatorSettings().jobs_max_queued_per_owner == 5  # the operator reads it
+
+
 @pytest.mark.parametrize(
     "values",
     [
@@ -141,6 +155,7 @@ def test_existing_nats_by_url_or_secret(helm: Path, tmp_path: Path) -> None:
         {"queue": {"nats": {"maxPayload": 1048576}}},
         {"queue": {"nats": {"antiAffinity": "maybe"}}},
         {"queue": {"natz": {}}},
+        {"queue": {"maxQueuedJobsPerKey": -1}},
     ],
 )
 def test_schema_refuses_bad_queue_values(helm: Path, tmp_path: Path, values) -> None:

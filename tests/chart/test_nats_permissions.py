@@ -388,6 +388,48 @@ def test_the_gateways_credential_cannot_delete_or_purge(chart_nats):
     assert "$JS.API.STREAM.PURGE" in violations and "$JS.API.STREAM.DELETE" in violations
 
 
+def test_only_the_operator_sets_the_per_owner_cap_and_nothing_else(chart_nats):
+    """The per-owner cap on queued jobs is the jobs stream's per-subject limit: the operator's
+    credential sets it (its setting, on the existing stream); no other stream update is
+    allowed to it, and neither the gateway's nor a pod's credential may change the cap."""
+    from dataclasses import replace
+
+    from llmendpoints_common.queue.topology import ensure_streams
+
+    server = chart_nats[0]
+    gateway_creds = Path(_gateway_creds_file(chart_nats)).read_text()
+
+    async def scenario() -> None:
+        operator = await _connect(server.url, _creds(chart_nats, "operator"), "operator")
+        gateway = await _connect(server.url, gateway_creds, "gateway", timeout=REFUSED)
+        pod = await _connect(server.url, _creds(chart_nats, "runtime", A), "pod", REFUSED)
+        quick_operator = await _connect(
+            server.url, _creds(chart_nats, "operator"), "operator-2", REFUSED
+        )
+        try:
+            before = (await operator.js.stream_info(names.JOBS_STREAM)).config
+            await ensure_streams(operator.js, QueueLayout(max_queued_per_owner=7), reconcile=True)
+            capped = (await operator.js.stream_info(names.JOBS_STREAM)).config
+            assert capped.max_msgs_per_subject == 7
+            assert replace(capped, max_msgs_per_subject=before.max_msgs_per_subject) == before
+            usage = (await operator.js.stream_info(names.USAGE_STREAM)).config
+            for other in (quick_operator, gateway, pod):
+                await _refused(other.js.update_stream(replace(usage, max_age=1.0)))
+            for other in (gateway, pod):
+                await _refused(other.js.update_stream(replace(capped, max_msgs_per_subject=-1)))
+            assert (await operator.js.stream_info(names.JOBS_STREAM)).config == capped
+            # Put back what the module's other tests expect.
+            await ensure_streams(operator.js, QueueLayout(), reconcile=True)
+        finally:
+            await quick_operator.close()
+            await pod.close()
+            await gateway.close()
+            await operator.close()
+
+    asyncio.run(scenario())
+    assert f"$JS.API.STREAM.UPDATE.{names.USAGE_STREAM}" in "\n".join(server.violations())
+
+
 async def _streams(connection: QueueConnection):
     # The operator may not list streams; it reads the ones it created, one by one.
     from llmendpoints_common.queue.roles import STREAMS

@@ -208,6 +208,8 @@ def test_a_client_disconnect_aborts_the_request_in_the_engine(gateway, replicas)
             ),
         )
 
+    for replica in replicas.values():  # (when this test runs alone)
+        replica.wait_ready()
     finished_before, tokens_before = totals()
     body = {
         "model": "demo",
@@ -217,14 +219,28 @@ def test_a_client_disconnect_aborts_the_request_in_the_engine(gateway, replicas)
         "stream": True,
     }
     pids = [r.process.pid for r in replicas.values()]
-    with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=60) as response:
-        assert response.status_code == 200
-        assert next(response.iter_lines()).startswith("data: ")
-        # The demo model ends 2,000 tokens in a second or two: the engines wait while the
-        # client leaves, so the request is surely mid-way when the abort reaches them.
-        frozen = proc_kit.engines_frozen(*pids)
-        frozen.__enter__()
-    try:
+    seen: dict = {}
+    first_line, leave = threading.Event(), threading.Event()
+
+    def client() -> None:
+        with httpx.stream(
+            "POST", gateway.url + "/v1/completions", json=body, timeout=60
+        ) as response:
+            seen["status"] = response.status_code
+            seen["first"] = next(response.iter_lines())
+            first_line.set()
+            leave.wait(60)  # then it leaves, mid-answer
+
+    # The demo model ends 2,000 tokens in a second or two: the engines run in slices until the
+    # first event reaches the client, and wait while it leaves, so the request is surely
+    # mid-way when the abort reaches them.
+    with proc_kit.engines_frozen(*pids) as cores:
+        reader = threading.Thread(target=client)
+        reader.start()
+        proc_kit.run_in_slices(cores, lambda: first_line.is_set() or not reader.is_alive())
+        leave.set()
+        reader.join(60)
+        assert seen.get("status") == 200 and seen.get("first", "").startswith("data: "), seen
         # The runtimes' API processes (not frozen) see the disconnect and let the request go.
         proc_kit.wait_until(
             lambda: (
@@ -236,8 +252,6 @@ def test_a_client_disconnect_aborts_the_request_in_the_engine(gateway, replicas)
             20,
             "the runtimes still count the request in flight after the client left",
         )
-    finally:
-        frozen.__exit__(None, None, None)
     deadline = time.monotonic() + 20
     while any(
         _metric_sum(r.url + "/metrics", "vllm:num_requests_running") for r in replicas.values()

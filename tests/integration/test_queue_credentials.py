@@ -118,7 +118,7 @@ async def test_each_endpoint_gets_its_own_credential(running) -> None:
     )
     try:
         info = await admin.js.consumer_info(names.JOBS_STREAM, names.jobs_consumer(b))
-        assert info.config.filter_subject == names.jobs_subject(b)
+        assert info.config.filter_subjects == names.jobs_consumer_filters(b, "normal")
     finally:
         await admin.close()
 

@@ -110,8 +110,46 @@ def test_names_are_one_to_one_and_refuse_what_would_break_subjects() -> None:
     assert (
         names.kv_subject(names.JOB_STATE_BUCKET, "ns.a_b.j-1") == "$KV.LLMEP_JOB_STATE.ns.a_b.j-1"
     )
-    assert names.jobs_filter("ns/ep") == "llmep.jobs.ns.ep.*"
+    assert names.jobs_filter("ns/ep") == "llmep.jobs.ns.ep.>"
+    # Jobs are queued per owner (the per-owner cap is the stream's per-subject limit); the
+    # workers take the owner's subjects and the form releases before the cap wrote.
+    alice = names.jobs_subject("ns/ep", "low", "alice")
+    assert alice == f"llmep.jobs.ns.ep.low.{names.tenant_token('alice')}"
+    assert alice != names.jobs_subject("ns/ep", "low", "bob") != names.jobs_subject("ns/ep", "low")
+    assert names.jobs_subject("ns/ep", "low", "a.b *>").count(".") == 5
+    assert names.jobs_consumer_filters("ns/ep", "low") == [
+        "llmep.jobs.ns.ep.low",
+        "llmep.jobs.ns.ep.low.*",
+    ]
+    assert names.priority_of_jobs_subject(alice) == "low"
+    assert names.priority_of_jobs_subject("llmep.jobs.ns.ep.normal") == "normal"
+    with pytest.raises(ValueError):
+        names.priority_of_jobs_subject("llmep.chunks.ns.ep.normal")
     with pytest.raises(ValueError):
         names.idempotency_key("ns/ep", "not-hex")
     with pytest.raises(ValueError):
         names.job_key("ns/ep", "a.b")  # a '.' would split the key
+
+
+def test_a_stopped_job_keeps_what_it_used_for_one_run() -> None:
+    from llmendpoints_common.jobs.record import JobUsage, with_usage
+
+    used = JobUsage(prompt_tokens=4, completion_tokens=9)
+    running = claim(record(), now=101.0, worker="w")
+    timed_out = finish(running, JobStatus.TIMED_OUT, now=102.0, attempt=1, usage=used)
+    assert timed_out.usage == used and status_body(timed_out)["usage"] == {"input": 4, "output": 9}
+    # A completed job's usage is its output's; a retried job starts its new run with none.
+    assert finish(running, JobStatus.COMPLETED, now=102.0, output=[], usage=used).usage is None
+    assert requeue_for_retry(timed_out).usage is None
+    # Whoever cancels writes the end; the attempt's worker adds its usage, once, its own only.
+    cancelled = cancel(running, now=102.0)
+    assert cancelled.usage is None and "usage" not in status_body(cancelled)
+    billed = with_usage(cancelled, used, attempt=1)
+    assert billed.usage == used
+    for refused in (
+        lambda: with_usage(billed, used, attempt=1),
+        lambda: with_usage(cancelled, used, attempt=2),
+        lambda: with_usage(running, used, attempt=1),
+    ):
+        with pytest.raises(Conflict):
+            refused()

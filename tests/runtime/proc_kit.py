@@ -6,7 +6,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from llmendpoints_runtime.proctree import descendants
@@ -69,3 +69,23 @@ def engines_frozen(*runtime_pids: int) -> Iterator[list[int]]:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+
+
+def run_in_slices(
+    pids: list[int], until: Callable[[], bool], *, slice_seconds: float = 0.05, settle: float = 0.3
+) -> None:
+    """Let frozen engine cores run ``slice_seconds`` at a time, frozen again after each (and
+    ``settle`` seconds for their API processes to pass on what they sent), until ``until()``.
+
+    A test that lets an engine go at once and watches for a moment to stop it again races it:
+    the demo model ends a request in a second or two, and on a loaded machine the watcher can
+    be held off its CPU for longer. In slices, it sees the moment with the engine stopped."""
+    deadline = time.monotonic() + 120
+    while not until():
+        assert time.monotonic() < deadline, "not within 120 s of engine slices"
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(slice_seconds)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(settle)

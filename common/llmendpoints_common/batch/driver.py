@@ -67,6 +67,7 @@ from llmendpoints_common.batch.store import (
     StoreFull,
     update_batch,
 )
+from llmendpoints_common.errors import RateLimitError
 from llmendpoints_common.jobs.models import JobStatus
 
 log = logging.getLogger("llmendpoints.batch")
@@ -225,6 +226,10 @@ class BatchDrivers:
             raise
         except StaleRevision:
             pass  # written meanwhile (a cancel): the next tick decides on the new record
+        except RateLimitError as exc:
+            # The key's queued requests reached the per-owner cap (the jobs stream's
+            # per-subject limit): the window fills again as they run.
+            log.info("batch %s: waiting for room in the queue: %s", batch_id, exc.message)
         except Exception:
             log.exception("batch %s: step failed; trying again", batch_id)
 

@@ -20,6 +20,21 @@ from pydantic import BaseModel, ConfigDict
 RETRYABLE = frozenset({JobStatus.FAILED, JobStatus.TIMED_OUT})
 
 
+class JobUsage(BaseModel):
+    """What the engine produced for a job that ended without an output (TIMED_OUT, or
+    CANCELLED while it ran): the prompt's tokens and the tokens generated up to the stop, as
+    vLLM counts them. A COMPLETED job's usage is in its output."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
 class JobRecord(BaseModel):
     # Extra fields are kept out, not refused: during a rolling upgrade a newer pod may write
     # fields an older one does not know.
@@ -60,6 +75,11 @@ class JobRecord(BaseModel):
     # The batch whose request this job is (``batch_<hex>``): it runs in the batch lane, below
     # every other job, and with a lower priority inside the engine.
     batch: str | None = None
+    # TIMED_OUT, or CANCELLED while it ran: what the run's last attempt used up to the stop,
+    # written by its worker (with the TIMED_OUT itself; after the CANCELLED, which whoever
+    # cancelled wrote). None: nothing ran, or a pod older than the field ended it. The
+    # gateway's JobUsageMeter bills it once per run.
+    usage: JobUsage | None = None
 
     @property
     def low_priority(self) -> bool:
@@ -167,6 +187,7 @@ def finish(
     attempt: int | None = None,
     output: Any = None,
     error: dict[str, Any] | None = None,
+    usage: JobUsage | None = None,
 ) -> JobRecord:
     """End the job. ``attempt`` (a worker's own attempt number) makes a worker whose attempt
     was superseded -- cancelled, or taken over after it looked dead -- change nothing."""
@@ -185,6 +206,7 @@ def finish(
             else now,
             "output": output if status is JobStatus.COMPLETED else None,
             "error": error,
+            "usage": usage if status in (JobStatus.TIMED_OUT, JobStatus.CANCELLED) else None,
             "request": without_input(record.request, status),
         }
     )
@@ -197,6 +219,18 @@ def cancel(record: JobRecord, *, now: float) -> JobRecord:
             "be cancelled"
         )
     return finish(record, JobStatus.CANCELLED, now=now)
+
+
+def with_usage(record: JobRecord, usage: JobUsage, *, attempt: int) -> JobRecord:
+    """The worker of a cancelled attempt adds what it used to the CANCELLED record (whoever
+    cancelled wrote the end, not knowing it). Once, and only for its own attempt."""
+    if (
+        record.status is not JobStatus.CANCELLED
+        or record.attempt != attempt
+        or record.usage is not None
+    ):
+        raise Conflict(f"job {record.id}: attempt {attempt}'s usage does not apply")
+    return record.model_copy(update={"usage": usage})
 
 
 def requeue_for_retry(record: JobRecord) -> JobRecord:
@@ -213,6 +247,7 @@ def requeue_for_retry(record: JobRecord) -> JobRecord:
             "finished_at": None,
             "output": None,
             "error": None,
+            "usage": None,
             "tries": 0,
             "runs": record.runs + 1,
             "worker": None,

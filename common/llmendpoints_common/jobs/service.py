@@ -83,6 +83,10 @@ def status_body(job: JobView) -> dict[str, Any]:
     # RunPod names the worker that ran (or runs) the job; the shared queue knows it.
     if (worker := getattr(job, "worker", None)) is not None:
         body["workerId"] = worker
+    # A job stopped before its end (TIMED_OUT, CANCELLED while it ran) has no output; what it
+    # used up to the stop is what it is billed (a COMPLETED job's usage is in its output).
+    if (usage := getattr(job, "usage", None)) is not None:
+        body["usage"] = {"input": usage.prompt_tokens, "output": usage.completion_tokens}
     return body
 
 

@@ -296,9 +296,15 @@ class QueueJobService:
         await self._unqueue(job_id)
 
     async def _enqueue(self, record: JobRecord) -> int:
+        priority = record.lane
+        subject = names.jobs_subject(self.ref, priority, record.owner)
+        if not self.connection.may(subject):
+            # A pod's credential minted before jobs carried their owner (they are minted once):
+            # the subject without it, which the workers consume too (not capped per owner).
+            subject = names.jobs_subject(self.ref, priority)
         try:
             ack = await self.js.publish(
-                names.jobs_subject(self.ref, record.lane),
+                subject,
                 record.id.encode(),
                 # The queue drops a second copy of the same run (a publish retried after a
                 # lost acknowledgement).
@@ -307,11 +313,27 @@ class QueueJobService:
         except APIError as exc:
             if exc.err_code in _QUEUE_FULL_CODES or "maximum messages" in (exc.description or ""):
                 raise RateLimitError(
-                    f"the job queue of endpoint {self.endpoint!r} is full; retry later",
+                    await self._queue_full_message(record.owner, priority),
                     headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
                 ) from None
             raise
         return ack.seq
+
+    async def _queue_full_message(self, owner: str, priority: str) -> str:
+        """Why a job was refused: the owner's queued jobs reached the per-owner cap (the jobs
+        stream's per-subject limit, read when this credential may)."""
+        limit = ""
+        if self.connection.may(f"$JS.API.STREAM.INFO.{names.JOBS_STREAM}"):
+            with contextlib.suppress(Exception):
+                info = await self.js.stream_info(names.JOBS_STREAM)
+                limit = f"{info.config.max_msgs_per_subject} "
+        who = f"key {owner!r}" if owner else "this caller"
+        kind = {"low": "low-priority ", names.BATCH_PRIORITY: "batch "}.get(priority, "")
+        return (
+            f"{who} has {limit}{kind}jobs queued or running on endpoint {self.endpoint!r}, the "
+            "most one key may have there (per-owner queued job limit, "
+            "LLMEP_OPERATOR_JOBS_MAX_QUEUED_PER_OWNER); retry when some have finished"
+        )
 
     def _idempotency_subject(self, owner: str, key: str) -> str:
         return names.kv_subject(

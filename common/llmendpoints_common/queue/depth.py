@@ -71,9 +71,12 @@ async def endpoint_depth(
                 counts = info.state.subjects or {}
             except NotFoundError:
                 counts = {}
+        by_priority = dict.fromkeys(names.PRIORITIES, 0)
+        for subject, count in counts.items():  # every owner's subject, and the form without
+            by_priority[names.priority_of_jobs_subject(subject)] += count
         for priority in missing:
             # No worker consumer yet: everything is still queued.
-            queued[priority] = counts.get(names.jobs_subject(endpoint, priority), 0)
+            queued[priority] = by_priority[priority]
             running[priority] = 0
     return QueueDepth(
         queued=sum(queued.values()),

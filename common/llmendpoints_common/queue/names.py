@@ -7,11 +7,18 @@ permission for one endpoint is ``<prefix>.<namespace>.<name>.>`` (queue/roles.py
 
 Layout (one set for all endpoints):
 
-- stream ``LLMEP_JOBS`` (work-queue retention): subjects ``llmep.jobs.<ns>.<name>.<priority>``,
-  ``priority`` is ``normal``, ``low`` (RunPod's ``policy.lowPriority``) or ``batch`` (a batch's
-  requests: the lowest lane). One message per queued attempt. Workers pull through the durable
-  consumers ``workers-<ns>_<name>-<priority>`` (a namespace never holds ``_``, so the first
-  ``_`` ends it).
+- stream ``LLMEP_JOBS`` (work-queue retention): subjects
+  ``llmep.jobs.<ns>.<name>.<priority>.<owner token>``, ``priority`` is ``normal``, ``low``
+  (RunPod's ``policy.lowPriority``) or ``batch`` (a batch's requests: the lowest lane), the
+  owner token the submitting key's name as ``tenant_token``. One message per queued attempt.
+  The stream's per-subject limit is so the per-owner cap on queued jobs, enforced by JetStream
+  itself (discard-new per subject), across every gateway replica and pod; a key's batch
+  requests (their own subject) are capped apart from its jobs, and a batch's driver queues a
+  window at a time (LLMEP_BATCH_WINDOW_LINES) and waits when the cap is reached. Subjects
+  without the owner token (``llmep.jobs.<ns>.<name>.<priority>``) are what releases before the
+  cap wrote, and what a pod whose credential predates it still writes: they are consumed
+  alike. Workers pull through the durable consumers ``workers-<ns>_<name>-<priority>`` (a
+  namespace never holds ``_``, so the first ``_`` ends it), filtered on both forms.
 - key-value bucket ``LLMEP_JOB_STATE``: key ``<ns>.<name>.<job id>`` -> the job's record (status,
   owner, times, output or error).
 - stream ``LLMEP_JOB_CHUNKS``: subjects ``llmep.chunks.<ns>.<name>.<job id>.<attempt>.<n>``, the
@@ -95,8 +102,29 @@ def _check_priority(priority: str) -> str:
     return priority
 
 
-def jobs_subject(endpoint: EndpointRef | str, priority: str = "normal") -> str:
-    return f"llmep.jobs.{tokens(endpoint)}.{_check_priority(priority)}"
+def jobs_subject(
+    endpoint: EndpointRef | str, priority: str = "normal", owner: str | None = None
+) -> str:
+    """Where a job is queued: per owner (the API key's name; "" without keys), so the
+    stream's per-subject limit caps each owner's queued jobs. ``owner=None``: the form without
+    the owner token (releases before the cap)."""
+    subject = f"llmep.jobs.{tokens(endpoint)}.{_check_priority(priority)}"
+    return subject if owner is None else f"{subject}.{tenant_token(owner)}"
+
+
+def jobs_consumer_filters(endpoint: EndpointRef | str, priority: str) -> list[str]:
+    """What an endpoint's worker consumer for ``priority`` takes: every owner's jobs, and jobs
+    queued without an owner token (before the cap; pods with an older credential)."""
+    subject = jobs_subject(endpoint, priority)
+    return [subject, f"{subject}.*"]
+
+
+def priority_of_jobs_subject(subject: str) -> str:
+    """``llmep.jobs.<ns>.<name>.<priority>[.<owner>]`` -> the priority."""
+    parts = subject.split(".")
+    if len(parts) not in (5, 6) or parts[:2] != ["llmep", "jobs"]:
+        raise ValueError(f"{subject!r} is not a jobs subject")
+    return _check_priority(parts[4])
 
 
 def jobs_consumer(endpoint: EndpointRef | str, priority: str = "normal") -> str:
@@ -111,8 +139,8 @@ def jobs_consumer(endpoint: EndpointRef | str, priority: str = "normal") -> str:
 
 
 def jobs_filter(endpoint: EndpointRef | str) -> str:
-    """Every priority of one endpoint's queue (``llmep.jobs.<ns>.<name>.*``)."""
-    return f"llmep.jobs.{tokens(endpoint)}.*"
+    """Every priority and owner of one endpoint's queue (``llmep.jobs.<ns>.<name>.>``)."""
+    return f"llmep.jobs.{tokens(endpoint)}.>"
 
 
 def job_key(endpoint: EndpointRef | str, job_id: str) -> str:

@@ -20,8 +20,9 @@ does without them (queue/client.py).
   subject: no purge), and the batch signals; the consumers it reads with (the job records'
   usage meter, the quotas follower, the usage export, the batch records' listings). No stream
   or bucket purged or deleted, no consumer of the job queue created or deleted.
-- ``operator``: creates the streams and each endpoint's worker consumers; reads queue depth,
-  held-request signals and nudges (the autoscaler).
+- ``operator``: creates the streams and each endpoint's worker consumers (and updates their
+  filters), sets the jobs stream's per-subject limit (the per-owner cap; no other stream update);
+  reads queue depth, held-request signals and nudges (the autoscaler).
 - ``admin``: everything. Used by nobody at run time; for a person repairing the queue.
 
 Each role subscribes to replies on its own inbox prefix only (nats-py's ``inbox_prefix``), so
@@ -75,6 +76,19 @@ _NEVER = (
 )
 
 
+# The operator sets the per-owner cap on the jobs stream (its per-subject limit; the operator
+# holds the account's signing key anyway): every other stream's update stays denied.
+_OPERATOR_NEVER = tuple(
+    deny
+    for rule in _NEVER
+    for deny in (
+        [f"{_JS}.STREAM.UPDATE.{s}" for s in STREAMS if s != names.JOBS_STREAM]
+        if rule == f"{_JS}.STREAM.UPDATE.>"
+        else [rule]
+    )
+)
+
+
 def endpoint_inbox(endpoint: EndpointRef | str) -> str:
     return f"_INBOX.ep.{names.tokens(endpoint)}"
 
@@ -89,8 +103,9 @@ def runtime(endpoint: EndpointRef | str) -> Permissions:
     chunks = f"llmep.chunks.{ep}.>"
     return Permissions(
         pub_allow=(
-            # Submit (/run at the pod) and re-queue (/retry); a publish of the job's id.
-            f"llmep.jobs.{ep}.*",
+            # Submit (/run at the pod) and re-queue (/retry); a publish of the job's id, on
+            # its owner's subject (llmep.jobs.<ns>.<name>.<priority>.<owner token>).
+            f"llmep.jobs.{ep}.>",
             f"llmep.cancel.{ep}.*",
             chunks,
             # Records and idempotency keys: written by subject (compare-and-set headers), read
@@ -183,8 +198,10 @@ def operator() -> Permissions:
         pub_allow=(
             *(f"{_JS}.STREAM.INFO.{s}" for s in STREAMS),
             *(f"{_JS}.STREAM.CREATE.{s}" for s in STREAMS),
-            # Each endpoint's worker consumers (created with their filter in the subject).
-            f"{_JS}.CONSUMER.CREATE.{names.JOBS_STREAM}.*.llmep.jobs.*.*.*",
+            f"{_JS}.STREAM.UPDATE.{names.JOBS_STREAM}",  # the per-owner cap
+            # Each endpoint's worker consumers (two filters each -- per-owner subjects and the
+            # form without an owner -- so the filter is not in the request's subject).
+            f"{_JS}.CONSUMER.CREATE.{names.JOBS_STREAM}.*",
             f"{_JS}.CONSUMER.INFO.{names.JOBS_STREAM}.*",
             # Held-request counts: a watcher (ordered consumer) on the signals bucket; nats-py
             # names neither consumer nor filter in that request's subject.
@@ -194,7 +211,7 @@ def operator() -> Permissions:
             f"{_JS}.CONSUMER.DELETE.{_SIGNALS}.>",
             "$JS.FC.>",
         ),
-        pub_deny=_NEVER,
+        pub_deny=_OPERATOR_NEVER,
         sub_allow=(f"{OPERATOR_INBOX}.>", names.NUDGE_WILDCARD),
         sub_deny=("$SYS.>",),
     )

@@ -8,9 +8,12 @@ what is missing on connect, as before. Existing streams and consumers are left a
 (their configuration is whatever the first creator chose, or what an operator set by hand), so
 a rolling upgrade never fights over configuration.
 
-- ``LLMEP_JOBS``: work-queue retention (a message is removed when a worker acknowledges it),
-  file storage; at most ``max_queue_length`` queued messages per endpoint and priority, further
-  submissions are refused at once (discard-new per subject -> 429), never dropped later.
+- ``LLMEP_JOBS``: work-queue retention (a message is removed when a worker acknowledges it,
+  once the job ended), file storage; at most ``per_subject_limit`` messages per endpoint,
+  priority and owner (``max_queued_per_owner``), further submissions are refused at once
+  (discard-new per subject -> 429), never dropped later. Its per-subject limit is the one
+  setting reconciled on an existing stream (``ensure_streams(reconcile=True)``, the
+  operator's), so changing the cap takes effect without recreating the queue.
 - ``KV_LLMEP_JOB_STATE``: one value per key, per-message TTL (a finished job's record expires
   after its retention), direct gets (reads served by any replica).
 - ``KV_LLMEP_JOB_IDEMPOTENCY``: the same shape, entries live for the idempotency window.
@@ -30,7 +33,7 @@ a rolling upgrade never fights over configuration.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nats.js import JetStreamContext
 from nats.js import api as js_api
@@ -50,8 +53,12 @@ class QueueLayout:
 
     # Replicas of each stream: 1 on one server, 3 on the chart's cluster.
     replicas: int = 1
-    # Queued jobs per endpoint and priority beyond which /run answers 429.
+    # Queued jobs per endpoint, priority and owner beyond which /run answers 429 when no
+    # per-owner cap is set (0 below).
     max_queue_length: int = 10_000
+    # Queued (or running) jobs one owner (API key) may have per endpoint and priority: one key
+    # must not fill an endpoint's queue. 0: no cap below ``max_queue_length``.
+    max_queued_per_owner: int = 1_000
     # A worker that has not reported progress this long is presumed dead: its job is
     # delivered to another worker.
     heartbeat_timeout_seconds: float = 30.0
@@ -83,6 +90,12 @@ def _kv_stream(bucket: str, replicas: int) -> js_api.StreamConfig:
     )
 
 
+def per_subject_limit(layout: QueueLayout) -> int:
+    """The jobs stream's per-subject limit: the per-owner cap, never above the queue length."""
+    cap = layout.max_queued_per_owner
+    return min(cap, layout.max_queue_length) if cap > 0 else layout.max_queue_length
+
+
 def stream_configs(layout: QueueLayout) -> list[js_api.StreamConfig]:
     return [
         js_api.StreamConfig(
@@ -90,7 +103,7 @@ def stream_configs(layout: QueueLayout) -> list[js_api.StreamConfig]:
             subjects=["llmep.jobs.>"],
             retention=js_api.RetentionPolicy.WORK_QUEUE,
             storage=js_api.StorageType.FILE,
-            max_msgs_per_subject=layout.max_queue_length,
+            max_msgs_per_subject=per_subject_limit(layout),
             discard=js_api.DiscardPolicy.NEW,
             discard_new_per_subject=True,
             duplicate_window=120.0,
@@ -160,14 +173,27 @@ class NotCreatedYet(Exception):
     """A stream or consumer this credential may not create does not exist yet."""
 
 
-async def ensure_streams(js: JetStreamContext, layout: QueueLayout) -> None:
-    """Create the streams that do not exist (the operator's credential, or a password user)."""
+async def ensure_streams(
+    js: JetStreamContext, layout: QueueLayout, *, reconcile: bool = False
+) -> None:
+    """Create the streams that do not exist (the operator's credential, or a password user).
+    ``reconcile`` (the operator): also set the jobs stream's per-subject limit (the per-owner
+    cap) on an existing stream when it differs; nothing else of an existing stream changes."""
     for config in stream_configs(layout):
         try:
-            await js.stream_info(config.name)
-            continue
+            info = await js.stream_info(config.name)
         except NotFoundError:
-            pass
+            info = None
+        if info is not None:
+            if (
+                reconcile
+                and config.name == names.JOBS_STREAM
+                and info.config.max_msgs_per_subject != config.max_msgs_per_subject
+            ):
+                await js.update_stream(
+                    replace(info.config, max_msgs_per_subject=config.max_msgs_per_subject)
+                )
+            continue
         try:
             await js.add_stream(config)
         except BadRequestError as exc:
@@ -180,11 +206,11 @@ def consumer_config(
 ) -> js_api.ConsumerConfig:
     durable = names.jobs_consumer(endpoint, priority)
     return js_api.ConsumerConfig(
-        # A name and a filter: created through $JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>,
-        # a subject a per-endpoint permission can scope.
+        # Two filters (every owner's subject, and the form without an owner token), so it is
+        # created through $JS.API.CONSUMER.CREATE.<stream>.<name>: the operator's to make.
         name=durable,
         durable_name=durable,
-        filter_subject=names.jobs_subject(endpoint, priority),
+        filter_subjects=names.jobs_consumer_filters(endpoint, priority),
         deliver_policy=js_api.DeliverPolicy.ALL,
         ack_policy=js_api.AckPolicy.EXPLICIT,
         ack_wait=layout.heartbeat_timeout_seconds,
@@ -212,6 +238,14 @@ async def ensure_consumers(
         try:
             info = await js.consumer_info(names.JOBS_STREAM, durable)
             ack_wait = min(ack_wait, info.config.ack_wait or ack_wait)
+            wanted = names.jobs_consumer_filters(endpoint, priority)
+            if create and sorted(info.config.filter_subjects or []) != sorted(wanted):
+                # A consumer made before jobs carried their owner (filtered on the subject
+                # without it): it takes both forms from now on; its queued jobs stay queued.
+                await js.add_consumer(
+                    names.JOBS_STREAM,
+                    replace(info.config, filter_subject=None, filter_subjects=wanted),
+                )
             continue
         except NotFoundError:
             if not create:

@@ -17,6 +17,10 @@ Guarantees (see docs/jobs.md, "Shared queue"):
   starts the job again; ``max_attempts`` bound how often (then ``FAILED``, saying so).
 - **One outcome per job:** every state change is a compare-and-set on the job's record; an
   attempt that was superseded (cancelled, or taken over after it looked dead) changes nothing.
+- **A job stopped before its end bills what it used:** an attempt that times out
+  (``policy.executionTimeout``, ``policy.ttl``) ends ``TIMED_OUT`` with the usage its
+  ``usage`` function reports; a cancelled one adds its usage to the ``CANCELLED`` record that
+  whoever cancelled wrote (once, for its own attempt). The gateway meters both, once per run.
 - **Cancel from anywhere:** a cancel published on ``llmep.cancel.<ns>.<name>.<id>`` aborts the
   engine request at once; the heartbeat also checks the record, so a missed message delays
   the abort by at most one heartbeat.
@@ -45,10 +49,12 @@ from llmendpoints_common.jobs.models import JobStatus
 from llmendpoints_common.jobs.record import (
     Conflict,
     JobRecord,
+    JobUsage,
     claim,
     finish,
     gave_up_error,
     out_of_attempts,
+    with_usage,
 )
 from llmendpoints_common.queue import names
 from llmendpoints_common.queue.client import ATTEMPT_HEADER, QueueJobService, record_ttl
@@ -60,6 +66,8 @@ log = logging.getLogger(__name__)
 Publish = Callable[[Any], None]
 Execute = Callable[[JobRecord, Publish], Awaitable[Any]]
 Abort = Callable[[JobRecord], Awaitable[None]]
+# What an attempt used (asked once, after it stopped; the attempt's counts may be forgotten).
+AttemptUsage = Callable[[JobRecord], JobUsage | None]
 
 
 @dataclass(frozen=True)
@@ -199,6 +207,7 @@ class QueueWorker:
         abort: Abort,
         free_slots: Callable[[], int],
         batch_slots: Callable[[], int] | None = None,
+        usage: AttemptUsage | None = None,
         settings: WorkerSettings | None = None,
         layout: QueueLayout | None = None,
         clock: Callable[[], float] = time.time,
@@ -210,6 +219,7 @@ class QueueWorker:
         self._free_slots = free_slots
         # How many batch requests this worker may run now (None: none at all).
         self._batch_slots = batch_slots
+        self._usage = usage or (lambda record: None)
         self.settings = settings or WorkerSettings()
         self._layout = layout or QueueLayout()
         self._clock = clock
@@ -274,8 +284,7 @@ class QueueWorker:
         ref = self.service.ref
         connection = self.service.connection
         create = connection.may(
-            f"$JS.API.CONSUMER.CREATE.{names.JOBS_STREAM}.{names.jobs_consumer(ref)}."
-            f"{names.jobs_subject(ref)}"
+            f"$JS.API.CONSUMER.CREATE.{names.JOBS_STREAM}.{names.jobs_consumer(ref)}"
         )
         ack_wait = await ensure_consumers(
             js, ref, self._layout, create=create, priorities=_JOB_LANES
@@ -307,8 +316,7 @@ class QueueWorker:
         service = self.service
         create = service.connection.may(
             f"$JS.API.CONSUMER.CREATE.{names.JOBS_STREAM}."
-            f"{names.jobs_consumer(service.ref, names.BATCH_PRIORITY)}."
-            f"{names.jobs_subject(service.ref, names.BATCH_PRIORITY)}"
+            f"{names.jobs_consumer(service.ref, names.BATCH_PRIORITY)}"
         )
         try:
             await ensure_consumers(
@@ -471,17 +479,22 @@ class QueueWorker:
         attempt = _Attempt(record, task)
         self._running[record.id] = attempt
         heartbeat = asyncio.create_task(self._heartbeat(message, attempt))
+        used: JobUsage | None = None
         try:
             done, _ = await asyncio.wait({task}, timeout=remaining)
             if not done:
                 await self._stop_attempt(attempt)
+                used = self._usage(record)
                 status, output, error = (
                     JobStatus.TIMED_OUT,
                     None,
                     _timeout_error(record, budget, cut_by_ttl),
                 )
             elif attempt.cancelled or task.cancelled():
+                used = self._usage(record)
                 await message.ack()  # whoever cancelled wrote CANCELLED
+                if used is not None:
+                    await self._add_usage(record, used)
                 return
             elif (exc := task.exception()) is not None:
                 if not isinstance(exc, APIError):
@@ -490,11 +503,13 @@ class QueueWorker:
             else:
                 status, output, error = JobStatus.COMPLETED, task.result(), None
             await publisher.flush()  # every chunk is stored before the job says it ended
-            await self._write_outcome(message, record, revision, status, output, error)
+            await self._write_outcome(message, record, revision, status, output, error, used)
         finally:
             heartbeat.cancel()
             if not task.done():
                 await self._stop_attempt(attempt)
+            if used is None:
+                self._usage(record)  # asked once per attempt, whatever the outcome
             await publisher.close()
             if self._running.get(record.id) is attempt:
                 del self._running[record.id]
@@ -507,14 +522,25 @@ class QueueWorker:
         status: JobStatus,
         output: Any,
         error: dict[str, Any] | None,
+        usage: JobUsage | None = None,
     ) -> None:
         deadline = time.monotonic() + self.settings.outcome_write_patience_seconds
+
+        def end(current: JobRecord, now: float) -> JobRecord:
+            return finish(
+                current,
+                status,
+                now=now,
+                attempt=record.attempt,
+                output=output,
+                error=error,
+                usage=usage,
+            )
+
         if revision is not None:
             # Usually nobody wrote since the claim: one compare-and-set, no read.
             now = self._clock()
-            ended = finish(
-                record, status, now=now, attempt=record.attempt, output=output, error=error
-            )
+            ended = end(record, now)
             with contextlib.suppress(StaleRevision, nats.errors.Error, OSError):
                 await self.service.states.write(
                     ended, revision=revision, ttl_seconds=record_ttl(ended, now)
@@ -527,9 +553,7 @@ class QueueWorker:
             try:
                 result = await self.service.states.update(
                     record.id,
-                    lambda r, now=now: finish(
-                        r, status, now=now, attempt=record.attempt, output=output, error=error
-                    ),
+                    lambda r, now=now: end(r, now),
                     ttl=lambda r, now=now: record_ttl(r, now),
                 )
                 break
@@ -550,6 +574,22 @@ class QueueWorker:
         if result is not None:
             self.service.ended(result[1])
         await message.ack()
+
+    async def _add_usage(self, record: JobRecord, usage: JobUsage) -> None:
+        """Put what the cancelled attempt used on its CANCELLED record (whoever cancelled did
+        not know it). A record that is gone, another attempt's, or already carrying usage is
+        left alone; an unreachable queue loses this attempt's bill (logged), not the job."""
+        now = self._clock()
+        try:
+            await self.service.states.update(
+                record.id,
+                lambda r: with_usage(r, usage, attempt=record.attempt),
+                ttl=lambda r: record_ttl(r, now),
+            )
+        except Conflict:
+            pass
+        except (nats.errors.Error, OSError) as exc:
+            log.warning("job %s: the cancelled attempt's usage was not stored (%s)", record.id, exc)
 
     async def _heartbeat(self, message: Msg, attempt: _Attempt) -> None:
         while True:

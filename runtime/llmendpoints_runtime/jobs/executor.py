@@ -27,7 +27,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from llmendpoints_common.errors import (
@@ -50,6 +50,7 @@ from llmendpoints_runtime.jobs.models import RETRYABLE_STATUSES, JobRequest, Job
 from llmendpoints_runtime.jobs.port import JobEngine
 from llmendpoints_runtime.jobs.settings import JobSettings
 from llmendpoints_runtime.jobs.store import InMemoryJobStore, Job, JobStore
+from llmendpoints_runtime.jobs.tally import UsageTally
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class _Running:
     task: asyncio.Task[Any]
     request_id: str
     sequences: int = 1
+    tally: UsageTally = field(default_factory=UsageTally)
 
 
 class JobExecutor:
@@ -272,6 +274,8 @@ class JobExecutor:
             self._leave_queue(job)  # its queue entry is skipped when a worker reaches it
             await self._finish(job, JobStatus.CANCELLED)
         elif job.status is JobStatus.IN_PROGRESS:
+            if (running := self._running.get(job.id)) is not None:
+                job.usage = running.tally.usage()  # what it used until now: it is billed
             await self._finish(job, JobStatus.CANCELLED)
             await self._stop(job.id)
         else:
@@ -366,8 +370,9 @@ class JobExecutor:
         job.attempts += 1
         await self.store.save(job)
         request_id = job.engine_request_id
-        task = asyncio.create_task(self._produce(job, request_id))
-        self._running[job.id] = _Running(task, request_id, sequences)
+        tally = UsageTally()
+        task = asyncio.create_task(self._produce(job, request_id, tally))
+        self._running[job.id] = _Running(task, request_id, sequences, tally)
         timeout_ms = (
             job.request.policy.executionTimeout or self._settings.default_execution_timeout_ms
         )
@@ -396,6 +401,7 @@ class JobExecutor:
                     param="policy.executionTimeout",
                 ).to_error()
             )
+            job.usage = tally.usage()  # what it used until the stop: it is billed
             await self._finish(job, JobStatus.TIMED_OUT, error=error)
             return
         self._running.pop(job.id, None)
@@ -408,9 +414,9 @@ class JobExecutor:
         else:
             await self._finish(job, JobStatus.COMPLETED, output=task.result())
 
-    async def _produce(self, job: Job, request_id: str) -> Any:
+    async def _produce(self, job: Job, request_id: str, tally: UsageTally) -> Any:
         return await produce(
-            self._engine, self._settings, job.request, request_id, job.chunks.append
+            self._engine, self._settings, job.request, request_id, job.chunks.append, tally
         )
 
     async def _stop(self, job_id: str) -> None:
@@ -458,12 +464,14 @@ async def produce(
     request: JobRequest,
     request_id: str,
     publish: Callable[[Any], None],
+    tally: UsageTally | None = None,
     *,
     priority: int = 0,
 ) -> Any:
     """One attempt of a job on the engine: ``publish`` gets each stream chunk as it exists;
-    the return value is the output. Raises for a job that fails. ``priority``: vLLM's (a
-    batch's request runs above 0, below interactive requests)."""
+    the return value is the output. Raises for a job that fails. ``tally`` counts the tokens
+    used as they are produced (what a job stopped before its end is billed). ``priority``:
+    vLLM's (a batch's request runs above 0, below interactive requests)."""
     job_input = request.input
     schedule = resolve_schedule(
         max_batch_size=job_input.max_batch_size,
@@ -480,6 +488,7 @@ async def produce(
             schedule=schedule,
             raw_output=settings.raw_openai_output,
             publish=publish,
+            tally=tally,
             priority=priority,
         )
     return await work.run_generation(
@@ -489,6 +498,7 @@ async def produce(
         schedule=schedule,
         default_max_tokens=settings.default_max_tokens,
         publish=publish,
+        tally=tally,
         priority=priority,
     )
 

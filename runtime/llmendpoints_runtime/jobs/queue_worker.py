@@ -34,7 +34,7 @@ from llmendpoints_common.destinations import DestinationPolicy
 from llmendpoints_common.errors import ServiceUnavailableError
 from llmendpoints_common.identity import EndpointRef
 from llmendpoints_common.jobs.models import JobLimits, JobRequest, check_limits, job_sequences
-from llmendpoints_common.jobs.record import JobRecord
+from llmendpoints_common.jobs.record import JobRecord, JobUsage
 from llmendpoints_common.jobs.service import status_body
 from llmendpoints_common.queue.client import (
     RETRY_AFTER_SECONDS,
@@ -50,6 +50,7 @@ from llmendpoints_runtime.jobs.executor import produce
 from llmendpoints_runtime.jobs.port import JobEngine
 from llmendpoints_runtime.jobs.routes import job_verbs
 from llmendpoints_runtime.jobs.settings import JobSettings, finished_jobs_counter
+from llmendpoints_runtime.jobs.tally import UsageTally
 from llmendpoints_runtime.jobs.wiring import job_routers
 from llmendpoints_runtime.jobs.work import check_images
 
@@ -172,6 +173,8 @@ class SharedQueueJobs:
         # Sequences of the running jobs beyond one per job: the worker counts jobs, the engine
         # runs sequences (a job with n: 4 is 4), so the free slots it is told are sequences.
         self._extra_sequences = 0
+        # What each running attempt used so far (by engine request id), until the worker asks.
+        self._tallies: dict[str, UsageTally] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -212,6 +215,7 @@ class SharedQueueJobs:
             abort=self._abort,
             free_slots=self._free_slots,
             batch_slots=self._batch_slots if self.settings.batch is not None else None,
+            usage=self._attempt_usage,
             settings=self.settings.worker,
             layout=self.settings.layout,
         )
@@ -271,6 +275,7 @@ class SharedQueueJobs:
         check_with_engine(self._engine, request, self._job_settings.limits)
         extra = job_sequences(request) - 1
         self._extra_sequences += extra
+        tally = self._tallies[record.engine_request_id] = UsageTally()
         # A batch's request runs below interactive ones inside the engine too.
         share = self.settings.batch
         priority = share.priority if record.batch is not None and share is not None else 0
@@ -281,10 +286,17 @@ class SharedQueueJobs:
                 request,
                 record.engine_request_id,
                 publish,
+                tally,
                 priority=priority,
             )
         finally:
             self._extra_sequences -= extra
+
+    def _attempt_usage(self, record: JobRecord) -> JobUsage | None:
+        """The worker asks once per attempt, after it stopped (None: it never reached the
+        engine -- refused by the checks, or no slot)."""
+        tally = self._tallies.pop(record.engine_request_id, None)
+        return tally.usage() if tally is not None else None
 
     async def _abort(self, record: JobRecord) -> None:
         await self._engine.abort(record.engine_request_id)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from llmendpoints_common.errors import RateLimitError
+from llmendpoints_common.jobs.record import JobUsage
 
 from llmendpoints_runtime.jobs.models import JobRequest, JobStatus
 
@@ -49,6 +50,8 @@ class Job:
     # What /stream hands out; ``stream_cursor`` is how far the last poll read.
     chunks: list[Any] = field(default_factory=list)
     stream_cursor: int = 0
+    # TIMED_OUT, or CANCELLED while it ran: what it used until the stop (status reports it).
+    usage: JobUsage | None = None
 
     @property
     def engine_request_id(self) -> str:
@@ -69,7 +72,7 @@ class Job:
     def reset_for_retry(self) -> None:
         self.status = JobStatus.IN_QUEUE
         self.started_at = self.finished_at = None
-        self.output = self.error = None
+        self.output = self.error = self.usage = None
         self.chunks = []
         self.stream_cursor = 0
 

@@ -7,7 +7,7 @@ value is the job's final output. Anything raised ends the job ``FAILED``.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from llmendpoints_common.errors import APIError
@@ -20,8 +20,9 @@ from llmendpoints_runtime.jobs.models import (
     check_model,
     refuse_images_for_text_only,
 )
-from llmendpoints_runtime.jobs.port import GenerationRequest, JobEngine
+from llmendpoints_runtime.jobs.port import GenerationRequest, GenerationStep, JobEngine
 from llmendpoints_runtime.jobs.sse import SSECutter, SSEEvent
+from llmendpoints_runtime.jobs.tally import UsageTally
 
 Publish = Callable[[Any], None]
 
@@ -34,6 +35,7 @@ async def run_generation(
     schedule: BatchSchedule,
     default_max_tokens: int,
     publish: Publish,
+    tally: UsageTally | None = None,
     priority: int = 0,
 ) -> list[dict[str, Any]]:
     """A prompt/messages job: token batches when streamed, one batch of full texts if not."""
@@ -55,7 +57,7 @@ async def run_generation(
         priority=priority,
     )
     n_choices = engine.n_choices(job_input.sampling_params)
-    steps = engine.generate(request)
+    steps = _counted(engine.generate(request), tally or UsageTally())
     if not job_input.stream:
         collector = TextCollector(n_choices)
         async for step in steps:
@@ -83,6 +85,7 @@ async def run_openai_route(
     schedule: BatchSchedule,
     raw_output: bool,
     publish: Publish,
+    tally: UsageTally | None = None,
     priority: int = 0,
 ) -> Any:
     """An ``openai_route`` job: the OpenAI JSON, or the streamed events in growing batches.
@@ -125,6 +128,8 @@ async def run_openai_route(
         for event in events:
             if (error := event.error) is not None:
                 raise _route_error(route, error.get("code") or 500, {"error": error})
+            if tally is not None:
+                tally.openai_chunk(event.json())
             if not raw_output and event.json() is None:
                 continue  # [DONE] and comments carry nothing once parsed
             pending.append(event)
@@ -139,6 +144,16 @@ async def run_openai_route(
     if pending:
         emit()
     return chunks
+
+
+async def _counted(
+    steps: AsyncIterator[GenerationStep], tally: UsageTally
+) -> AsyncIterator[GenerationStep]:
+    """The engine's steps, each counted as it arrives (a job stopped mid-way bills what the
+    tally holds then)."""
+    async for step in steps:
+        tally.step(step)
+        yield step
 
 
 def check_images(engine: JobEngine, job_input: JobInput) -> None:

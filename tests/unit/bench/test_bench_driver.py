@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -135,31 +136,135 @@ def test_server_cpu_over_a_run_is_reported_per_request():
     assert run.failed == 0
 
 
+LOAD = runtime_vs_vllm.Load(200, 64, 32, 16, 16, 0)
+FACTS = {
+    "cpus": 2,
+    "cpu_model": "test CPU",
+    "memory_gib": 24,
+    "load_before": "1.00 1.00 1.00",
+    "load_after": "2.00 1.00 1.00",
+    "python": "3.11",
+    "vllm": "0.32.0",
+    "servers": "all up for all rounds",
+}
+OVERHEAD = {
+    "chunks_per_request": 34,
+    "direct_us": 10.0,
+    "runtime_stack_us": 100.0,
+    "overhead_us": 90.0,
+}
+
+
 def test_summary_names_every_ratio_and_the_verdicts():
     ours, plain = runtime_vs_vllm.OURS, runtime_vs_vllm.PLAIN
     runs = [_run(ours, 1, 49.0, 100.0), _run(plain, 1, 50.0, 100.0)]
-    load = runtime_vs_vllm.Load(200, 64, 32, 16, 16, 0)
-    facts = {
-        "cpus": 2,
-        "cpu_model": "test CPU",
-        "memory_gib": 24,
-        "load_before": "1.00 1.00 1.00",
-        "load_after": "2.00 1.00 1.00",
-        "python": "3.11",
-        "vllm": "0.32.0",
-        "servers": "both up for all rounds",
-    }
-    overhead = {
-        "chunks_per_request": 34,
-        "direct_us": 10.0,
-        "runtime_stack_us": 100.0,
-        "overhead_us": 90.0,
-    }
     text = runtime_vs_vllm.markdown(
-        runs, runtime_vs_vllm.compare(runs), load, facts, "cmd", overhead
+        runs, runtime_vs_vllm.compare(runs), LOAD, FACTS, "cmd", dict(OVERHEAD)
     )
     assert "request throughput (target >= 0.97): **0.980**" in text
     assert "median TTFT (target <= 1.05): **1.000**" in text
     assert "CPU per request of the HTTP/API process: **1.000**" in text
     assert "**90 µs** added per request" in text
     assert "order A B (A = " in text
+
+
+def test_an_older_runtime_runs_next_to_ours_each_round_first_in_turn():
+    ours, old, plain = runtime_vs_vllm.OURS, runtime_vs_vllm.OLD, runtime_vs_vllm.PLAIN
+    order = runtime_vs_vllm.round_order
+    assert [order(r, False, True) for r in (1, 2, 3)] == [
+        [ours, old, plain],
+        [old, ours, plain],
+        [ours, old, plain],
+    ]
+    assert order(2, True, True) == [plain, old, ours]
+    assert order(2, False, False) == [ours, plain]
+
+
+def test_the_summary_compares_ours_with_the_older_runtime():
+    ours, old, plain = runtime_vs_vllm.OURS, runtime_vs_vllm.OLD, runtime_vs_vllm.PLAIN
+    runs = [_run(ours, 1, 45.0, 110.0), _run(old, 1, 50.0, 100.0), _run(plain, 1, 50.0, 100.0)]
+    facts = {**FACTS, "before": "/old"}
+    others = {"Ratios ours/older runtime (A/A')": runtime_vs_vllm.compare(runs, ours, old)}
+    overhead = {
+        **OVERHEAD,
+        "before": {"direct_us": 10.0, "runtime_stack_us": 70.0, "overhead_us": 60.0},
+    }
+    text = runtime_vs_vllm.markdown(
+        runs, runtime_vs_vllm.compare(runs), LOAD, facts, "cmd", overhead, others
+    )
+    assert "order A A' B (A = " in text and "A' = the runtime of /old" in text
+    assert "| 2 (round 1) | A' runtime (before) | 50.00 |" in text
+    ours_vs_old = text.split("Ratios ours/older runtime (A/A')")[1]
+    assert (
+        "request throughput (target >= 0.97): **0.900** (0.900-0.900; 0.900): **no**" in ours_vs_old
+    )
+    assert "**60 µs** added per request (ours/older: 1.50)" in text
+
+
+gateway_streams = _load("gateway_streams")
+abuse = _load("abuse")
+
+
+def test_the_older_gateway_runs_next_to_ours_and_first_every_other_round():
+    targets = ["gateway", "asgi", "aiohttp"]
+    assert gateway_streams.round_targets(targets, 1, True) == [
+        "gateway",
+        "gateway-before",
+        "asgi",
+        "aiohttp",
+    ]
+    assert gateway_streams.round_targets(targets, 2, True)[:2] == ["gateway-before", "gateway"]
+    assert gateway_streams.round_targets(targets, 2, False) == targets
+    assert gateway_streams.round_targets(["asgi"], 1, True) == ["asgi"]
+
+
+def test_an_older_checkout_without_the_edge_package_runs_from_its_own_folders(tmp_path):
+    for folder in ("gateway", "common", "runtime"):
+        (tmp_path / folder).mkdir()
+    assert gateway_streams.gateway_code_path(tmp_path).split(":") == [
+        str(tmp_path / "gateway"),
+        str(tmp_path / "common"),
+    ]
+    assert abuse.pythonpath(tmp_path).split(":") == [
+        str(tmp_path / f) for f in ("runtime", "gateway", "common")
+    ]
+    assert [label for label, _ in abuse.code_trees(tmp_path)] == ["before", "after"]
+    assert abuse.code_trees(None) == [("this code", abuse.REPO)]
+
+
+@pytest.mark.parametrize("size", [2048, 1024 * 1024 + 1])
+def test_a_held_chat_body_is_exactly_its_size_and_a_chat_request(size):
+    body = abuse.chat_body(size, "cold")
+    assert len(body) == size
+    request = json.loads(body)
+    assert request["model"] == "cold" and request["messages"][0]["role"] == "user"
+    with pytest.raises(ValueError, match="cannot be as small"):
+        abuse.chat_body(10, "cold")
+
+
+def test_each_gateway_is_summarised_against_the_same_direct_rounds():
+    gateway_vs_direct = _load("gateway_vs_direct")
+    direct = [
+        {"request_throughput": 10.0, "median_ttft_ms": 20.0},
+        {"request_throughput": 20.0, "median_ttft_ms": 10.0},
+    ]
+    through = [
+        {
+            "request_throughput": 9.0,
+            "median_ttft_ms": 21.0,
+            "gateway_cpu_ms_per_request": 0.5,
+            "runtime_api_cpu_ms_per_request": 5.0,
+        },
+        {
+            "request_throughput": 20.0,
+            "median_ttft_ms": 13.0,
+            "gateway_cpu_ms_per_request": 0.7,
+            "runtime_api_cpu_ms_per_request": 3.5,
+        },
+    ]
+    summary = gateway_vs_direct.gateway_summary(direct, through, "_before")
+    assert summary["throughput_ratios_before"] == [0.9, 1.0]
+    assert summary["throughput_ratio_median_before"] == pytest.approx(0.95)
+    assert summary["ttft_added_ms_before"] == [1.0, 3.0]
+    assert summary["gateway_cpu_ms_per_request_before"] == pytest.approx(0.6)
+    assert summary["gateway_to_runtime_api_cpu_before"] == pytest.approx([0.1, 0.2])

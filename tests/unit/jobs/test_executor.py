@@ -385,3 +385,27 @@ async def test_openai_route_error_fails_the_job_with_the_routes_error() -> None:
         "code": 400,
     }
     await executor.drain(1)
+
+
+async def test_stopped_jobs_report_what_they_used_on_their_status() -> None:
+    """The one-pod runtime (no gateway) says what a timed-out or cancelled job used, as the
+    shared queue's record does; a job cancelled while queued used nothing."""
+    engine = FakeEngine(step_delay=0.02)
+    executor = make(engine, default_execution_timeout_ms=150)
+    body = '{"input": {"prompt": "a b", "sampling_params": {"max_tokens": 1000}}}'
+    timed_out = await executor.wait((await executor.submit(request(body), sync=False)).id, 5)
+    assert timed_out.status is JobStatus.TIMED_OUT
+    usage = status_body(timed_out)["usage"]
+    assert usage["input"] == 2 and usage["output"] >= 1
+    streamed = (
+        '{"input": {"prompt": "a b", "stream": true, "sampling_params": {"max_tokens": 1000}}}'
+    )
+    running = await executor.submit(request(streamed), sync=False)
+    await until(lambda: len(running.chunks) >= 2)
+    cancelled = await executor.cancel(running.id)
+    assert status_body(cancelled)["usage"]["output"] >= 2
+    await executor.drain(1)
+    idle = make(FakeEngine(ready=False))
+    queued = await idle.cancel((await idle.submit(request(body), sync=False)).id)
+    assert "usage" not in status_body(queued)
+    await idle.drain(1)
