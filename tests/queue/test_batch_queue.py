@@ -327,3 +327,39 @@ async def test_keys_are_bounded(connection):
     )
     assert refused.status == 429
     assert refused.body["error"]["code"] == "enqueued_token_limit_exceeded"
+
+
+async def test_a_batch_beyond_the_per_owner_cap_waits_for_room_and_completes(tmp_path):
+    """The queue holds at most 3 requests of one key per lane (the jobs stream's per-subject
+    limit); the batch's windows are 8. It still completes, every request answered once, and
+    the key's own jobs are not crowded out by its batch."""
+    from integration.nats_kit import running_nats
+
+    with running_nats(tmp_path) as server:
+        connection = await QueueConnection.connect(
+            server.url,
+            name="capped",
+            layout=QueueLayout(heartbeat_timeout_seconds=1.0, max_queued_per_owner=3),
+        )
+        drivers, api = make_drivers(connection, "g1")
+        engine = Engine(delay=0.05)
+        worker = make_worker(connection, engine, slots=1, batch_slots=1)
+        await drivers.start()
+        try:
+            created = await start_batch(api, "erin", [chat_line(i) for i in range(20)])
+            await wait_batch(api, "erin", created.id, {"in_progress"})
+            service = QueueJobService(connection, ENDPOINT)
+            job = await service.submit(
+                parse_job_request(b'{"input": {"prompt": "hi"}}'), sync=False, owner="erin"
+            )
+            await worker.start()
+            done = await wait_batch(api, "erin", created.id, {"completed"})
+            assert done["request_counts"] == {"total": 20, "completed": 20, "failed": 0}
+            outputs = await content(api, "erin", done["output_file_id"])
+            assert sorted(o["custom_id"] for o in outputs) == sorted(f"c{i}" for i in range(20))
+            assert len(engine.ran) == len(set(engine.ran)) == 21
+            assert job.id in engine.ran
+        finally:
+            await worker.stop(5)
+            await drivers.stop()
+            await connection.close()
