@@ -19,10 +19,9 @@ sample; round-robin and least-loaded go through routing.Router as before.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -352,8 +351,7 @@ class Registry:
 
     # -- the request path: wait for a replica, choose it, count it --
 
-    @contextlib.asynccontextmanager
-    async def lease(
+    def lease(
         self,
         ep: Endpoint,
         route: RouteKey | None,
@@ -363,14 +361,27 @@ class Registry:
         exclude: frozenset[str] = frozenset(),
         key: str = "",
         size: int = 0,
-    ) -> AsyncIterator[Lease]:
-        """A replica of ``ep`` for one request (KubeAI's ``getBestAddr`` and its ``done``):
-        while the endpoint has none ready the request is held (``HoldQueue``: 503 when full,
-        past ``ep.hold_seconds(hold_timeout)``, over ``key``'s share or the byte budget with
-        its ``size``, or shutting down; ClientGone when ``gone()`` completes first); the chosen
-        replica carries the request in its load until the block ends. A retry passes the
-        replicas already tried as ``exclude``: NoReplicaLeft when none is left. ``route``: what
-        a prefix-aware endpoint scores replicas by (``route_key``)."""
+    ) -> _Leasing:
+        """A replica of ``ep`` for one request (KubeAI's ``getBestAddr`` and its ``done``), as
+        ``async with registry.lease(...) as lease``: while the endpoint has none ready the
+        request is held (``HoldQueue``: 503 when full, past ``ep.hold_seconds(hold_timeout)``,
+        over ``key``'s share or the byte budget with its ``size``, or shutting down; ClientGone
+        when ``gone()`` completes first); the chosen replica carries the request in its load
+        until the block ends. A retry passes the replicas already tried as ``exclude``:
+        NoReplicaLeft when none is left. ``route``: what a prefix-aware endpoint scores
+        replicas by (``route_key``)."""
+        return _Leasing(self, ep, route, hold_timeout, gone, exclude, key, size)
+
+    async def _take(
+        self,
+        ep: Endpoint,
+        route: RouteKey | None,
+        hold_timeout: float,
+        gone: Callable[[], Awaitable[object]],
+        exclude: frozenset[str],
+        key: str,
+        size: int,
+    ) -> Lease:
         while True:
             choice = self.choose(ep, route, exclude)
             if choice is not None:
@@ -381,13 +392,10 @@ class Registry:
         replica, outcome = choice
         if exclude:
             outcome = Outcome.RETRY
-        self.metrics.routing.labels(ep.id, outcome).inc()
+        self.metrics.routed(ep.id, outcome)
         self.acquire(ep, replica)
         ep.sent_since[replica] = ep.sent_since.get(replica, 0) + 1
-        try:
-            yield Lease(replica, outcome)
-        finally:
-            self.release(ep, replica)
+        return Lease(replica, outcome)
 
     def choose(
         self, ep: Endpoint, route: RouteKey | None, exclude: frozenset[str] = frozenset()
@@ -493,3 +501,25 @@ class Registry:
     def _held_changed(self, endpoint_id: str, n: int) -> None:
         self.metrics.held.labels(endpoint_id).set(n)
         self.on_held(endpoint_id, n)
+
+
+class _Leasing:
+    """``Registry.lease``'s context: the lease taken on entry, released on exit (a class, not
+    ``contextlib.asynccontextmanager``: a generator and its wrapper per request cost more CPU
+    than the rest of the lease)."""
+
+    __slots__ = ("_args", "_ep", "_lease", "_registry")
+
+    def __init__(self, registry: Registry, ep: Endpoint, *args: Any) -> None:
+        self._registry = registry
+        self._ep = ep
+        self._args = args
+        self._lease: Lease | None = None
+
+    async def __aenter__(self) -> Lease:
+        self._lease = await self._registry._take(self._ep, *self._args)
+        return self._lease
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._lease is not None:
+            self._registry.release(self._ep, self._lease.replica)
