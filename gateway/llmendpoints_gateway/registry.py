@@ -149,6 +149,9 @@ class Registry:
         self.on_held = on_held  # (endpoint id, requests held): the queue's held signal
         self.endpoints: dict[str, Endpoint] = {}
         self._by_model: dict[str, Endpoint] = {}
+        # name -> the one endpoint of that name, for names no other namespace has (by_unique_name
+        # on every request's access check: kept with the endpoints, not searched each time).
+        self._unique_names: dict[str, Endpoint] = {}
         # model -> (the endpoint routed to, the later claimants refused)
         self.model_claims: dict[str, tuple[str, tuple[str, ...]]] = {}
         self.closed = False
@@ -182,8 +185,7 @@ class Registry:
 
     def by_unique_name(self, name: str) -> Endpoint | None:
         """The one endpoint named ``name``, if no other namespace has one of that name."""
-        same = [e for e in self.endpoints.values() if e.name == name]
-        return same[0] if len(same) == 1 else None
+        return self._unique_names.get(name)
 
     def in_flight(self) -> int:
         return sum(sum(ep.loads.values()) for ep in self.endpoints.values())
@@ -476,7 +478,8 @@ class Registry:
             self._forget_if_departed(ep, replica)  # its last request ended after it left
 
     def _index(self) -> None:
-        """Each model name to its oldest claimant; the later ones are remembered, refused."""
+        """Each model name to its oldest claimant; the later ones are remembered, refused. And
+        each endpoint name no other namespace has, to its endpoint."""
         by_model: dict[str, Endpoint] = {}
         refused: dict[str, list[str]] = {}
         for ep in sorted(self.endpoints.values(), key=lambda e: claim_order(e.created, e.id)):
@@ -497,6 +500,10 @@ class Registry:
                 )
         self._by_model = by_model
         self.model_claims = claims
+        named: dict[str, list[Endpoint]] = {}
+        for ep in self.endpoints.values():
+            named.setdefault(ep.name, []).append(ep)
+        self._unique_names = {name: eps[0] for name, eps in named.items() if len(eps) == 1}
 
     def _held_changed(self, endpoint_id: str, n: int) -> None:
         self.metrics.held.labels(endpoint_id).set(n)
