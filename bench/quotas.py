@@ -21,7 +21,8 @@ proxied request).
 
 Part ``overshoot``: 200 concurrent requests of one key with ``requestsPerMinute: 60`` spread
 over 2 gateway processes sharing the nats-server, inside one minute window: how many were
-admitted (target: 60, overshoot 0); and ``maxConcurrent: 4`` with 200 concurrent slow streams:
+admitted (target: 60, overshoot 0); the same with ``tokensPerMinute: 960`` (requests reserving
+16 tokens, using 11): the tokens the upstream reported against the limit; and ``maxConcurrent: 4`` with 200 concurrent slow streams:
 the most streams the upstream ever saw open at once for that key.
 
 Part ``metering``: N requests (non-streamed, streamed without and with include_usage) over both
@@ -62,6 +63,8 @@ BODY = {"model": "demo", "messages": [{"role": "user", "content": "one two three
 # What the gateway reserves of tokensPerMinute for BODY (metering.metered_request): the prompt
 # estimate (13 characters / 4 + 4 tokens for the message) + GATEWAY_DEFAULT_MAX_TOKENS (1024).
 CHAT_RESERVATION = 8 + 1024
+# overshoot: the tokensPerMinute of the burst's key (60 requests' reservations of 16 tokens)
+TPM_LIMIT = 60 * 16
 
 
 def pct(values: list[float], q: float) -> float:
@@ -122,6 +125,7 @@ async def limiter_cost(url: str, requests: int) -> dict:
         await asyncio.sleep(0.2)
         trips_before = limiter.round_trips
         local_before = limiter.local_admissions
+        settled_before = getattr(limiter, "local_settlements", 0)
         times = []
         for _ in range(requests):
             started = time.perf_counter()
@@ -136,6 +140,8 @@ async def limiter_cost(url: str, requests: int) -> dict:
         results[label] = {
             "tokens_reserved_at_admission": reserve.get("tokens", 0),
             "admitted_without_round_trip": limiter.local_admissions - local_before,
+            # settled in the replica's token allowance (older code: no such path)
+            "settled_without_round_trip": getattr(limiter, "local_settlements", 0) - settled_before,
             "p50_us": round(statistics.median(times), 1),
             "p99_us": round(pct(times, 0.99), 1),
             # admit (on the request path) + the lease release and token charge (after it)
@@ -249,11 +255,18 @@ async def _burst(urls: list[str], key: str, n: int, body: dict) -> list[int]:
 
 
 def overshoot(log_dir: Path, url: str, rounds: int, concurrency: int) -> dict:
-    keys = [
-        {"name": f"rpm{r}", "key": f"sk-rpm-{r}", "limits": {"requestsPerMinute": 60}}
-        for r in range(rounds)
-    ] + [{"name": "conc", "key": "sk-conc", "limits": {"maxConcurrent": 4}}]
-    out: dict = {"requestsPerMinute": [], "maxConcurrent": None}
+    keys = (
+        [
+            {"name": f"rpm{r}", "key": f"sk-rpm-{r}", "limits": {"requestsPerMinute": 60}}
+            for r in range(rounds)
+        ]
+        + [
+            {"name": f"tpm{r}", "key": f"sk-tpm-{r}", "limits": {"tokensPerMinute": TPM_LIMIT}}
+            for r in range(rounds)
+        ]
+        + [{"name": "conc", "key": "sk-conc", "limits": {"maxConcurrent": 4}}]
+    )
+    out: dict = {"requestsPerMinute": [], "tokensPerMinute": [], "maxConcurrent": None}
     with fleet(log_dir, url, keys) as (standin, procs):
         urls = [p.url for p in procs]
         for r in range(rounds):
@@ -268,6 +281,33 @@ def overshoot(log_dir: Path, url: str, rounds: int, concurrency: int) -> dict:
                     "other": len(codes) - codes.count(200) - codes.count(429),
                     "overshoot": codes.count(200) - 60,
                     "seconds": round(time.perf_counter() - started, 2),
+                }
+            )
+        # tokensPerMinute: each request reserves 16 (max_tokens 8 + its prompt's estimate 8)
+        # and uses 11 (the stand-in's 3 prompt words + 8 chunks); reservations come back as
+        # requests end, so more than TPM_LIMIT / 16 may be admitted. Overshoot: the tokens the
+        # upstream reported for the burst beyond the limit.
+        small = {**BODY, "max_tokens": 8}
+        for r in range(rounds):
+            fresh_window()
+            before = httpx.get(standin.url + "/stats").json()
+            started = time.perf_counter()
+            codes = asyncio.run(_burst(urls, f"sk-tpm-{r}", concurrency, small))
+            seconds = time.perf_counter() - started
+            time.sleep(0.5)  # the settlements written in the background
+            after = httpx.get(standin.url + "/stats").json()
+            used = sum(after[k] - before[k] for k in ("prompt_tokens", "completion_tokens"))
+            out["tokensPerMinute"].append(
+                {
+                    "limit": TPM_LIMIT,
+                    "sent": concurrency,
+                    "admitted": codes.count(200),
+                    "refused_429": codes.count(429),
+                    "other": len(codes) - codes.count(200) - codes.count(429),
+                    "tokens_used": used,
+                    "overshoot_tokens": max(0, used - TPM_LIMIT),
+                    "left_unused": max(0, TPM_LIMIT - used),
+                    "seconds": round(seconds, 2),
                 }
             )
         # Concurrency: slow streams; the stand-in's "open" gauge, sampled while they run.

@@ -11,9 +11,13 @@ Cost on the request path:
 
 - a key without limits: nothing (no NATS, no lock);
 - a key with requestsPerMinute / tokensPerMinute only: usually none. A replica that writes an
-  admission also reserves a share of what is left of the minute's requests (quotas.reservation:
-  1/8 of it, at most 32; none near the limit) and admits the next ones from that allowance
-  without a round trip; tokens are checked against its cached copy of the state;
+  admission also takes an allowance (quotas.admit_shared): a share of what is left of the
+  minute's requests (quotas.reservation: 1/8 of it, at most 32) and, when the request reserves
+  tokens, of its tokens (quotas.token_block: 1/8, at most 32 such reservations); none near the
+  limit. It admits the next requests from that allowance without a round trip, and settles
+  them there when they end (quotas.settle_locally: unused tokens back, an excess taken; only
+  what the allowance cannot cover is written). The allowance counts in the shared state when
+  taken; a replica that dies loses what it held, until that minute ends;
 - a key with maxConcurrent, or whose allowance is used up: one publish round trip in the usual
   case. Every replica follows the bucket (an ordered consumer delivering each change), so its
   cached revision is the latest and the write wins the first time; a write that loses re-reads
@@ -55,16 +59,19 @@ from llmendpoints_gateway.keys import Key
 from llmendpoints_gateway.queue import SharedQueue
 from llmendpoints_gateway.quotas import (
     LEASE_RENEW_SECONDS,
+    Allowance,
     Denied,
     Limits,
     QuotaState,
-    admit,
+    admit_locally,
+    admit_shared,
     denial_message,
     finish,
+    own_view,
     rate_headers,
     renew,
-    reservation,
     reserved_tokens,
+    settle_locally,
 )
 from llmendpoints_gateway.request import RequestLog
 
@@ -90,6 +97,7 @@ class Ticket:
     finished: bool = False
     reserved: int = 0  # tokens reserved at admission (settled when it ends)
     window: int | None = None  # the minute it was admitted in
+    local: bool = False  # its tokens came from this replica's allowance (settled there)
 
 
 class _Pending:
@@ -124,8 +132,10 @@ class Limiter:
         self._fallback_logged = False
         self.round_trips = 0  # bucket writes and reads made (bench, tests)
         self.local_admissions = 0  # admitted from a reservation, no round trip
-        # tenant token -> (window, requests reserved by this replica and not used yet)
-        self._allowance: dict[str, tuple[int, int]] = {}
+        self.local_settlements = 0  # ended requests settled in the allowance, no round trip
+        # tenant token -> what this replica holds of the key's minute and has not used yet
+        self._allowance: dict[str, Allowance] = {}
+        self._taking: dict[str, Allowance] = {}  # taken by the ops of the write being computed
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -202,55 +212,55 @@ class Limiter:
             else None
         )
         reserved = reserved_tokens(limits, tokens)
-        # Admissions from a local allowance of requests (no round trip) count no tokens: a
-        # request that reserves some is written, so the window never takes more than it holds.
-        reserve = lease is None and reserved == 0 and self.shared
-        if reserve and (headers := self._admit_locally(token, limits)) is not None:
-            return Ticket(key.name, limits, None, headers)
+        # Without a lease, an admission is taken from this replica's allowance (requests and
+        # tokens already counted in the shared state) when it covers it: no round trip.
+        reserve = lease is None and self.shared
+        if reserve and (ticket := self._admit_locally(key.name, token, limits, reserved)):
+            return ticket
 
         def op(state: QuotaState, now: float) -> tuple[QuotaState, Any, bool]:
-            after, denied = admit(state, limits, now, lease, reserved)
-            extra = reservation(after, limits) if reserve and denied is None else 0
-            after.requests += extra
-            view = QuotaState(after.window, after.requests - extra, after.tokens)
-            return (
-                after,
-                (denied, rate_headers(view, limits, now), extra, after.window),
-                (denied is None),
+            # The allowance with what earlier ops of the same write took: a burst committed
+            # in one write takes one allowance, not one per request.
+            held = self._allowance.get(token)
+            taking = self._taking.get(token)
+            if taking is not None:
+                held = held.add(taking) if held is not None else taking
+            after, denied, extra, view = admit_shared(
+                state, limits, now, lease, reserved, held, reserve
             )
+            if extra.requests or extra.tokens:
+                self._taking[token] = taking.add(extra) if taking is not None else extra
+            return after, (denied, rate_headers(view, limits, now), extra), (denied is None)
 
-        denied, headers, extra, window = await self._submit(token, op)
+        denied, headers, extra = await self._submit(token, op)
         if denied is not None:
             raise _rate_limited(key.name, limits, denied, headers)
-        if extra:
-            have_window, left = self._allowance.get(token, (window, 0))
-            self._allowance[token] = (window, extra + (left if have_window == window else 0))
+        if extra.requests or extra.tokens:
+            held = self._allowance.get(token)
+            self._allowance[token] = held.add(extra) if held is not None else extra
         if lease is not None:
             self._held.setdefault(token, set()).add(lease)
-        return Ticket(key.name, limits, lease, headers, reserved=reserved, window=window)
+        return Ticket(key.name, limits, lease, headers, reserved=reserved, window=extra.window)
 
-    def _admit_locally(self, token: str, limits: Limits) -> list[tuple[bytes, bytes]] | None:
-        """Admit with no round trip when the cached state allows it: from this replica's
-        reserved requests (requestsPerMinute), and the minute's tokens below tokensPerMinute
-        (the cache follows the bucket; a window's counts only grow, so a stale cache may admit
-        a request the tokens limit would refuse only by the charges still in flight -- the
-        bound quotas.py states). None: decide by a write."""
+    def _admit_locally(self, name: str, token: str, limits: Limits, reserved: int) -> Ticket | None:
+        """Admit with no round trip when this replica's copy of the state (it follows the
+        bucket) and its allowance allow it (quotas.admit_locally). None: decide by a write."""
         cached = self._cache.get(token)
         if cached is None:
             return None
         now = self.clock()
         state = cached[0].current(now)
-        if limits.tokens_per_minute is not None and state.tokens >= limits.tokens_per_minute:
+        held = self._allowance.get(token)
+        after = admit_locally(state, held, limits, reserved)
+        if after is None:
             return None
-        if limits.requests_per_minute is None:
-            return rate_headers(state, limits, now)
-        window, left = self._allowance.get(token, (-1, 0))
-        if window != state.window or left <= 0:
-            return None
-        self._allowance[token] = (window, left - 1)
-        self.local_admissions += 1
-        view = QuotaState(state.window, state.requests - (left - 1), state.tokens)
-        return rate_headers(view, limits, now)
+        self._allowance[token] = after
+        if limits.requests_per_minute is not None or reserved:
+            self.local_admissions += 1
+        headers = rate_headers(own_view(state, after), limits, now)
+        return Ticket(
+            name, limits, None, headers, reserved=reserved, window=state.window, local=reserved > 0
+        )
 
     def peek(self, key: Key) -> list[tuple[bytes, bytes]]:
         """The x-ratelimit-* headers as this replica sees the key now, counting nothing."""
@@ -258,7 +268,9 @@ class Limiter:
         cached = self._cache.get(token) if self.shared else None
         state = cached[0] if cached is not None else self._local.get(token, QuotaState())
         now = self.clock()
-        return rate_headers(state.current(now), key.limits, now)
+        state = state.current(now)
+        held = self._allowance.get(token) if cached is not None else None
+        return rate_headers(own_view(state, held) if held else state, key.limits, now)
 
     def reporting(self, key: Key, send: Send, state: RequestLog) -> Send:
         """``send`` that puts x-ratelimit-* on every answer to ``key``: the admission's view
@@ -292,10 +304,23 @@ class Limiter:
             return
         if ticket.limits.tokens_per_minute is None and ticket.lease is None:
             return
+        reserved, window = ticket.reserved, ticket.window
+        if ticket.local:
+            # Its reservation came from the allowance: settled there, a write only for what it
+            # used beyond the reservation and the allowance.
+            held, tokens = settle_locally(
+                self._allowance.get(token), self.clock(), window, reserved, tokens
+            )
+            if held is not None:
+                self._allowance[token] = held
+            self.local_settlements += 1
+            if tokens <= 0:
+                return
+            reserved, window = 0, None
 
         def op(state: QuotaState, now: float) -> tuple[QuotaState, Any, bool]:
             charged = tokens if ticket.limits.tokens_per_minute is not None else 0
-            after = finish(state, now, ticket.lease, charged, ticket.reserved, ticket.window)
+            after = finish(state, now, ticket.lease, charged, reserved, window)
             return after, None, True
 
         task = asyncio.get_running_loop().create_task(self._submit(token, op))
@@ -336,8 +361,10 @@ class Limiter:
                     self._pending.pop(token, None)
         return await future
 
-    @staticmethod
-    def _run_ops(state: QuotaState, ops: list[Op], now: float) -> tuple[QuotaState, list, bool]:
+    def _run_ops(
+        self, token: str, state: QuotaState, ops: list[Op], now: float
+    ) -> tuple[QuotaState, list, bool]:
+        self._taking.pop(token, None)  # a write computed again (it lost) takes again
         results = []
         changed = False
         for op in ops:
@@ -363,7 +390,7 @@ class Limiter:
 
     def _apply_local(self, token: str, ops: list[Op]) -> list[Any]:
         state = self._local.get(token) or QuotaState()
-        state, results, _ = self._run_ops(state, ops, self.clock())
+        state, results, _ = self._run_ops(token, state, ops, self.clock())
         self._local[token] = state
         return results
 
@@ -378,7 +405,7 @@ class Limiter:
                 fresh = True
             state, seq = cached
             now = self.clock()
-            after, results, changed = self._run_ops(state.current(now), ops, now)
+            after, results, changed = self._run_ops(token, state.current(now), ops, now)
             if not changed:
                 # Nothing admitted and nothing to release: refusals. A concurrency refusal is
                 # checked against the stored value once (a slot may have been freed).

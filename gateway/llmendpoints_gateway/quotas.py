@@ -17,6 +17,12 @@ admitted only if the reservation fits in what is left of the minute; when it end
 reservation is settled against what the engine reported (the difference charged, or given back
 while the window lasts). Requests in flight can therefore never take the window past its limit
 by more than their estimates of their prompts were short.
+
+A replica may hold an ``Allowance`` of a key's minute (requests and tokens counted in the shared
+state when it took them, not used yet) and admit and settle requests from it with no round trip
+(``admit_shared`` takes it, ``admit_locally`` uses it, ``settle_locally`` settles in it). It is
+never more than a 1/RESERVE_SHARE share of what was left, none near the limit; what a replica
+holds when it dies, or when the minute ends, is lost for that minute.
 """
 
 from __future__ import annotations
@@ -196,6 +202,109 @@ def reservation(state: QuotaState, limits: Limits) -> int:
         return 0
     left = limits.requests_per_minute - state.requests
     return max(0, min(RESERVE_MAX, left // RESERVE_SHARE))
+
+
+def token_block(state: QuotaState, limits: Limits, reserve: int) -> int:
+    """How many of the minute's tokens a replica may take as a local allowance after admitting
+    a request that reserved ``reserve``: the same 1/RESERVE_SHARE share of what is left as for
+    requests, at most RESERVE_MAX requests' worth of ``reserve``, and none when the share could
+    not cover one more such request (near the limit every admission is a compare-and-set). Like
+    reserved requests, the block counts in the shared state at once: never an overshoot; a
+    replica that dies holding one loses at most it, until its window ends."""
+    if limits.tokens_per_minute is None or reserve <= 0:
+        return 0
+    left = limits.tokens_per_minute - state.tokens
+    block = min(RESERVE_MAX * reserve, left // RESERVE_SHARE)
+    return block if block >= reserve else 0
+
+
+@dataclass(frozen=True)
+class Allowance:
+    """What one replica holds of a key's minute, already counted in the shared state: requests
+    and tokens it may admit with no round trip. Only valid in ``window``."""
+
+    window: int
+    requests: int = 0
+    tokens: int = 0
+
+    def held(self, window: int) -> Allowance:
+        return self if self.window == window else Allowance(window)
+
+    def add(self, other: Allowance) -> Allowance:
+        if other.window != self.window:
+            return other
+        return Allowance(self.window, self.requests + other.requests, self.tokens + other.tokens)
+
+
+def own_view(state: QuotaState, held: Allowance) -> QuotaState:
+    """The counts a client of this replica is shown: the shared ones less what this replica
+    holds and has not used (its allowance is the client's to use, not used yet)."""
+    held = held.held(state.window)
+    return QuotaState(state.window, state.requests - held.requests, state.tokens - held.tokens)
+
+
+def admit_locally(
+    state: QuotaState, held: Allowance | None, limits: Limits, reserve: int
+) -> Allowance | None:
+    """Admit one request with no round trip, from ``state`` (this replica's copy of the shared
+    state, made current) and its allowance: the allowance after it, or None (decide by a write).
+
+    A request takes one of the allowance's requests (when the key has requestsPerMinute) and
+    ``reserve`` of its tokens. A request that reserves no tokens (a job: its tokens are charged
+    when it ends) of a key with tokensPerMinute needs the minute's tokens below the limit in the
+    copy (a window's counts only grow: a stale copy may admit it by the charges in flight)."""
+    allowance = (held or Allowance(state.window)).held(state.window)
+    if (
+        reserve == 0
+        and limits.tokens_per_minute is not None
+        and state.tokens >= limits.tokens_per_minute
+    ):
+        return None
+    requests = 1 if limits.requests_per_minute is not None else 0
+    if allowance.requests < requests or allowance.tokens < reserve:
+        return None
+    return Allowance(state.window, allowance.requests - requests, allowance.tokens - reserve)
+
+
+def admit_shared(
+    state: QuotaState,
+    limits: Limits,
+    now: float,
+    lease: str | None,
+    reserve: int,
+    held: Allowance | None,
+    take: bool,
+) -> tuple[QuotaState, Denied | None, Allowance, QuotaState]:
+    """Admit one request by a write to the shared state (``admit``) and, when ``take`` (no
+    lease, the state is shared), refill what this replica's allowance ``held`` lacks: a block of
+    requests when it has none left, a block of tokens when it cannot cover ``reserve``. Returns
+    the state to write, the refusal (or None), the allowance taken and the view for headers."""
+    after, denied = admit(state, limits, now, lease, reserve)
+    have = (held or Allowance(after.window)).held(after.window)
+    extra = Allowance(after.window)
+    if denied is None and take:
+        requests = reservation(after, limits) if have.requests == 0 else 0
+        after.requests += requests
+        tokens = token_block(after, limits, reserve) if have.tokens < reserve else 0
+        after.tokens += tokens
+        extra = Allowance(after.window, requests, tokens)
+    return after, denied, extra, own_view(after, have.add(extra))
+
+
+def settle_locally(
+    held: Allowance | None, now: float, window: int | None, reserved: int, tokens: int
+) -> tuple[Allowance | None, int]:
+    """A request admitted from the allowance (it reserved ``reserved`` of it in ``window``) ended
+    having used ``tokens``: what it did not use goes back to the allowance, what it used beyond
+    its reservation is taken from the allowance; returns the allowance after and the tokens left
+    to charge in the shared state (0: no write). Once the window has ended, the reservation
+    stays counted in it (a later window never counted it) and only an excess is charged."""
+    tokens = max(0, tokens)
+    current = window_of(now)
+    if held is not None and held.window == window == current:
+        left = held.tokens + reserved - tokens
+        return Allowance(held.window, held.requests, max(0, left)), max(0, -left)
+    return held, max(0, tokens - reserved)
 
 
 def finish(

@@ -37,6 +37,10 @@ RATE_HEADERS = (
 KEYS = {
     "rpm": {"key": "sk-rpm-1", "limits": {"requestsPerMinute": 5, "tokensPerMinute": 100000}},
     "tpm": {"key": "sk-tpm-1", "limits": {"tokensPerMinute": 40}},
+    "tpm-local": {
+        "key": "sk-tpm-local-1",
+        "limits": {"requestsPerMinute": 10_000, "tokensPerMinute": 1_000_000},
+    },
     "conc": {"key": "sk-conc-1", "limits": {"maxConcurrent": 2}},
     "jobs": {"key": "sk-jobs-1", "limits": {"requestsPerMinute": 3}},
     "retry": {"key": "sk-retry-1", "limits": {"requestsPerMinute": 3}},
@@ -280,6 +284,9 @@ def test_tokens_per_minute_hold_across_both_gateways(gateways, queue_url):
         if answer.status_code == 429:
             error = answer.json()["error"]
             assert "tokensPerMinute" in error["message"] and "'tpm'" in error["message"]
+            assert answer.headers["x-ratelimit-limit-tokens"] == "40"
+            assert answer.headers["x-ratelimit-reset-tokens"].endswith("s")
+            assert 1 <= int(answer.headers["retry-after"]) <= 60
             break
         # Tokens are charged once the answer has ended, in the background: wait for the
         # charge to be stored before the next request (sequential use, no overshoot).
@@ -289,6 +296,70 @@ def test_tokens_per_minute_hold_across_both_gateways(gateways, queue_url):
     assert statuses == [200, 200, 200, 429]
     assert remaining == [40 - 16, 40 - 11 - 16, 40 - 22 - 16, 40 - 33]
     assert _stored_tokens(queue_url, "tpm") == 33
+
+
+def test_a_tokens_per_minute_key_far_from_its_limit_is_admitted_and_settled_locally(
+    gateways, queue_url
+):
+    """Far from the limit, a replica takes a block of the minute's tokens (and requests) with
+    the admission it writes and admits and settles the next requests from it: 10 requests, 2
+    writes to the key's shared state (that admission and its settlement). What the client sees
+    stays exact: its remaining tokens are the limit less what its requests used."""
+    import asyncio
+
+    import nats
+    from llmendpoints_common.queue import names
+
+    limit = 1_000_000
+    subject = names.kv_subject(names.QUOTAS_BUCKET, names.quota_key("tpm-local"))
+    gw = gateways[0]
+
+    async def scenario() -> tuple[int, list[int]]:
+        nc = await nats.connect(queue_url)
+        writes = 0
+
+        async def seen(_msg) -> None:
+            nonlocal writes
+            writes += 1
+
+        await nc.subscribe(subject, cb=seen)  # every write to the key's value, by anyone
+        await nc.flush()
+        statuses = []
+        try:
+            async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
+                for i in range(10):
+                    answer = await client.post(
+                        CHAT, json=chat(max_tokens=8), headers=_auth("tpm-local")
+                    )
+                    statuses.append(answer.status_code)
+                    if i == 0:  # the first admission's settlement is written: let it land
+                        deadline = time.monotonic() + 30
+                        while writes < 2:
+                            assert time.monotonic() < deadline, "the settlement was not written"
+                            await asyncio.sleep(0.05)
+                # Every request has ended and settled: this replica reports exactly the
+                # tokens used (11 each, their reservations of 16 given back).
+                deadline = time.monotonic() + 30
+                while True:
+                    models = await client.get("/v1/models", headers=_auth("tpm-local"))
+                    left = int(models.headers["x-ratelimit-remaining-tokens"])
+                    if left == limit - 10 * 11:
+                        break
+                    assert time.monotonic() < deadline, f"remaining tokens stuck at {left}"
+                    await asyncio.sleep(0.05)
+            await nc.flush()
+        finally:
+            await nc.close()
+        return writes, statuses
+
+    _fresh_window()
+    writes, statuses = asyncio.run(scenario())
+    assert statuses == [200] * 10
+    assert writes == 2
+    # The shared state counts the first request's 11 tokens and the block this replica holds
+    # (1/8 of what was left, at most 32 requests' reservations: 32 x 16): no other replica
+    # can take it.
+    assert _stored_tokens(queue_url, "tpm-local") == 11 + 32 * 16
 
 
 def test_max_concurrent_holds_across_both_gateways_and_frees_when_requests_end(gateways):

@@ -488,6 +488,117 @@ def test_reservations_take_a_share_of_what_is_left_and_none_near_the_limit():
     assert reservation(QuotaState(0, 70, 0), sixty) == 0
 
 
+def test_a_token_block_is_a_share_of_what_is_left_and_none_near_the_limit():
+    from llmendpoints_gateway.quotas import RESERVE_MAX, token_block
+
+    big = Limits(tokens_per_minute=10**9)
+    assert token_block(QuotaState(0, 1, 1032), big, 1032) == RESERVE_MAX * 1032
+    forty = Limits(tokens_per_minute=40)
+    # 24 left: a share of 3 cannot cover another request of 16: every admission writes.
+    assert token_block(QuotaState(0, 1, 16), forty, 16) == 0
+    thousand = Limits(tokens_per_minute=1000)
+    assert token_block(QuotaState(0, 1, 16), thousand, 16) == (1000 - 16) // 8
+    assert token_block(QuotaState(0, 1, 1200), thousand, 16) == 0  # over it (an excess charged)
+    assert token_block(QuotaState(0, 1, 0), Limits(requests_per_minute=5), 16) == 0
+    assert token_block(QuotaState(0, 1, 0), thousand, 0) == 0  # a job reserves nothing
+
+
+def test_an_admission_by_write_takes_what_the_allowance_lacks_and_shows_its_own_view():
+    from llmendpoints_gateway.quotas import Allowance, admit_shared
+
+    limits = Limits(requests_per_minute=1000, tokens_per_minute=10_000)
+    w = window_of(T0)
+    after, denied, extra, view = admit_shared(QuotaState(), limits, T0, None, 100, None, True)
+    assert denied is None
+    assert extra == Allowance(w, 32, (10_000 - 100) // 8)  # at most 32 requests; 1/8 of tokens
+    # Both blocks count in the shared state at once; the client is shown only its own request.
+    assert (after.requests, after.tokens) == (1 + extra.requests, 100 + extra.tokens)
+    assert (view.requests, view.tokens) == (1, 100)
+    # An allowance that still covers the part it has: only the missing part is taken.
+    held = Allowance(w, 5, 40)
+    after2, _, extra2, view2 = admit_shared(after, limits, T0 + 1, None, 100, held, True)
+    assert extra2.requests == 0 and extra2.tokens > 0
+    assert view2.tokens == after2.tokens - held.tokens - extra2.tokens
+    # A lease (maxConcurrent) or no shared state: nothing is taken.
+    _, _, none, _ = admit_shared(QuotaState(), limits, T0, "g.1", 100, None, False)
+    assert none == Allowance(w)
+    # Over the limit: refused as before, nothing taken, the state unchanged.
+    full = QuotaState(w, 3, 9_950)
+    same, denied, extra3, _ = admit_shared(full, limits, T0, None, 100, None, True)
+    assert denied.limit == "tokensPerMinute" and extra3 == Allowance(w) and same.tokens == 9_950
+
+
+def test_a_local_admission_needs_a_request_and_the_reservation_from_the_allowance():
+    from llmendpoints_gateway.quotas import Allowance, admit_locally
+
+    both = Limits(requests_per_minute=100, tokens_per_minute=1000)
+    w = window_of(T0)
+    state = QuotaState(w, 10, 500)
+    assert admit_locally(state, Allowance(w, 2, 300), both, 100) == Allowance(w, 1, 200)
+    assert admit_locally(state, Allowance(w, 0, 300), both, 100) is None  # no request left
+    assert admit_locally(state, Allowance(w, 2, 99), both, 100) is None  # tokens short
+    assert admit_locally(state, Allowance(w - 1, 2, 300), both, 100) is None  # last minute's
+    assert admit_locally(state, None, both, 100) is None
+    tokens_only = Limits(tokens_per_minute=1000)
+    assert admit_locally(state, Allowance(w, 0, 100), tokens_only, 100) == Allowance(w, 0, 0)
+    # A job (no reservation) of a tokens-only key: admitted while the copy is below the limit.
+    assert admit_locally(state, None, tokens_only, 0) == Allowance(w)
+    assert admit_locally(QuotaState(w, 0, 1000), None, tokens_only, 0) is None
+
+
+def test_settling_locally_gives_back_what_was_not_used_and_charges_the_excess():
+    from llmendpoints_gateway.quotas import Allowance, settle_locally
+
+    w = window_of(T0)
+    held = Allowance(w, 3, 50)
+    assert settle_locally(held, T0 + 5, w, 100, 11) == (Allowance(w, 3, 139), 0)
+    # Beyond its reservation: taken from the allowance first, the rest written.
+    assert settle_locally(held, T0 + 5, w, 100, 130) == (Allowance(w, 3, 20), 0)
+    assert settle_locally(held, T0 + 5, w, 100, 170) == (Allowance(w, 3, 0), 20)
+    # The window ended: its reservation stays counted there; only an excess is charged (now).
+    assert settle_locally(held, T0 + 61, w, 100, 11) == (held, 0)
+    assert settle_locally(held, T0 + 61, w, 100, 130) == (held, 30)
+
+
+def test_a_tpm_key_on_one_replica_is_admitted_and_settled_from_its_allowance():
+    """The limiter against a stand-in for the shared bucket (its state in memory): after one
+    write, admissions and settlements of a tokensPerMinute key take no round trip, its
+    headers count exactly what this replica's client used, and at the limit it refuses."""
+
+    class Shared(Limiter):
+        # The bucket, in memory: the compare-and-set logic is the limiter's own.
+        @property
+        def shared(self) -> bool:
+            return True
+
+        async def _apply_shared(self, token, ops):
+            self.round_trips += 1
+            state, _ = self._cache.get(token, (QuotaState(), 0))
+            now = self.clock()
+            after, results, _ = self._run_ops(token, state.current(now), ops, now)
+            self._cache[token] = (after, 0)
+            return results
+
+    async def scenario():
+        limiter = Shared("g", clock=lambda: T0 + 1)
+        key = Key("team", limits=Limits(requests_per_minute=10_000, tokens_per_minute=100_000))
+        remaining = []
+        for _ in range(10):
+            ticket = await limiter.admit(key, tokens=100)
+            remaining.append(int(dict(ticket.headers)[b"x-ratelimit-remaining-tokens"]))
+            limiter.finish(ticket, 11)
+            if limiter._background:  # a settlement by write lands before the next request
+                await asyncio.wait(limiter._background)
+        # One write took the allowance with the first admission; its settlement is the other
+        # (that request was admitted by a write: it settles in the shared state).
+        assert limiter.round_trips == 2 and limiter.local_admissions == 9
+        assert limiter.local_settlements == 9
+        # Exactly what this client used (11 each) and its own reservation (100).
+        assert remaining == [100_000 - 11 * i - 100 for i in range(10)]
+
+    asyncio.run(scenario())
+
+
 def test_a_labelled_secret_is_one_key_with_its_limits():
     import base64
 
