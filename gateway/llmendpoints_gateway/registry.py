@@ -512,8 +512,8 @@ class Registry:
 
 class _Leasing:
     """``Registry.lease``'s context: the lease taken on entry, released on exit (a class, not
-    ``contextlib.asynccontextmanager``: a generator and its wrapper per request cost more CPU
-    than the rest of the lease)."""
+    ``contextlib.asynccontextmanager``, which makes a generator and a wrapper object per request
+    for the same two steps)."""
 
     __slots__ = ("_args", "_ep", "_lease", "_registry")
 
