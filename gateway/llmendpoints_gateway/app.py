@@ -200,7 +200,7 @@ class Gateway:
                 return await self.openai.one_model(
                     path[len("/v1/models/") :], send, key, None, state
                 )
-            body = await self._body(scope, receive, runsync=False)
+            body = await self._body(scope, receive, runsync=False, parse=True)
             return await self.openai.proxy(scope, body, receive, send, state, key, None, path)
         if path.startswith("/v2/"):
             name, _, rest = path[len("/v2/") :].partition("/")
@@ -216,7 +216,7 @@ class Gateway:
                 if upstream.startswith("/v1/models/") and method == "GET":
                     model = upstream[len("/v1/models/") :]
                     return await self.openai.one_model(model, send, key, ep, state)
-                body = await self._body(scope, receive, runsync=False)
+                body = await self._body(scope, receive, runsync=False, parse=True)
                 return await self.openai.proxy(scope, body, receive, send, state, key, ep, upstream)
             if self.jobs is None:
                 raise NotFoundError(
@@ -229,7 +229,9 @@ class Gateway:
                 body = await self._body(scope, receive, runsync=rest == "runsync")
             return await self.jobs.answer(scope, body, send, state, key, ep, rest)
 
-    async def _body(self, scope: Scope, receive: Receive, *, runsync: bool) -> bytes:
+    async def _body(
+        self, scope: Scope, receive: Receive, *, runsync: bool, parse: bool = False
+    ) -> bytes:
         settings = self.settings
         if runsync:
             limit, setting = settings.max_runsync_body_bytes, "MAX_RUNSYNC_BODY_BYTES"
@@ -241,4 +243,5 @@ class Gateway:
             limit=limit,
             setting=setting,
             timeout=settings.request_read_timeout_seconds,
+            keep_parsed=parse,  # the OpenAI routes parse it: once
         )
