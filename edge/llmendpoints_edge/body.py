@@ -34,6 +34,10 @@ from llmendpoints_edge.asgi import Message, Receive, Scope, header
 
 # Where the body read at the edge is kept for whoever needs it next (read once, parsed once).
 BODY = "llmep.body"
+# The JSON object the edge's own check parsed it into (bodies up to FULL_PARSE_MAX_BYTES), for
+# a route that parses it next (``read_body(keep_parsed=True)``, ``parsed_object``: taken, not
+# kept, so a request held for a replica holds its body and no parsed copy of it).
+PARSED = "llmep.parsed"
 
 
 class ClientGone(Exception):
@@ -53,10 +57,12 @@ async def read_body(
     setting: str,
     timeout: float,
     arrays: bool = False,
+    keep_parsed: bool = False,
 ) -> bytes:
     """The whole body, kept in ``scope[BODY]``; raises 408 / 413 (with ``Connection: close``),
     400 for a body no route could use, ClientGone if the client left. ``arrays``: a JSON array
-    is a body too (RunPod's batch create takes one)."""
+    is a body too (RunPod's batch create takes one). ``keep_parsed``: the route will parse it
+    (``parsed_object``): keep the object the check parsed for it."""
     declared = header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit, setting, declared)
@@ -78,10 +84,12 @@ async def read_body(
         ) from None
     body = b"".join(chunks)
     content_type = (header(scope, b"content-type") or b"").split(b";")[0].strip().lower()
-    problem = body_problem(body, content_type, arrays=arrays)
+    problem, parsed = _check_body(body, content_type, arrays=arrays)
     if problem is not None:
         raise BadRequestError(problem)
     scope[BODY] = body
+    if keep_parsed and parsed is not None:
+        scope[PARSED] = parsed
     return body
 
 
@@ -144,16 +152,24 @@ def is_json_type(content_type: bytes) -> bool:
 def body_problem(body: bytes, content_type: bytes, *, arrays: bool = False) -> str | None:
     """Why a request body is refused before any route sees it, or None (pure). ``arrays``:
     a JSON array is as good as an object."""
+    return _check_body(body, content_type, arrays=arrays)[0]
+
+
+def _check_body(
+    body: bytes, content_type: bytes, *, arrays: bool = False
+) -> tuple[str | None, dict | None]:
+    """``body_problem``, and the JSON object the check parsed (None: not parsed here, or an
+    array)."""
     if not body or content_type in _FORM_TYPES:
-        return None
+        return None, None
     if is_json_type(content_type):
         if len(body) <= FULL_PARSE_MAX_BYTES:
-            return json_body_problem(body, arrays=arrays)
-        return large_json_body_problem(body, arrays=arrays)
+            return _check_json(body, arrays=arrays)
+        return large_json_body_problem(body, arrays=arrays), None
     # Our routes parse a body as JSON whatever its declared type: the depth bound holds too.
     if json_depth_exceeds(body, MAX_JSON_DEPTH):
-        return _too_deep()
-    return None
+        return _too_deep(), None
+    return None, None
 
 
 def _not_utf8(exc: UnicodeDecodeError) -> str:
@@ -166,21 +182,32 @@ def _too_deep() -> str:
 
 def json_body_problem(body: bytes, *, arrays: bool = False) -> str | None:
     """Why a JSON request body is unusable, or None (pure; parses the body)."""
+    return _check_json(body, arrays=arrays)[0]
+
+
+def _check_json(body: bytes, *, arrays: bool = False) -> tuple[str | None, dict | None]:
+    """``json_body_problem``, and the object parsed when there is none."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return _not_utf8(exc)
+        return _not_utf8(exc), None
     if json_depth_exceeds(body, MAX_JSON_DEPTH):
-        return _too_deep()
+        return _too_deep(), None
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        return f"request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
+        return (
+            f"request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})",
+            None,
+        )
     except RecursionError:  # unreachable after the depth check; never a 500 all the same
-        return _too_deep()
-    if not isinstance(value, dict) and not (arrays and isinstance(value, list)):
-        return f"request body must be a JSON object, got {_JSON_TYPE_NAMES.get(type(value), 'a value')}"
-    return None
+        return _too_deep(), None
+    if isinstance(value, dict):
+        return None, value
+    if arrays and isinstance(value, list):
+        return None, None
+    what = _JSON_TYPE_NAMES.get(type(value), "a value")
+    return f"request body must be a JSON object, got {what}", None
 
 
 def large_json_body_problem(body: bytes, *, arrays: bool = False) -> str | None:
@@ -250,6 +277,16 @@ def json_depth_exceeds(body: bytes, limit: int) -> bool:
             return True
         depth, quotes = int(depths[-1]), int(quote_count[-1])
     return False
+
+
+def parsed_object(scope: Scope, body: bytes) -> dict:
+    """``parse_object(body)``, without parsing again a body the edge's check parsed already
+    (``read_body`` into this scope). The parsed object is handed over once: taken from the
+    scope, so the scope keeps no second copy of the body."""
+    parsed = scope.pop(PARSED, None)
+    if parsed is not None and scope.get(BODY) is body:
+        return parsed
+    return parse_object(body)
 
 
 def parse_object(body: bytes) -> dict:

@@ -19,6 +19,10 @@ from llmendpoints_edge.asgi import Scope
 
 def normalize(path: str) -> str:
     """``path`` without ``.`` / ``..`` / empty segments, rooted, trailing slash kept (pure)."""
+    if path.startswith("/") and "//" not in path and "/." not in path:
+        # Already normal (the usual case, checked without splitting): an empty segment needs
+        # "//", a dot segment "/.", and a single trailing slash is kept anyway.
+        return path
     if not path.startswith("/"):
         path = "/" + path
     segments: list[str] = []

@@ -26,6 +26,7 @@ keep-alive and completion logic is untouched. It relies on uvicorn's httptools c
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -73,6 +74,13 @@ class DrainingServer(uvicorn.Server):
         self.component = component
         self.drain_timeout = drain_timeout
         self._drain_task: asyncio.Task | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        # What start-up made (modules, settings, the app) lives as long as the process: out of
+        # the collector's sight, so its full collections, triggered by the objects requests
+        # allocate, no longer walk the ~100 MB of it each time (gc.freeze's documented use).
+        gc.freeze()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self._drain_task is not None:

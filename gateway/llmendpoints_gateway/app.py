@@ -208,7 +208,7 @@ class Gateway:
                 return await self.openai.one_model(
                     path[len("/v1/models/") :], send, key, None, state
                 )
-            body = await self._body(scope, receive, runsync=False)
+            body = await self._body(scope, receive, runsync=False, parse=True)
             return await self.openai.proxy(scope, body, receive, send, state, key, None, path)
         if path.startswith("/v2/"):
             name, _, rest = path[len("/v2/") :].partition("/")
@@ -224,7 +224,7 @@ class Gateway:
                 if upstream.startswith("/v1/models/") and method == "GET":
                     model = upstream[len("/v1/models/") :]
                     return await self.openai.one_model(model, send, key, ep, state)
-                body = await self._body(scope, receive, runsync=False)
+                body = await self._body(scope, receive, runsync=False, parse=True)
                 return await self.openai.proxy(scope, body, receive, send, state, key, ep, upstream)
             if batch_routes.is_runpod_batch_path(rest):  # RunPod's batch jobs: batches.py
                 if self.batches is None:
@@ -241,7 +241,9 @@ class Gateway:
                 body = await self._body(scope, receive, runsync=rest == "runsync")
             return await self.jobs.answer(scope, body, send, state, key, ep, rest)
 
-    async def _body(self, scope: Scope, receive: Receive, *, runsync: bool) -> bytes:
+    async def _body(
+        self, scope: Scope, receive: Receive, *, runsync: bool, parse: bool = False
+    ) -> bytes:
         settings = self.settings
         if runsync:
             limit, setting = settings.max_runsync_body_bytes, "MAX_RUNSYNC_BODY_BYTES"
@@ -253,4 +255,5 @@ class Gateway:
             limit=limit,
             setting=setting,
             timeout=settings.request_read_timeout_seconds,
+            keep_parsed=parse,  # the OpenAI routes parse it: once
         )

@@ -21,7 +21,7 @@ from typing import Any
 from llmendpoints_common import gateway_token
 from llmendpoints_common.errors import APIError, BadRequestError, NotFoundError
 from llmendpoints_edge.asgi import Receive, Scope, Send, raw_body, send_json
-from llmendpoints_edge.body import ClientGone, parse_object
+from llmendpoints_edge.body import ClientGone, parsed_object
 from llmendpoints_edge.paths import encode
 
 from llmendpoints_gateway.access import Access
@@ -148,7 +148,7 @@ class OpenAIRoutes:
             raise NotFoundError(f"{scope['method']} {scope['path']} is not a route of this gateway")
         if scope["method"] != "POST":
             raise APIError(405, f"{scope['method']} {scope['path']}: use POST with a JSON body")
-        payload = parse_object(body)
+        payload = parsed_object(scope, body)
         model = payload.get("model")
         if ep is None:
             if model is None:
@@ -248,9 +248,7 @@ class OpenAIRoutes:
                         raise bad_gateway(failures) from None
                     continue
                 state.status = result.status  # 502 for a stream cut mid-way
-                if result.first_byte_s is not None:
-                    self.metrics.ttft.labels(ep.id).observe(result.first_byte_s)
-                self.metrics.duration.labels(ep.id).observe(result.duration_s)
+                self.metrics.upstream_times(ep.id, result.first_byte_s, result.duration_s)
                 return
         except asyncio.CancelledError:
             if disconnected.gone:

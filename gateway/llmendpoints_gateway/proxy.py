@@ -142,11 +142,7 @@ async def forward(
             with contextlib.suppress(UpstreamError):
                 await _until_end(conn)
             raise UpstreamFailed(replica, "answered 503", status=503)
-        response_headers = [
-            (name.lower(), value)
-            for name, value in conn.headers
-            if name.lower() not in _DROP_RESPONSE
-        ]
+        response_headers = [h for h in conn.headers if h[0] not in _DROP_RESPONSE]  # lowercase
         if not any(name == b"x-request-id" for name, _ in response_headers):
             response_headers.append((b"x-request-id", headers["x-request-id"].encode("latin-1")))
         is_sse = _content_type(response_headers) == b"text/event-stream"

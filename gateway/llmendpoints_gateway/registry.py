@@ -19,10 +19,9 @@ sample; round-robin and least-loaded go through routing.Router as before.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,6 +149,9 @@ class Registry:
         self.on_held = on_held  # (endpoint id, requests held): the queue's held signal
         self.endpoints: dict[str, Endpoint] = {}
         self._by_model: dict[str, Endpoint] = {}
+        # name -> the one endpoint of that name, for names no other namespace has (by_unique_name
+        # on every request's access check: kept with the endpoints, not searched each time).
+        self._unique_names: dict[str, Endpoint] = {}
         # model -> (the endpoint routed to, the later claimants refused)
         self.model_claims: dict[str, tuple[str, tuple[str, ...]]] = {}
         self.closed = False
@@ -183,8 +185,7 @@ class Registry:
 
     def by_unique_name(self, name: str) -> Endpoint | None:
         """The one endpoint named ``name``, if no other namespace has one of that name."""
-        same = [e for e in self.endpoints.values() if e.name == name]
-        return same[0] if len(same) == 1 else None
+        return self._unique_names.get(name)
 
     def in_flight(self) -> int:
         return sum(sum(ep.loads.values()) for ep in self.endpoints.values())
@@ -352,8 +353,7 @@ class Registry:
 
     # -- the request path: wait for a replica, choose it, count it --
 
-    @contextlib.asynccontextmanager
-    async def lease(
+    def lease(
         self,
         ep: Endpoint,
         route: RouteKey | None,
@@ -363,14 +363,27 @@ class Registry:
         exclude: frozenset[str] = frozenset(),
         key: str = "",
         size: int = 0,
-    ) -> AsyncIterator[Lease]:
-        """A replica of ``ep`` for one request (KubeAI's ``getBestAddr`` and its ``done``):
-        while the endpoint has none ready the request is held (``HoldQueue``: 503 when full,
-        past ``ep.hold_seconds(hold_timeout)``, over ``key``'s share or the byte budget with
-        its ``size``, or shutting down; ClientGone when ``gone()`` completes first); the chosen
-        replica carries the request in its load until the block ends. A retry passes the
-        replicas already tried as ``exclude``: NoReplicaLeft when none is left. ``route``: what
-        a prefix-aware endpoint scores replicas by (``route_key``)."""
+    ) -> _Leasing:
+        """A replica of ``ep`` for one request (KubeAI's ``getBestAddr`` and its ``done``), as
+        ``async with registry.lease(...) as lease``: while the endpoint has none ready the
+        request is held (``HoldQueue``: 503 when full, past ``ep.hold_seconds(hold_timeout)``,
+        over ``key``'s share or the byte budget with its ``size``, or shutting down; ClientGone
+        when ``gone()`` completes first); the chosen replica carries the request in its load
+        until the block ends. A retry passes the replicas already tried as ``exclude``:
+        NoReplicaLeft when none is left. ``route``: what a prefix-aware endpoint scores
+        replicas by (``route_key``)."""
+        return _Leasing(self, ep, route, hold_timeout, gone, exclude, key, size)
+
+    async def _take(
+        self,
+        ep: Endpoint,
+        route: RouteKey | None,
+        hold_timeout: float,
+        gone: Callable[[], Awaitable[object]],
+        exclude: frozenset[str],
+        key: str,
+        size: int,
+    ) -> Lease:
         while True:
             choice = self.choose(ep, route, exclude)
             if choice is not None:
@@ -381,13 +394,10 @@ class Registry:
         replica, outcome = choice
         if exclude:
             outcome = Outcome.RETRY
-        self.metrics.routing.labels(ep.id, outcome).inc()
+        self.metrics.routed(ep.id, outcome)
         self.acquire(ep, replica)
         ep.sent_since[replica] = ep.sent_since.get(replica, 0) + 1
-        try:
-            yield Lease(replica, outcome)
-        finally:
-            self.release(ep, replica)
+        return Lease(replica, outcome)
 
     def choose(
         self, ep: Endpoint, route: RouteKey | None, exclude: frozenset[str] = frozenset()
@@ -468,7 +478,8 @@ class Registry:
             self._forget_if_departed(ep, replica)  # its last request ended after it left
 
     def _index(self) -> None:
-        """Each model name to its oldest claimant; the later ones are remembered, refused."""
+        """Each model name to its oldest claimant; the later ones are remembered, refused. And
+        each endpoint name no other namespace has, to its endpoint."""
         by_model: dict[str, Endpoint] = {}
         refused: dict[str, list[str]] = {}
         for ep in sorted(self.endpoints.values(), key=lambda e: claim_order(e.created, e.id)):
@@ -489,7 +500,33 @@ class Registry:
                 )
         self._by_model = by_model
         self.model_claims = claims
+        named: dict[str, list[Endpoint]] = {}
+        for ep in self.endpoints.values():
+            named.setdefault(ep.name, []).append(ep)
+        self._unique_names = {name: eps[0] for name, eps in named.items() if len(eps) == 1}
 
     def _held_changed(self, endpoint_id: str, n: int) -> None:
         self.metrics.held.labels(endpoint_id).set(n)
         self.on_held(endpoint_id, n)
+
+
+class _Leasing:
+    """``Registry.lease``'s context: the lease taken on entry, released on exit (a class, not
+    ``contextlib.asynccontextmanager``, which makes a generator and a wrapper object per request
+    for the same two steps)."""
+
+    __slots__ = ("_args", "_ep", "_lease", "_registry")
+
+    def __init__(self, registry: Registry, ep: Endpoint, *args: Any) -> None:
+        self._registry = registry
+        self._ep = ep
+        self._args = args
+        self._lease: Lease | None = None
+
+    async def __aenter__(self) -> Lease:
+        self._lease = await self._registry._take(self._ep, *self._args)
+        return self._lease
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._lease is not None:
+            self._registry.release(self._ep, self._lease.replica)

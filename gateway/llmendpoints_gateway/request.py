@@ -53,7 +53,7 @@ class Disconnect:
 
     def __init__(self, receive: Receive):
         self.gone = False
-        self._event = asyncio.Event()
+        self._event: asyncio.Event | None = None  # made by wait(): only a held request waits
         self._task = asyncio.ensure_future(self._watch(receive))
         self._running: asyncio.Task | None = None
 
@@ -62,12 +62,17 @@ class Disconnect:
             message = await receive()
             if message["type"] == "http.disconnect":
                 self.gone = True
-                self._event.set()
+                if self._event is not None:
+                    self._event.set()
                 if self._running is not None:
                     self._running.cancel()
                 return
 
     async def wait(self) -> None:
+        if self.gone:
+            return
+        if self._event is None:
+            self._event = asyncio.Event()
         await self._event.wait()
 
     async def run(self, coro):

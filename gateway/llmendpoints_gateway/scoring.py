@@ -27,7 +27,6 @@ score for debug logs. No I/O, no clock: the caller passes the engine loads and t
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -171,13 +170,27 @@ def choose(
             (s for s in scores if s.replica in rank), key=lambda s: rank[s.replica], default=None
         )
         if own is not None and not own.bounded:
-            scores[scores.index(own)] = dataclasses.replace(
-                own, cost=own.cost - weights.home_blocks
-            )
+            scores[scores.index(own)] = _with_cost(own, own.cost - weights.home_blocks)
     eligible = [s for s in scores if not s.bounded]
     last = len(rank)
     best = min(eligible, key=lambda s: _order(s, rank.get(s.replica, last)))
     return Choice(best.replica, _reason(best, scores, eligible, home), tuple(scores))
+
+
+def _with_cost(s: Score, cost: float) -> Score:
+    # dataclasses.replace, written out: it reads the class's fields on every call.
+    return Score(
+        s.replica,
+        s.matched,
+        s.uncached,
+        s.queue,
+        s.running,
+        s.kv_usage,
+        s.adapter_cost,
+        s.in_flight,
+        s.bounded,
+        cost,
+    )
 
 
 def _score(

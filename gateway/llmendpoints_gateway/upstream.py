@@ -175,12 +175,12 @@ class Connection(asyncio.Protocol):
         self.head_bytes += len(name) + len(value) + 4
         if self.head_bytes > MAX_HEAD_BYTES:
             raise ValueError("response headers too large")  # httptools: HttpParserCallbackError
-        self.headers.append((name, value))
+        self.headers.append((name.lower(), value))  # lowercase, as ASGI has them
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
         self.keep_alive = self.parser.should_keep_alive()
-        names = {name.lower() for name, _ in self.headers}
+        names = {name for name, _ in self.headers}
         self.until_eof = (
             b"content-length" not in names
             and b"transfer-encoding" not in names

@@ -186,13 +186,25 @@ def test_runpod_sdk_pointed_at_a_works_for_jobs_b_runs(pods) -> None:
     runpod.endpoint_url_base = os.environ["RUNPOD_ENDPOINT_BASE_URL"]
     runpod.api_key = KEY
     endpoint = runpod.Endpoint(ENDPOINT)
-    body = {"input": {"prompt": "x", "sampling_params": {"max_tokens": 60, "ignore_eos": True}}}
-    # Two slots per pod: six jobs at once keep both pods busy.
-    jobs = [endpoint.run(body) for _ in range(6)]
-    outputs = [job.output(timeout=180) for job in jobs]
-    assert all(out[0]["usage"]["output"] == 60 for out in outputs)
+    sampling = {"max_tokens": 60, "ignore_eos": True, "n": LONG_N}
+    body = {"input": {"prompt": "x", "sampling_params": sampling}}
+    # Each job takes half a pod's slots. A's engine is frozen while they are sent: it holds
+    # the two it takes, and B must run the others -- whichever pod pulls faster (a loaded
+    # CI run saw one pod take all six, 60 tokens each, when both ran).
     with client(a) as on_a:
+        with proc_kit.engines_frozen(a.process.pid):
+            jobs = [endpoint.run(body) for _ in range(6)]
+            wait_until(
+                lambda: any(
+                    on_a.get(f"/status/{job.job_id}").json().get("workerId") == worker_id(b)
+                    for job in jobs
+                ),
+                "B took one of the jobs sent to A",
+                timeout=120,
+            )
+        outputs = [job.output(timeout=180) for job in jobs]
         workers = {on_a.get(f"/status/{job.job_id}").json()["workerId"] for job in jobs}
+    assert all(out[0]["usage"]["output"] == 60 * LONG_N for out in outputs)
     assert worker_id(b) in workers
 
 

@@ -89,3 +89,23 @@ def run_in_slices(
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
         time.sleep(settle)
+
+
+@contextlib.contextmanager
+def session_niced(pid: int, nice: int = 19) -> Iterator[None]:
+    """Give the session of ``pid`` (a runtime started in a session of its own: its API process,
+    engine core and worker) the CPU only when nothing else wants it, for the block.
+
+    The kernel shares CPU time between sessions (autogroups), so renicing the engine's threads
+    does little (bench/RESULTS.md, "Probes under load"): the session's own nice is what counts.
+    A test whose operator and cluster emulator must keep up with a loaded pod on these two cores
+    stands in for a cluster, where they run on other machines."""
+    path = Path("/proc") / str(pid) / "autogroup"
+    before = path.read_text().split("nice")[-1].strip()
+    with contextlib.suppress(OSError):  # without autogroups or the right: as it is
+        path.write_text(str(nice))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.write_text(before)
