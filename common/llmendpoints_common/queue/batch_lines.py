@@ -21,6 +21,7 @@ from typing import Any
 from llmendpoints_common.batch.output import NOT_QUEUED, LineOutcome
 from llmendpoints_common.batch.record import BatchRecord, line_job_id
 from llmendpoints_common.errors import APIError as HTTPError
+from llmendpoints_common.errors import RateLimitError
 from llmendpoints_common.jobs.models import JobStatus
 from llmendpoints_common.jobs.record import Conflict, JobRecord, cancel
 from llmendpoints_common.queue.client import QueueConnection, QueueJobService
@@ -85,6 +86,11 @@ class QueueLines:
             record = current[0]  # stored, its message lost (a driver stopped in between)
         try:
             await service.queue_record(record)
+        except RateLimitError:
+            # The key's queue is full (the per-owner cap): the record stays, and the next
+            # submit finds it stored without its message and queues it. Removed, its purge
+            # marker would refuse the new record for a minute.
+            raise
         except BaseException:
             with contextlib.suppress(Exception):
                 if record.runs == 1 and record.attempt == 0:
