@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 
 import numpy as np
 from llmendpoints_common.errors import (
@@ -55,11 +56,13 @@ async def read_body(
     limit: int,
     setting: str,
     timeout: float,
+    arrays: bool = False,
     keep_parsed: bool = False,
 ) -> bytes:
     """The whole body, kept in ``scope[BODY]``; raises 408 / 413 (with ``Connection: close``),
-    400 for a body no route could use, ClientGone if the client left. ``keep_parsed``: the
-    route will parse it (``parsed_object``): keep the object the check parsed for it."""
+    400 for a body no route could use, ClientGone if the client left. ``arrays``: a JSON array
+    is a body too (RunPod's batch create takes one). ``keep_parsed``: the route will parse it
+    (``parsed_object``): keep the object the check parsed for it."""
     declared = header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit, setting, declared)
@@ -67,19 +70,13 @@ async def read_body(
     size = 0
     try:
         async with asyncio.timeout(timeout):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise ClientGone()
-                chunk = message.get("body", b"")
+            async for chunk in chunks_of(receive):
                 size += len(chunk)
                 if size > limit:
                     raise _too_large(limit, setting)
                 chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
     except TimeoutError:
-        raise _closing(
+        raise closing(
             RequestTimeoutError(
                 f"the request body did not arrive within {timeout:g} s "
                 "(REQUEST_READ_TIMEOUT_SECONDS)"
@@ -87,7 +84,7 @@ async def read_body(
         ) from None
     body = b"".join(chunks)
     content_type = (header(scope, b"content-type") or b"").split(b";")[0].strip().lower()
-    problem, parsed = _check_body(body, content_type)
+    problem, parsed = _check_body(body, content_type, arrays=arrays)
     if problem is not None:
         raise BadRequestError(problem)
     scope[BODY] = body
@@ -96,14 +93,26 @@ async def read_body(
     return body
 
 
-def _closing(exc: APIError) -> APIError:
+async def chunks_of(receive: Receive) -> AsyncIterator[bytes]:
+    """The body's chunks as they arrive; ClientGone if the client leaves first."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        yield message.get("body", b"")
+        if not message.get("more_body", False):
+            return
+
+
+def closing(exc: APIError) -> APIError:
+    """``exc`` with ``Connection: close``: the rest of the body is never read."""
     exc.headers["connection"] = "close"
     return exc
 
 
 def _too_large(limit: int, setting: str, declared: bytes | None = None) -> APIError:
     size = f"is {declared.decode()} bytes" if declared is not None else "is larger"
-    return _closing(
+    return closing(
         ContentTooLargeError(f"request body {size}; the limit is {limit} bytes ({setting})")
     )
 
@@ -140,19 +149,23 @@ def is_json_type(content_type: bytes) -> bool:
     )
 
 
-def body_problem(body: bytes, content_type: bytes) -> str | None:
-    """Why a request body is refused before any route sees it, or None (pure)."""
-    return _check_body(body, content_type)[0]
+def body_problem(body: bytes, content_type: bytes, *, arrays: bool = False) -> str | None:
+    """Why a request body is refused before any route sees it, or None (pure). ``arrays``:
+    a JSON array is as good as an object."""
+    return _check_body(body, content_type, arrays=arrays)[0]
 
 
-def _check_body(body: bytes, content_type: bytes) -> tuple[str | None, dict | None]:
-    """``body_problem``, and the JSON object the check parsed (None: not parsed here)."""
+def _check_body(
+    body: bytes, content_type: bytes, *, arrays: bool = False
+) -> tuple[str | None, dict | None]:
+    """``body_problem``, and the JSON object the check parsed (None: not parsed here, or an
+    array)."""
     if not body or content_type in _FORM_TYPES:
         return None, None
     if is_json_type(content_type):
         if len(body) <= FULL_PARSE_MAX_BYTES:
-            return _check_json(body)
-        return large_json_body_problem(body), None
+            return _check_json(body, arrays=arrays)
+        return large_json_body_problem(body, arrays=arrays), None
     # Our routes parse a body as JSON whatever its declared type: the depth bound holds too.
     if json_depth_exceeds(body, MAX_JSON_DEPTH):
         return _too_deep(), None
@@ -167,12 +180,12 @@ def _too_deep() -> str:
     return f"request body is nested too deeply: more than {MAX_JSON_DEPTH} levels of arrays and objects"
 
 
-def json_body_problem(body: bytes) -> str | None:
+def json_body_problem(body: bytes, *, arrays: bool = False) -> str | None:
     """Why a JSON request body is unusable, or None (pure; parses the body)."""
-    return _check_json(body)[0]
+    return _check_json(body, arrays=arrays)[0]
 
 
-def _check_json(body: bytes) -> tuple[str | None, dict | None]:
+def _check_json(body: bytes, *, arrays: bool = False) -> tuple[str | None, dict | None]:
     """``json_body_problem``, and the object parsed when there is none."""
     try:
         text = body.decode("utf-8")
@@ -189,13 +202,15 @@ def _check_json(body: bytes) -> tuple[str | None, dict | None]:
         )
     except RecursionError:  # unreachable after the depth check; never a 500 all the same
         return _too_deep(), None
-    if not isinstance(value, dict):
-        what = _JSON_TYPE_NAMES.get(type(value), "a value")
-        return f"request body must be a JSON object, got {what}", None
-    return None, value
+    if isinstance(value, dict):
+        return None, value
+    if arrays and isinstance(value, list):
+        return None, None
+    what = _JSON_TYPE_NAMES.get(type(value), "a value")
+    return f"request body must be a JSON object, got {what}", None
 
 
-def large_json_body_problem(body: bytes) -> str | None:
+def large_json_body_problem(body: bytes, *, arrays: bool = False) -> str | None:
     """The checks of ``json_body_problem`` that need no parse: UTF-8, an object, the depth
     (pure). Malformed JSON further in is left to the route's parser, which answers 400."""
     try:
@@ -203,7 +218,7 @@ def large_json_body_problem(body: bytes) -> str | None:
     except UnicodeDecodeError as exc:
         return _not_utf8(exc)
     first = body.lstrip(b" \t\r\n")[:1]
-    if first != b"{":
+    if first != b"{" and not (arrays and first == b"["):
         what = _FIRST_BYTE_NAMES.get(first, "a value" if first else "only whitespace")
         if first[:1].isdigit():
             what = "a number"

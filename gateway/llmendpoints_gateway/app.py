@@ -34,7 +34,9 @@ from llmendpoints_edge.asgi import (
 from llmendpoints_edge.body import BODY, ClientGone, read_body
 from llmendpoints_edge.logs import request_id_var
 
+from llmendpoints_gateway import batches as batch_routes
 from llmendpoints_gateway.access import Access
+from llmendpoints_gateway.batches import BatchGateway
 from llmendpoints_gateway.config import GatewaySettings
 from llmendpoints_gateway.jobs import JobGateway
 from llmendpoints_gateway.limiter import Limiter
@@ -63,6 +65,7 @@ class Gateway:
     limiter: Limiter
     metering: Metering
     jobs: JobGateway | None = None  # the job API, with JOBS_QUEUE_URL
+    batches: BatchGateway | None = None  # the batch APIs, with JOBS_QUEUE_URL
     started: list[Hook] = field(default_factory=list)
     stopped: list[Hook] = field(default_factory=list)
     draining: bool = False
@@ -120,6 +123,7 @@ class Gateway:
         return (
             self.active
             + (self.jobs.pending_webhooks if self.jobs is not None else 0)
+            + (self.batches.pending_webhooks if self.batches is not None else 0)
             + self.limiter.pending
         )
 
@@ -194,6 +198,10 @@ class Gateway:
             send = self.limiter.reporting(key, send, state)
         self.access.require(key, state)  # from the headers, before any of the body
         if path.startswith("/v1/"):
+            if batch_routes.is_openai_batch_path(path):  # OpenAI's Batch API: batches.py
+                if self.batches is None:
+                    raise batch_routes.unavailable(path)
+                return await self.batches.openai(scope, receive, send, state, key, path)
             if path == "/v1/models" and method == "GET":
                 return await self.openai.list_models(send, key, None, state)
             if path.startswith("/v1/models/") and method == "GET":
@@ -218,6 +226,10 @@ class Gateway:
                     return await self.openai.one_model(model, send, key, ep, state)
                 body = await self._body(scope, receive, runsync=False, parse=True)
                 return await self.openai.proxy(scope, body, receive, send, state, key, ep, upstream)
+            if batch_routes.is_runpod_batch_path(rest):  # RunPod's batch jobs: batches.py
+                if self.batches is None:
+                    raise batch_routes.unavailable(path)
+                return await self.batches.runpod(scope, receive, send, state, key, ep, rest)
             if self.jobs is None:
                 raise NotFoundError(
                     f"{method} {path}: the job API needs the shared job queue "

@@ -11,13 +11,14 @@ from __future__ import annotations
 import os
 import socket
 
+from llmendpoints_common.batch.limits import BatchEnv
 from llmendpoints_edge.settings import EdgeSettings
 from pydantic import Field
 
 from llmendpoints_gateway.routing import DEFAULT_LOAD_FACTOR
 
 
-class GatewaySettings(EdgeSettings):
+class GatewaySettings(EdgeSettings, BatchEnv):
     # The one default the edge leaves to each component (the design fixes the gateway's 8080).
     port: int = Field(8080, ge=1, le=65535, validation_alias="PORT", description="HTTP port.")
     endpoints_file: str | None = Field(

@@ -21,6 +21,7 @@ from llmendpoints_edge.server import serve as serve_edge
 
 from llmendpoints_gateway.access import Access
 from llmendpoints_gateway.app import Gateway
+from llmendpoints_gateway.batches import BatchGateway
 from llmendpoints_gateway.config import GatewaySettings
 from llmendpoints_gateway.discovery.kube import KubeDiscovery
 from llmendpoints_gateway.discovery.static import StaticDiscovery
@@ -105,6 +106,16 @@ def build(settings: GatewaySettings, worker: WorkerSlot | None = None) -> Gatewa
             nudge=signals.nudge_soon,
         )
         parts += [queue, signals, gateway.jobs, publisher, JobUsageMeter(queue, metering.job_usage)]
+        if settings.batch_enabled:
+            gateway.batches = BatchGateway(
+                queue,
+                gateway.access,
+                registry,
+                settings,
+                holder=f"{settings.gateway_id}-{worker.index}" if worker else None,
+                nudge=signals.nudge_soon,
+            )
+            parts.append(gateway.batches)
         if settings.share_prefix_index:
             # What each process routed reaches every other's prefix index (a random suffix:
             # two gateways on one host share a host name).

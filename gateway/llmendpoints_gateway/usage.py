@@ -106,6 +106,7 @@ class Metering:
         """JobUsageMeter's callback: a finished job's usage record (one per run), and what to
         count once the usage stream stored it for the first time."""
         ep = self.registry.by_id(record.endpoint)  # a job record names "<namespace>/<name>"
+        batch = record.batch is not None  # a batch's request: metered apart, not rate-limited
         entry = UsageRecord(
             id=job_usage_id(record.id, record.runs),
             time=record.finished_at or time.time(),
@@ -116,14 +117,17 @@ class Metering:
             prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens,
             gateway=self.gateway_id,
-            kind="job",
-            requests=0,  # the job was counted when it was accepted
+            kind="batch" if batch else "job",
+            # A job was counted when it was accepted; a batch's request is counted here.
+            requests=1 if batch else 0,
         )
 
         def count() -> None:
             self._count_tokens(record.owner, record.endpoint, usage)
             key = self.keys.by_name(record.owner)
-            if key is not None:
+            if key is not None and not batch:
+                # tokensPerMinute bounds interactive use; a batch is bounded by its key's
+                # enqueued tokens (LLMEP_BATCH_MAX_ENQUEUED_TOKENS) instead.
                 self.limiter.charge(key, usage.total)
 
         return entry, count

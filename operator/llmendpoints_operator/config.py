@@ -108,6 +108,14 @@ class OperatorSettings(BaseSettings):
         "queue (passed as LLMEP_JOBS_QUEUE_REPLICAS; the chart sets its NATS cluster's size). "
         "Unset: the runtime's default, 1.",
     )
+    jobs_queue_files_max_bytes: int | None = Field(
+        None,
+        ge=1024 * 1024,
+        description="Bound of the queue's object store of batch files and results "
+        "(OBJ_LLMEP_FILES), set when the operator creates the streams (the chart sets it from "
+        "queue.nats.batchFilesMaxBytes); uploads and results beyond it get 507. Unset: only "
+        "the NATS server's storage bounds it.",
+    )
     jobs_max_queued_per_owner: int = Field(
         1_000,
         ge=0,

@@ -49,6 +49,7 @@ class JobsQueue:
         )
         layout = QueueLayout(
             replicas=settings.jobs_queue_replicas or 1,
+            files_max_bytes=settings.jobs_queue_files_max_bytes or -1,
             max_queued_per_owner=settings.jobs_max_queued_per_owner,
         )
         return cls(settings.jobs_queue_url, layout=layout, signer=signer)

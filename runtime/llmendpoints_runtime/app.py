@@ -177,6 +177,12 @@ async def _sequences(route: str, body: bytes, max_n: int) -> int:
 
 
 OPENAI_PREFIX = "/v1/"
+# The /v1 routes that are ours, not vLLM's: OpenAI's Batch API (batches/routes.py).
+OWN_V1_PREFIXES = ("/v1/files", "/v1/batches")
+
+
+def is_own_v1(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in OWN_V1_PREFIXES)
 
 
 class OpenAIFastPath:
@@ -184,7 +190,8 @@ class OpenAIFastPath:
 
     Every OpenAI request would otherwise try each of our routes before the catch-all mount and
     pass every streamed chunk through two more Starlette middleware layers; /v1/ is vLLM's alone
-    (create_app refuses a router of ours there), so the detour buys nothing.
+    (create_app refuses a router of ours there) but for the Batch API's ``/v1/files`` and
+    ``/v1/batches``, so the detour buys nothing.
     """
 
     def __init__(self, app: ASGIApp, delegate: ASGIApp):
@@ -192,7 +199,8 @@ class OpenAIFastPath:
         self.delegate = delegate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(OPENAI_PREFIX):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith(OPENAI_PREFIX) or is_own_v1(path):
             await self.app(scope, receive, send)
             return
         try:
@@ -300,7 +308,9 @@ def create_app(
     vllm = OpenAIShapedErrors(delegate)  # vLLM's own 404s etc. in our error shape
     app.router.routes.append(Mount("/", app=vllm))
     claimed = [
-        r.path for r in app.router.routes if getattr(r, "path", "").startswith(OPENAI_PREFIX)
+        r.path
+        for r in app.router.routes
+        if getattr(r, "path", "").startswith(OPENAI_PREFIX) and not is_own_v1(r.path)
     ]
     if claimed:
         raise RuntimeError(f"routes under {OPENAI_PREFIX} belong to vLLM's app: {claimed}")

@@ -11,6 +11,8 @@ its work in flight and its shutdown, and hands its routers to ``app.create_app``
 
 from __future__ import annotations
 
+import os
+
 from fastapi import APIRouter, Request
 from llmendpoints_common.jobs.models import DEFAULT_EXECUTION_TIMEOUT_MS, DEFAULT_TTL_MS
 from starlette.types import ASGIApp
@@ -20,11 +22,14 @@ from llmendpoints_runtime.adapters import AdapterReconciler
 from llmendpoints_runtime.admission import AdmissionQueue, default_max_concurrency
 from llmendpoints_runtime.app import Runtime
 from llmendpoints_runtime.auth import KeyStore
-from llmendpoints_runtime.config import ConfigError, RuntimeConfig, RuntimeSettings
+from llmendpoints_runtime.batches import build_batch_feature
+from llmendpoints_runtime.batches.routes import unavailable_batch_routers
+from llmendpoints_runtime.config import ConfigError, RuntimeConfig, RuntimeSettings, batch_dir
 from llmendpoints_runtime.engine import Engine, install_media_fetcher
 from llmendpoints_runtime.health import Health
 from llmendpoints_runtime.job_engine import JobEngineAdapter
 from llmendpoints_runtime.jobs.queue_worker import (
+    BatchShare,
     QueueJobFeature,
     build_queue_feature,
     shared_queue_settings,
@@ -76,6 +81,20 @@ def create_app(runtime: Runtime, *, start_engine: bool = True) -> ASGIApp:
         settings, settings.max_concurrency or default_max_concurrency(None)
     )
     jobs: JobFeature | QueueJobFeature
+    admission = runtime.admission
+
+    def interactive() -> int:
+        """OpenAI requests admitted, running or waiting for a slot: batch requests keep out of
+        their way."""
+        return admission.running + admission.waiting
+
+    def batch_capacity() -> int:
+        """What batch requests are a share of: the admission limit, never past what the
+        engine runs at once (a batch filling every engine slot would hold a later interactive
+        request until one of its requests ends)."""
+        return min(admission.limit, runtime.engine.max_num_seqs or admission.limit)
+
+    batch_routers: list[APIRouter] = []
     if settings.jobs_queue_url is not None:
         # JOBS_QUEUE_URL: jobs live in the shared queue and this pod is one of its workers.
         # Queued jobs belong to the endpoint (the autoscaler reads them from the queue), so
@@ -87,8 +106,17 @@ def create_app(runtime: Runtime, *, start_engine: bool = True) -> ASGIApp:
             registry=runtime.metrics.registry,
             capacity=lambda: runtime.admission.limit,
             webhook_policy=settings.webhook_policy,
+            interactive=interactive,
+            batch_capacity=batch_capacity,
         )
         runtime.metrics.add_in_flight_source(lambda: queued.jobs.running_sequences)
+        if settings.batch_enabled:
+            # The gateway serves the batch APIs on the queue's store; this pod runs their
+            # requests (the queue's batch lane).
+            batch_routers = unavailable_batch_routers(
+                "this pod takes its jobs from the shared queue (JOBS_QUEUE_URL): send batches "
+                "and files to the gateway"
+            )
     else:
         jobs = local = build_job_feature(
             engine,
@@ -104,12 +132,34 @@ def create_app(runtime: Runtime, *, start_engine: bool = True) -> ASGIApp:
         # runs them (a job with n: 4 counts 4), like the OpenAI requests' admission.
         runtime.metrics.add_queue_source(lambda: local.executor.queued_for_scaling)
         runtime.metrics.add_in_flight_source(lambda: local.executor.running_sequences)
+        if settings.batch_enabled:
+            share = BatchShare(priority=settings.batch_priority, max_share=settings.batch_max_share)
+
+            def batch_slots() -> int:
+                if engine.draining() or not engine.is_ready():
+                    return 0
+                busy = interactive() + local.executor.running_sequences
+                return share.slots(batch_capacity(), busy, engine.load().waiting)
+
+            batches = build_batch_feature(
+                engine,
+                job_settings,
+                settings,
+                root=batch_dir(settings, os.environ),
+                endpoint=f"{settings.endpoint_namespace}/{settings.endpoint_id or 'local'}",
+                slots=batch_slots,
+                webhook_policy=settings.webhook_policy,
+            )
+            runtime.metrics.add_in_flight_source(lambda: batches.lines.running)
+            runtime.busy_sources.append(batches.busy)
+            runtime.drainers.append(batches.drain)
+            batch_routers = batches.routers()
     # A draining pod waits for jobs and webhooks.
     runtime.busy_sources.append(jobs.busy)
     runtime.drainers.append(jobs.drain)
 
     sagemaker = build_sagemaker_router(engine, target=_same_app)
-    routers: list[APIRouter] = [*jobs.routers(openai_target=_same_app), sagemaker]
+    routers: list[APIRouter] = [*jobs.routers(openai_target=_same_app), *batch_routers, sagemaker]
     return app.create_app(runtime, routers, start_engine=start_engine)
 
 

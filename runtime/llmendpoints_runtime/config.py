@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from llmendpoints_common.batch.limits import BatchEnv
 from llmendpoints_common.fair_use import DEFAULT_MAX_N
 from llmendpoints_common.identity import EndpointRef
 from llmendpoints_common.jobs.models import MAX_POLICY_MS, MIN_EXECUTION_TIMEOUT_MS, MIN_TTL_MS
@@ -47,7 +48,7 @@ class ConfigError(Exception):
         self.message = message
 
 
-class RuntimeSettings(EdgeSettings):
+class RuntimeSettings(EdgeSettings, BatchEnv):
     """Our own settings (not vLLM flags). Field aliases are the environment variable names;
     the ones the gateway shares (HOST, PORT, keys, body limits, logs, drain, webhooks,
     JOBS_QUEUE_URL) are the edge's (``llmendpoints_edge.settings.EdgeSettings``)."""
@@ -275,6 +276,39 @@ class RuntimeSettings(EdgeSettings):
         gt=0,
         validation_alias="LLMEP_ADAPTERS_POLL_SECONDS",
         description="How often LLMEP_ADAPTERS_FILE is checked for changes.",
+    )
+
+    # -- batches below interactive traffic (see docs/batch.md) -------------------------------
+    batch_priority: int = Field(
+        10,
+        ge=1,
+        validation_alias="LLMEP_BATCH_PRIORITY",
+        description="vLLM priority of batch requests (interactive requests run at 0; lower runs "
+        "first): with `--scheduling-policy priority` an interactive request arriving later is "
+        "scheduled before waiting batch requests.",
+    )
+    batch_max_share: float = Field(
+        0.75,
+        gt=0,
+        le=1,
+        validation_alias="LLMEP_BATCH_MAX_SHARE",
+        description="Share of the pod's concurrency (MAX_CONCURRENCY) batch requests may take "
+        "at most; the rest stays free for interactive requests and jobs, which also stop new "
+        "batch requests from starting while they need the room.",
+    )
+    batch_dir: str | None = Field(
+        None,
+        validation_alias="LLMEP_BATCH_DIR",
+        description="One pod without JOBS_QUEUE_URL: where batch files and results are kept "
+        "(default: `llmendpoints-batches` under BASE_PATH, else HF_HOME, else "
+        "~/.cache/huggingface).",
+    )
+    batch_local_max_bytes: int = Field(
+        10 * 1000 * 1000 * 1000,
+        ge=1024,
+        validation_alias="LLMEP_BATCH_LOCAL_MAX_BYTES",
+        description="One pod without JOBS_QUEUE_URL: bytes of files and batch inputs kept in "
+        "LLMEP_BATCH_DIR at most (507 beyond).",
     )
 
     @field_validator("default_min_batch_size")
@@ -767,6 +801,39 @@ def _one_line(message: str) -> str:
     return "; ".join(lines)
 
 
+def apply_batch_scheduling(
+    settings: RuntimeSettings, engine_args: Namespace, sources: Mapping[str, str]
+) -> None:
+    """With batches on, vLLM schedules by priority, so batch requests (LLMEP_BATCH_PRIORITY)
+    yield to interactive ones (priority 0; equal priorities keep arrival order, as FCFS).
+    An explicit SCHEDULING_POLICY=fcfs cannot run them below: refused, naming both."""
+    if not settings.batch_enabled:
+        return
+    policy = getattr(engine_args, "scheduling_policy", None)
+    if "--scheduling-policy" in sources:
+        if policy != "priority":
+            raise ConfigError(
+                sources["--scheduling-policy"],
+                f"is {policy!r}, but batches (LLMEP_BATCH_ENABLED) need 'priority' to run "
+                "below interactive requests: drop the variable (the runtime sets priority), "
+                "or set LLMEP_BATCH_ENABLED=false",
+            )
+        return
+    engine_args.scheduling_policy = "priority"
+
+
+def batch_dir(settings: RuntimeSettings, env: Mapping[str, str]) -> str:
+    """Where a pod without the shared queue keeps batch files (under the model cache)."""
+    if settings.batch_dir:
+        return settings.batch_dir
+    root = (
+        settings.base_path
+        or env.get("HF_HOME")
+        or str(Path(env.get("HOME") or Path.home()) / ".cache" / "huggingface")
+    )
+    return str(Path(root) / "llmendpoints-batches")
+
+
 def load_config(env: Mapping[str, str]) -> RuntimeConfig:
     """Validate the environment and turn it into settings and vLLM's parsed arguments.
 
@@ -794,6 +861,7 @@ def load_config(env: Mapping[str, str]) -> RuntimeConfig:
         # vLLM would enforce its own key on its routes only; keys are ours to enforce everywhere.
         raise ConfigError("API_KEY", "set API_KEY or API_KEYS, not vLLM's --api-key")
     check_start_adapters(engine_args)
+    apply_batch_scheduling(settings, engine_args, sources)
 
     process_env: dict[str, str] = {}
     if settings.base_path:

@@ -438,15 +438,22 @@ class Engine:
         return engine_inputs[0]
 
     async def generate(
-        self, engine_input: Any, sampling: Any, request_id: str, *, lora_request: Any = None
+        self,
+        engine_input: Any,
+        sampling: Any,
+        request_id: str,
+        *,
+        lora_request: Any = None,
+        priority: int = 0,
     ) -> AsyncIterator[Any]:
         """vLLM's RequestOutputs for one request (on a loaded LoRA adapter's weights when
-        ``lora_request`` is one, see ``EngineAdapters.lora_request``). EngineInputError for input
-        the engine refuses (prompt too long, max_tokens beyond the context), EngineDead when its
-        core died."""
+        ``lora_request`` is one, see ``EngineAdapters.lora_request``; ``priority``: lower runs
+        first, with the priority scheduling policy). EngineInputError for input the engine
+        refuses (prompt too long, max_tokens beyond the context), EngineDead when its core
+        died."""
         try:
             async for output in self.client.generate(
-                engine_input, sampling, request_id, lora_request=lora_request
+                engine_input, sampling, request_id, lora_request=lora_request, priority=priority
             ):
                 yield output
         except _client_errors() as exc:

@@ -136,7 +136,11 @@ class JobEngineAdapter:
             yield GenerationStep(prompt_tokens=prompt_len, choices=())
         try:
             async for output in self.engine.generate(
-                engine_input, sampling, request.request_id, lora_request=lora
+                engine_input,
+                sampling,
+                request.request_id,
+                lora_request=lora,
+                priority=request.priority,
             ):
                 yield GenerationStep(
                     prompt_tokens=len(output.prompt_token_ids or ()) or prompt_len,

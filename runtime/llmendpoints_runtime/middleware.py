@@ -92,6 +92,18 @@ class RequestContext:
         return found
 
 
+def is_upload_path(method: str, path: str) -> bool:
+    """``POST /v1/files``: the Batch API's upload, read (streamed, with its own bound) by its
+    route, never here (pure)."""
+    return method == "POST" and path == "/v1/files"
+
+
+def takes_array(method: str, path: str) -> bool:
+    """``POST /v2/{endpoint_id}/batch``: RunPod's batch create takes a JSON array (pure)."""
+    parts = path.split("/")
+    return method == "POST" and len(parts) == 4 and parts[1] == "v2" and parts[3] == "batch"
+
+
 def is_runsync_path(path: str) -> bool:
     """``/runsync`` or ``/v2/{endpoint_id}/runsync`` (pure)."""
     if path == "/runsync":
@@ -135,13 +147,22 @@ class BodyGuard:
             # and the connection closes after the answer instead of receiving one.
             await self.app(scope, receive, closing_if_body(scope, send))
             return
-        if is_runsync_path(scope["path"]):
+        method, path = scope["method"], scope["path"]
+        if is_upload_path(method, path):
+            await self.app(scope, receive, send)  # its route streams it, within its own bound
+            return
+        if is_runsync_path(path):
             limit, setting = self.runsync_limit, "MAX_RUNSYNC_BODY_BYTES"
         else:
             limit, setting = self.limit, "MAX_REQUEST_BODY_BYTES"
         try:
             body = await read_body(
-                scope, receive, limit=limit, setting=setting, timeout=self.read_timeout
+                scope,
+                receive,
+                limit=limit,
+                setting=setting,
+                timeout=self.read_timeout,
+                arrays=takes_array(method, path),
             )
         except ClientGone:
             return

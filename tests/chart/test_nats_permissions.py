@@ -16,6 +16,7 @@ Violation" or "Subscription Violation"); each test also checks that nothing chan
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -454,6 +455,171 @@ def test_a_raw_nats_client_without_creds_is_refused(chart_nats):
         assert "authorization" in str(untrusted.value).lower()
 
     asyncio.run(scenario())
+
+
+def test_the_chart_lets_the_gateway_keep_and_drive_batches_and_pods_run_them(chart_nats):
+    """The gateway's credential runs the whole batch store -- files in the object store (put,
+    read, removed by roll-up markers, no purge), records, the drivers' listings and leases, the
+    scaling signal -- while an endpoint's pods take the batch lane with their own credential
+    and the operator reads the signal with its own. No violation anywhere; a pod's credential
+    reaches neither the batch records nor the files."""
+    import io
+    from types import SimpleNamespace
+
+    from llmendpoints_common.batch.api import BatchAPI, BatchCall
+    from llmendpoints_common.batch.driver import BatchDrivers
+    from llmendpoints_common.batch.limits import BatchLimits
+    from llmendpoints_common.batch.record import BatchRecord
+    from llmendpoints_common.batch.signal import BatchSignal
+    from llmendpoints_common.queue import objects
+    from llmendpoints_common.queue.batch_lines import QueueLines
+    from llmendpoints_common.queue.batch_store import NatsBatchStore
+
+    server = chart_nats[0]
+    before = len(server.violations())  # the module's other tests refuse things too
+    C = EndpointRef("team-c", "batch")
+    gateway_creds = Path(_gateway_creds_file(chart_nats)).read_text()
+    limits = BatchLimits(window_lines=4)
+
+    async def scenario() -> None:
+        operator = await _connect(server.url, _creds(chart_nats, "operator"), "operator")
+        await ensure_consumers(operator.js, C, QueueLayout())
+        gateway = await _connect(server.url, gateway_creds, "gateway")
+        pod = await _connect(server.url, _creds(chart_nats, "runtime", C), "pod-c", timeout=REFUSED)  # fmt: skip
+        store = NatsBatchStore(gateway.js)
+        lines = QueueLines(gateway)
+
+        async def resolve(owner: str, model: str) -> str:
+            return C.id
+
+        signalled: list[BatchRecord] = []
+
+        async def signal(record: BatchRecord) -> None:
+            signalled.append(record)
+            await signals.publish_batch(gateway.js, C, BatchSignal.of(record))
+
+        drivers = BatchDrivers(store, lines, holder="gw", limits=limits, resolve=resolve,
+                               signal=signal, tick_seconds=0.1)  # fmt: skip
+        api = BatchAPI(store, lines, limits, wake=drivers.wake)
+
+        async def execute(record, publish):
+            return {"object": "chat.completion", "usage": {"prompt_tokens": 1, "completion_tokens": 1}}  # fmt: skip
+
+        async def abort(record) -> None:
+            return None
+
+        worker = QueueWorker(
+            QueueJobService(pod, C), name="pod-c", execute=execute, abort=abort,
+            free_slots=lambda: 2, batch_slots=lambda: 2, settings=WorkerSettings(poll_seconds=0.2),
+        )  # fmt: skip
+        try:
+            data = b"".join(
+                json.dumps(
+                    {
+                        "custom_id": f"r{i}",
+                        "method": "POST",
+                        "url": "/v1/chat/completions",
+                        "body": {"model": "m", "messages": [{"role": "user", "content": "x"}]},
+                    }
+                ).encode()
+                + b"\n"
+                for i in range(10)
+            )
+            form = SimpleNamespace(fields={"purpose": "batch"}, file=io.BytesIO(data), filename="in.jsonl", size=len(data))  # fmt: skip
+            file = await api.create_file(form, "team")
+            created = await api.create_batch(
+                json.dumps({"input_file_id": file["id"], "endpoint": "/v1/chat/completions",
+                            "completion_window": "24h"}).encode(), "team",
+            )  # fmt: skip
+            await drivers.start()
+            await worker.start()
+            deadline = time.monotonic() + 60
+            while True:
+                shown = (await api.openai(BatchCall("GET", f"batches/{created.id}", "team"))).body
+                if shown["status"] == "completed":
+                    break
+                assert time.monotonic() < deadline, shown
+                if signalled and signalled[-1].active:
+                    # The operator reads the batch's signal with its own credential.
+                    seen = await signals.read_batches(operator.js, C)
+                    assert [s.batch for s in seen] in ([created.id], [])
+                await asyncio.sleep(0.1)
+            assert shown["request_counts"]["completed"] == 10
+            reply = await api.openai(BatchCall("GET", f"files/{shown['output_file_id']}/content", "team"))  # fmt: skip
+            assert len(reply.content.read().splitlines()) == 10
+            reply.content.close()
+            # A file is removed without a purge, and is gone.
+            deleted = await api.openai(BatchCall("DELETE", f"files/{file['id']}", "team"))
+            assert deleted.body["deleted"] is True
+            assert await objects.object_info(gateway.js, names.object_name("team", file["id"])) is None  # fmt: skip
+            await signals.drop_batch(gateway.js, C, created.id)
+            # The pod's credential: no batch record, no file, no listing.
+            record_key = names.kv_subject(names.BATCHES_BUCKET, names.batch_key("team", created.id))
+            await _refused(pod.js.get_msg(names.kv_stream(names.BATCHES_BUCKET), subject=record_key, direct=True))  # fmt: skip
+            await _refused(
+                pod.js.get_msg(
+                    objects.FILES_STREAM,
+                    subject=objects.meta_subject(
+                        names.object_name("team", shown["output_file_id"])
+                    ),
+                    direct=True,
+                )
+            )
+            await _refused(pod.js.publish(record_key, b"forged"))
+        finally:
+            await drivers.stop()
+            await worker.stop(1)
+            for connection in (pod, gateway, operator):
+                await connection.close()
+
+    asyncio.run(scenario())
+    # The only violations are the pod's three refused attempts: the gateway's, the pod's and
+    # the operator's batch work went through.
+    violations = server.violations()[before:]
+    refused = ("$JS.API.DIRECT.GET.KV_LLMEP_BATCHES", "$JS.API.DIRECT.GET.OBJ_LLMEP_FILES",
+               '"$KV.LLMEP_BATCHES.')  # fmt: skip
+    assert violations and all(any(r in v for r in refused) for v in violations), violations
+    for what in refused:
+        assert any(what in v for v in violations), f"{what} was not refused"
+
+
+def test_a_pod_takes_jobs_while_an_older_operator_has_not_made_its_batch_lane(chart_nats):
+    """A rolling upgrade: pods that know the batch lane under an operator that does not (the
+    endpoint's normal and low consumers only). The pod's credential may not create the batch
+    consumer; its worker takes jobs all the same, without batches, and says so."""
+    server = chart_nats[0]
+    before = len(server.violations())
+    D = EndpointRef("team-d", "older")
+
+    async def scenario() -> None:
+        operator = await _connect(server.url, _creds(chart_nats, "operator"), "operator")
+        await ensure_consumers(operator.js, D, QueueLayout(), priorities=("normal", "low"))
+        pod = await _connect(server.url, _creds(chart_nats, "runtime", D), "pod-d")
+        service = QueueJobService(pod, D)
+
+        async def execute(record, publish):
+            return [{"ok": True}]
+
+        async def abort(record) -> None:
+            return None
+
+        worker = QueueWorker(
+            service, name="pod-d", execute=execute, abort=abort, free_slots=lambda: 2,
+            batch_slots=lambda: 2, settings=WorkerSettings(poll_seconds=0.2),
+        )  # fmt: skip
+        try:
+            await worker.start()
+            job = await service.submit(
+                parse_job_request(b'{"input": {"prompt": "x"}}'), sync=True, owner="d"
+            )
+            assert (await service.wait(job.id, 20, owner="d")).status is JobStatus.COMPLETED
+        finally:
+            await worker.stop(1)
+            await pod.close()
+            await operator.close()
+
+    asyncio.run(scenario())
+    assert server.violations()[before:] == []
 
 
 def test_gateway_processes_share_routing_records_and_pods_cannot_forge_them(chart_nats):

@@ -6,10 +6,14 @@ backend (bench/gateway_standin.py) for failures that a real engine cannot be mad
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -124,3 +128,32 @@ def launch_runtime(model_path: Path, log_dir: Path, **overrides: str) -> Runtime
     return runtime_process.launch_runtime(
         model_path, log_dir, unset=("OPENAI_SERVED_MODEL_NAME_OVERRIDE",), **overrides
     )
+
+
+@contextlib.contextmanager
+def webhook_receiver(answer_after: float = 0.0) -> Iterator[tuple[str, list[dict]]]:
+    """An HTTP server on 127.0.0.1 that records every JSON body POSTed to it (with the time it
+    answered) and answers 200 after ``answer_after`` seconds."""
+    received: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            length = int(self.headers.get("content-length", "0"))
+            body = json.loads(self.rfile.read(length))
+            time.sleep(answer_after)
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+            received.append({**body, "answered_at": time.monotonic()})
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/hook", received
+    finally:
+        server.shutdown()
+        server.server_close()

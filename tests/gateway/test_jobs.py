@@ -4,13 +4,8 @@ accepted, reported, streamed, cancelled and purged by owner; the runpod SDK work
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import signal
-import threading
 import time
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -21,7 +16,7 @@ from integration.nats_kit import nats_server
 from llmendpoints_common.identity import EndpointRef
 from llmendpoints_common.queue.signals import subscribe_nudges
 
-from .harness import free_port, running_gateway, write_endpoints
+from .harness import free_port, running_gateway, webhook_receiver, write_endpoints
 
 ALICE, BOB, ADMIN = "sk-alice", "sk-bob", "sk-admin"
 JOB = {"input": {"prompt": "Hello", "sampling_params": {"max_tokens": 4}}}
@@ -67,35 +62,6 @@ def gateway(tmp_path_factory, queue_url):
                 break
             time.sleep(0.1)
         yield gw
-
-
-@contextlib.contextmanager
-def webhook_receiver(answer_after: float = 0.0) -> Iterator[tuple[str, list[dict]]]:
-    """An HTTP server on 127.0.0.1 that records every JSON body POSTed to it (with the time it
-    answered) and answers 200 after ``answer_after`` seconds."""
-    received: list[dict] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            length = int(self.headers.get("content-length", "0"))
-            body = json.loads(self.rfile.read(length))
-            time.sleep(answer_after)
-            self.send_response(200)
-            self.send_header("content-length", "0")
-            self.end_headers()
-            received.append({**body, "answered_at": time.monotonic()})
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/hook", received
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def _auth(key: str) -> dict[str, str]:

@@ -168,6 +168,8 @@ def launch_runtime(
     model_path: Path, log_dir: Path, *, unset: tuple[str, ...] = (), **overrides: str
 ) -> RuntimeServer:
     port = free_port()
+    # Batch files of a pod without the queue: the test's folder, not the developer's cache.
+    overrides.setdefault("LLMEP_BATCH_DIR", str(log_dir / f"batches-{port}"))
     env = runtime_env(model_path, port, unset=unset, **overrides)
     log_path = log_dir / f"runtime-{port}.log"
     handle = log_path.open("wb")

@@ -1,10 +1,15 @@
-"""vLLM's OpenAI routes served by the runtime, through the real `openai` SDK, on the real engine."""
+"""vLLM's OpenAI routes served by the runtime, through the real `openai` SDK, on the real engine;
+and OpenAI's Batch API on one pod without the shared queue (the gateway's is
+tests/gateway/test_batches.py)."""
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -287,3 +292,46 @@ def test_the_pod_serves_what_an_endpoint_picker_reads(runtime):
         "vllm:kv_cache_usage_perc": "pass",
         "vllm:cache_config_info": "pass",
     }
+
+
+def test_a_batch_on_one_pod_with_the_openai_sdk(client, runtime):
+    """The same SDK calls as at the gateway: files and batches kept under the pod's batch
+    folder, the requests run by this pod below interactive ones; every custom_id answered
+    once, the request the engine refuses in the error file."""
+    lines = [
+        {
+            "custom_id": f"req-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "demo",
+                "messages": [{"role": "user", "content": f"say {i}"}],
+                "max_tokens": 100_000 if i == 199 else 4,
+            },
+        }
+        for i in range(200)
+    ]
+    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    uploaded = client.files.create(file=("batch.jsonl", io.BytesIO(data)), purpose="batch")
+    assert client.files.retrieve(uploaded.id).bytes == len(data)
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert batch.status == "validating"
+    deadline = time.monotonic() + 600
+    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.5)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (199, 1)
+    out = [
+        json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()
+    ]
+    err = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+    assert sorted(line["custom_id"] for line in out + err) == sorted(x["custom_id"] for x in lines)
+    assert [line["custom_id"] for line in err] == ["req-199"]
+    assert err[0]["response"]["status_code"] == 400
+    assert batch.id in [b.id for b in client.batches.list().data]
+    # Kept under LLMEP_BATCH_DIR (the model cache's by default), not in memory.
+    folder = Path(runtime.env["LLMEP_BATCH_DIR"])
+    assert uploaded.id in [p.name for p in folder.rglob("file-*")]

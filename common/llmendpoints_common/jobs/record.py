@@ -72,6 +72,9 @@ class JobRecord(BaseModel):
     worker: str | None = None
     output: Any = None
     error: dict[str, Any] | None = None
+    # The batch whose request this job is (``batch_<hex>``): it runs in the batch lane, below
+    # every other job, and with a lower priority inside the engine.
+    batch: str | None = None
     # TIMED_OUT, or CANCELLED while it ran: what the run's last attempt used up to the stop,
     # written by its worker (with the TIMED_OUT itself; after the CANCELLED, which whoever
     # cancelled wrote). None: nothing ran, or a pod older than the field ended it. The
@@ -81,6 +84,13 @@ class JobRecord(BaseModel):
     @property
     def low_priority(self) -> bool:
         return bool(self.request.get("policy", {}).get("lowPriority", False))
+
+    @property
+    def lane(self) -> str:
+        """The queue lane (``names.PRIORITIES``) its messages go to."""
+        if self.batch is not None:
+            return "batch"
+        return "low" if self.low_priority else "normal"
 
     @property
     def webhook(self) -> str | None:

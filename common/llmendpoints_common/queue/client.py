@@ -283,8 +283,20 @@ class QueueJobService:
             raise
         return record
 
+    async def queue_record(self, record: JobRecord) -> int:
+        """Queue a stored record's message in its lane (a batch's requests: queue/batch_lines.py)."""
+        return await self._enqueue(record)
+
+    async def queued_messages(self) -> list[tuple[int, str]]:
+        """(sequence, job id) of the endpoint's queue messages, oldest first."""
+        return await self._queued_messages()
+
+    async def unqueue(self, job_id: str) -> None:
+        """Take a job's message out of the queue (a credential that may: ``may_unqueue``)."""
+        await self._unqueue(job_id)
+
     async def _enqueue(self, record: JobRecord) -> int:
-        priority = "low" if record.low_priority else "normal"
+        priority = record.lane
         subject = names.jobs_subject(self.ref, priority, record.owner)
         if not self.connection.may(subject):
             # A pod's credential minted before jobs carried their owner (they are minted once):
@@ -316,7 +328,7 @@ class QueueJobService:
                 info = await self.js.stream_info(names.JOBS_STREAM)
                 limit = f"{info.config.max_msgs_per_subject} "
         who = f"key {owner!r}" if owner else "this caller"
-        kind = "low-priority " if priority == "low" else ""
+        kind = {"low": "low-priority ", names.BATCH_PRIORITY: "batch "}.get(priority, "")
         return (
             f"{who} has {limit}{kind}jobs queued or running on endpoint {self.endpoint!r}, the "
             "most one key may have there (per-owner queued job limit, "

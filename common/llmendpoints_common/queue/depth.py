@@ -28,16 +28,19 @@ from llmendpoints_common.queue import names
 @dataclass(frozen=True)
 class QueueDepth:
     # Waiting for a worker, all priorities (what makes the autoscaler add replicas is
-    # ``queued - queued_low_priority``: RunPod's lowPriority jobs do not trigger scaling).
+    # ``queued - queued_low_priority - queued_batch``: RunPod's lowPriority jobs do not trigger
+    # scaling, and a batch scales for its window, from its own signal).
     queued: int
     queued_low_priority: int
     # Taken by a worker and not finished (a job whose worker vanished counts here until it is
     # delivered again).
     running: int
+    queued_batch: int = 0
+    running_batch: int = 0
 
     @property
     def for_scaling(self) -> int:
-        return self.queued - self.queued_low_priority
+        return self.queued - self.queued_low_priority - self.queued_batch
 
 
 async def endpoint_depth(
@@ -76,7 +79,9 @@ async def endpoint_depth(
             queued[priority] = by_priority[priority]
             running[priority] = 0
     return QueueDepth(
-        queued=queued["normal"] + queued["low"],
+        queued=sum(queued.values()),
         queued_low_priority=queued["low"],
-        running=running["normal"] + running["low"],
+        running=sum(running.values()),
+        queued_batch=queued.get(names.BATCH_PRIORITY, 0),
+        running_batch=running.get(names.BATCH_PRIORITY, 0),
     )

@@ -8,15 +8,17 @@ permission for one endpoint is ``<prefix>.<namespace>.<name>.>`` (queue/roles.py
 Layout (one set for all endpoints):
 
 - stream ``LLMEP_JOBS`` (work-queue retention): subjects
-  ``llmep.jobs.<ns>.<name>.<priority>.<owner token>``, ``priority`` is ``normal`` or ``low``
-  (RunPod's ``policy.lowPriority``), the owner token the submitting key's name as
-  ``tenant_token``. One message per queued attempt. The stream's per-subject limit is so the
-  per-owner cap on queued jobs, enforced by JetStream itself (discard-new per subject), across
-  every gateway replica and pod. Subjects without the owner token
-  (``llmep.jobs.<ns>.<name>.<priority>``) are what releases before the cap wrote, and what a
-  pod whose credential predates it still writes: they are consumed alike. Workers pull through
-  the durable consumers ``workers-<ns>_<name>-<priority>`` (a namespace never holds ``_``, so
-  the first ``_`` ends it), filtered on both forms.
+  ``llmep.jobs.<ns>.<name>.<priority>.<owner token>``, ``priority`` is ``normal``, ``low``
+  (RunPod's ``policy.lowPriority``) or ``batch`` (a batch's requests: the lowest lane), the
+  owner token the submitting key's name as ``tenant_token``. One message per queued attempt.
+  The stream's per-subject limit is so the per-owner cap on queued jobs, enforced by JetStream
+  itself (discard-new per subject), across every gateway replica and pod; a key's batch
+  requests (their own subject) are capped apart from its jobs, and a batch's driver queues a
+  window at a time (LLMEP_BATCH_WINDOW_LINES) and waits when the cap is reached. Subjects
+  without the owner token (``llmep.jobs.<ns>.<name>.<priority>``) are what releases before the
+  cap wrote, and what a pod whose credential predates it still writes: they are consumed
+  alike. Workers pull through the durable consumers ``workers-<ns>_<name>-<priority>`` (a
+  namespace never holds ``_``, so the first ``_`` ends it), filtered on both forms.
 - key-value bucket ``LLMEP_JOB_STATE``: key ``<ns>.<name>.<job id>`` -> the job's record (status,
   owner, times, output or error).
 - stream ``LLMEP_JOB_CHUNKS``: subjects ``llmep.chunks.<ns>.<name>.<job id>.<attempt>.<n>``, the
@@ -36,6 +38,15 @@ Layout (one set for all endpoints):
 - stream ``LLMEP_USAGE`` (limits retention, kept ``usage_max_age``): subjects
   ``llmep.usage.<ns>.<name>.<tenant token>``, one usage record per request or job served
   (key name, endpoint, model, prompt and completion tokens), de-duplicated by request id.
+- key-value bucket ``LLMEP_BATCHES`` (entries expire with what they describe): keys
+  ``file.<tenant token>.<file id>`` (a file's record), ``batch.<tenant token>.<batch id>``
+  (a batch's record), ``active.<batch id>`` (the owner of a batch not ended: what the batch
+  drivers list).
+- object store ``LLMEP_FILES`` (stream ``OBJ_LLMEP_FILES``): files' contents, objects
+  ``<tenant token>.<file id>``, and batches' stored inputs, ``<tenant token>.<batch id>.<part>``
+  (queue/objects.py).
+- ``LLMEP_SIGNALS`` also holds ``batch.<ns>.<name>.<batch id>``: a batch's remaining requests,
+  deadline and rate, refreshed by its driver (the autoscaler sizes the endpoint for its window).
 
 Names are Kubernetes object names (lowercase alphanumerics, ``-`` and ``.``); ``.`` separates
 subject tokens, so it is written ``_`` (which Kubernetes names never contain: the mapping is one
@@ -56,8 +67,12 @@ SIGNALS_BUCKET = "LLMEP_SIGNALS"
 IDEMPOTENCY_BUCKET = "LLMEP_JOB_IDEMPOTENCY"
 QUOTAS_BUCKET = "LLMEP_QUOTAS"
 USAGE_STREAM = "LLMEP_USAGE"
+BATCHES_BUCKET = "LLMEP_BATCHES"
 
-PRIORITIES = ("normal", "low")
+# Lanes of an endpoint's queue, highest first: a worker takes from a lane only when the ones
+# above are empty (and a batch request only with capacity to spare).
+PRIORITIES = ("normal", "low", "batch")
+BATCH_PRIORITY = "batch"
 
 # JetStream's limit on stream and consumer names.
 _MAX_NAME = 255
@@ -210,3 +225,39 @@ def quota_key(name: str) -> str:
 
 def usage_subject(endpoint: EndpointRef | str, key_name: str) -> str:
     return f"llmep.usage.{tokens(endpoint)}.{tenant_token(key_name)}"
+
+
+_BATCH_OR_FILE_ID = re.compile(r"(batch_|file-)[0-9a-f]{32}")
+
+
+def check_batch_or_file_id(value: str) -> str:
+    """Batch and file ids are ours (``batch_<hex>``, ``file-<hex>``); anything else a client
+    sends names nothing (and never reaches a key or subject)."""
+    if not _BATCH_OR_FILE_ID.fullmatch(value):
+        raise ValueError(f"{value!r} is not a batch or file id")
+    return value
+
+
+def file_key(owner: str, file_id: str) -> str:
+    return f"file.{tenant_token(owner)}.{check_batch_or_file_id(file_id)}"
+
+
+def batch_key(owner: str, batch_id: str) -> str:
+    return f"batch.{tenant_token(owner)}.{check_batch_or_file_id(batch_id)}"
+
+
+def active_key(batch_id: str) -> str:
+    return f"active.{check_batch_or_file_id(batch_id)}"
+
+
+def batch_signal_key(endpoint: EndpointRef | str, batch_id: str) -> str:
+    return f"batch.{tokens(endpoint)}.{check_batch_or_file_id(batch_id)}"
+
+
+def batch_signal_filter(endpoint: EndpointRef | str) -> str:
+    return f"batch.{tokens(endpoint)}.*"
+
+
+def object_name(owner: str, *parts: str) -> str:
+    """A content's name in the object store: the owner's token, then the ids."""
+    return ".".join((tenant_token(owner), *parts))

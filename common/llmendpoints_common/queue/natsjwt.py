@@ -97,7 +97,9 @@ def load_key(text: str, role: str, *, what: str) -> Key:
     them), or 32 random bytes in base64 (what the Helm chart generates: Helm's templates can
     make random bytes but not an nkey). ``what`` names the key in errors."""
     text = text.strip()
-    if text.startswith("S"):
+    # A seed is 58 characters of base32 (no "="); base64 of 32 bytes is 44 ending in "=", and
+    # one in 64 of the chart's random keys starts with "S" too.
+    if text.startswith("S") and not text.endswith("="):
         try:
             key = Key(text)
         except CredentialsError as exc:

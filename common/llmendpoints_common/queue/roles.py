@@ -15,9 +15,11 @@ does without them (queue/client.py).
 - ``gateway``: every endpoint's jobs (it accepts jobs for all of them), records, chunks and
   queue messages (a cancel takes a queued job's message out, so the depth drops at once), the
   quotas bucket, the usage stream, held-request signals and nudges, the routing records gateway
-  processes share (``llmep.routes.*``, publish and subscribe); the consumers it reads with
-  (the job records' usage meter, the quotas follower, the usage export). No stream or bucket
-  purged or deleted, no consumer of the job queue created or deleted.
+  processes share (``llmep.routes.*``, publish and subscribe); the batch records
+  (``LLMEP_BATCHES``) and files (the object store ``LLMEP_FILES``, written and removed by
+  subject: no purge), and the batch signals; the consumers it reads with (the job records'
+  usage meter, the quotas follower, the usage export, the batch records' listings). No stream
+  or bucket purged or deleted, no consumer of the job queue created or deleted.
 - ``operator``: creates the streams and each endpoint's worker consumers (and updates their
   filters), sets the jobs stream's per-subject limit (the per-owner cap; no other stream update);
   reads queue depth, held-request signals and nudges (the autoscaler).
@@ -30,7 +32,7 @@ one user never sees another's replies: a direct get's reply is a job record.
 from __future__ import annotations
 
 from llmendpoints_common.identity import EndpointRef, as_ref
-from llmendpoints_common.queue import names
+from llmendpoints_common.queue import names, objects
 from llmendpoints_common.queue.natsjwt import Permissions
 
 ROLES = ("runtime", "gateway", "operator", "admin")
@@ -44,6 +46,7 @@ _STATE = names.kv_stream(names.JOB_STATE_BUCKET)
 _IDEMPOTENCY = names.kv_stream(names.IDEMPOTENCY_BUCKET)
 _QUOTAS = names.kv_stream(names.QUOTAS_BUCKET)
 _SIGNALS = names.kv_stream(names.SIGNALS_BUCKET)
+_BATCHES = names.kv_stream(names.BATCHES_BUCKET)
 STREAMS = (
     names.JOBS_STREAM,
     _STATE,
@@ -52,6 +55,8 @@ STREAMS = (
     _QUOTAS,
     names.USAGE_STREAM,
     _SIGNALS,
+    _BATCHES,
+    objects.FILES_STREAM,
 )
 
 # What no role but admin may ever do, denied explicitly as well: an allow-list edited too
@@ -148,13 +153,13 @@ def gateway() -> Permissions:
                     names.QUOTAS_BUCKET,
                 )
             ),
-            *(f"{_JS}.STREAM.INFO.{s}" for s in STREAMS),
+            # Stream info and direct gets of every stream (the gateway reads every endpoint's
+            # records, chunks, quotas, batches and files): one wildcard each keeps the
+            # credential inside NATS's control-line bound (4 KiB by default).
+            f"{_JS}.STREAM.INFO.*",
             # nats-py finds the stream of a subscription by subject (the limiter's follower).
             f"{_JS}.STREAM.NAMES",
-            *(f"{_JS}.DIRECT.GET.{s}.>" for s in (_STATE, _IDEMPOTENCY, names.CHUNKS_STREAM)),
-            *(f"{_JS}.DIRECT.GET.{s}" for s in (_STATE, _IDEMPOTENCY, names.CHUNKS_STREAM)),
-            f"{_JS}.DIRECT.GET.{_QUOTAS}.>",
-            f"{_JS}.DIRECT.GET.{_QUOTAS}",
+            f"{_JS}.DIRECT.GET.>",
             # A cancel or /purge-queue takes queued jobs' messages out (by sequence).
             f"{_JS}.STREAM.MSG.GET.{names.JOBS_STREAM}",
             f"{_JS}.STREAM.MSG.DELETE.{names.JOBS_STREAM}",
@@ -170,6 +175,13 @@ def gateway() -> Permissions:
             *(f"{_JS}.CONSUMER.{verb}.{s}" for s in (_QUOTAS,) for verb in ("CREATE",)),
             *(f"$JS.ACK.{s}.>" for s in (_STATE, names.USAGE_STREAM)),
             "$JS.FC.>",
+            # Batches: records (compare-and-set by subject, direct gets, listings through
+            # watchers on their own keys) and the files' object store (chunks and descriptions
+            # by subject, removed by roll-up markers; direct gets).
+            names.kv_subject(names.BATCHES_BUCKET, ">"),
+            f"{_JS}.CONSUMER.CREATE.{_BATCHES}",
+            f"{_JS}.CONSUMER.*.{_BATCHES}.>",  # create (named), info, delete
+            f"$O.{objects.FILES_BUCKET}.>",
         ),
         pub_deny=_NEVER,
         sub_allow=(

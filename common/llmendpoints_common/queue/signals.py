@@ -25,10 +25,13 @@ from nats.js import JetStreamContext
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
+from llmendpoints_common.batch.signal import BatchSignal
 from llmendpoints_common.identity import EndpointRef
 from llmendpoints_common.queue.names import (
     NUDGE_WILDCARD,
     SIGNALS_BUCKET,
+    batch_signal_filter,
+    batch_signal_key,
     endpoint_of_nudge,
     held_filter,
     held_key,
@@ -103,6 +106,39 @@ async def read_held(js: JetStreamContext, endpoint: EndpointRef | str) -> int:
     finally:
         await watcher.stop()
     return total
+
+
+async def publish_batch(
+    js: JetStreamContext, endpoint: EndpointRef | str, signal: BatchSignal
+) -> None:
+    """A batch's remaining work and deadline for the autoscaler (expires with the bucket's TTL
+    unless refreshed: a driver that stops stops counting)."""
+    kv = await signals_bucket(js)
+    await kv.put(batch_signal_key(endpoint, signal.batch), signal.encode())
+
+
+async def drop_batch(js: JetStreamContext, endpoint: EndpointRef | str, batch_id: str) -> None:
+    """The batch ended: it no longer sizes its endpoint (a delete marker, which the bucket's
+    age limit removes in turn)."""
+    kv = await signals_bucket(js)
+    await kv.delete(batch_signal_key(endpoint, batch_id))
+
+
+async def read_batches(js: JetStreamContext, endpoint: EndpointRef | str) -> list[BatchSignal]:
+    """The batches running for ``endpoint`` whose drivers are alive."""
+    kv = await signals_bucket(js)
+    watcher = await kv.watch(batch_signal_filter(endpoint), ignore_deletes=True)
+    found: list[BatchSignal] = []
+    try:
+        async for entry in watcher:
+            if entry is None:
+                break
+            signal = BatchSignal.decode(entry.value or b"")
+            if signal is not None and signal.remaining > 0:
+                found.append(signal)
+    finally:
+        await watcher.stop()
+    return found
 
 
 def _parse_count(raw: bytes | None) -> int:

@@ -24,6 +24,11 @@ a rolling upgrade never fights over configuration.
   request id over ``usage_duplicate_window``.
 - ``KV_LLMEP_SIGNALS``: held-request counts, in memory, each expiring ``HELD_TTL_SECONDS``
   after its last write (queue/signals.py).
+- ``KV_LLMEP_BATCHES``: file and batch records (per-message TTL: each goes with what it
+  describes).
+- ``OBJ_LLMEP_FILES``: the object store of files' contents and batches' inputs (queue/objects.py),
+  per-message TTL, at most ``files_max_bytes`` (new uploads get 507 beyond), nothing older than
+  ``files_max_age`` (a backstop: every object expires by its own TTL first).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from nats.js import api as js_api
 from nats.js.errors import BadRequestError, NotFoundError
 
 from llmendpoints_common.identity import EndpointRef
-from llmendpoints_common.queue import names
+from llmendpoints_common.queue import names, objects
 
 # JetStream's error code for "stream name already in use" (two processes created it at once).
 _STREAM_NAME_IN_USE = 10058
@@ -63,6 +68,10 @@ class QueueLayout:
     usage_max_age_seconds: float = 400 * 24 * 3600.0
     # A usage record published again with the same request id within this window is dropped.
     usage_duplicate_window_seconds: float = 600.0
+    # The object store of batch files: its bound in bytes (-1: none but the server's), and the
+    # age past which nothing is kept (files live 30 days at most, plus a day of slack).
+    files_max_bytes: int = -1
+    files_max_age_seconds: float = 31 * 24 * 3600.0
 
 
 def _kv_stream(bucket: str, replicas: int) -> js_api.StreamConfig:
@@ -121,6 +130,20 @@ def stream_configs(layout: QueueLayout) -> list[js_api.StreamConfig]:
             num_replicas=layout.replicas,
         ),
         signals_config(),
+        _kv_stream(names.BATCHES_BUCKET, layout.replicas),
+        js_api.StreamConfig(
+            name=objects.FILES_STREAM,
+            description="LLM Endpoints batch files (object store)",
+            subjects=[f"$O.{objects.FILES_BUCKET}.C.>", f"$O.{objects.FILES_BUCKET}.M.>"],
+            storage=js_api.StorageType.FILE,
+            max_age=layout.files_max_age_seconds,
+            max_bytes=layout.files_max_bytes,
+            discard=js_api.DiscardPolicy.NEW,
+            allow_rollup_hdrs=True,
+            allow_direct=True,
+            allow_msg_ttl=True,
+            num_replicas=layout.replicas,
+        ),
     ]
 
 
@@ -199,13 +222,18 @@ def consumer_config(
 
 
 async def ensure_consumers(
-    js: JetStreamContext, endpoint: EndpointRef | str, layout: QueueLayout, *, create: bool = True
+    js: JetStreamContext,
+    endpoint: EndpointRef | str,
+    layout: QueueLayout,
+    *,
+    create: bool = True,
+    priorities: tuple[str, ...] = names.PRIORITIES,
 ) -> float:
-    """Make sure the endpoint's worker consumers exist; returns their ack wait (the heartbeat
-    timeout whoever created them chose). ``create=False`` (a runtime pod's credential): raise
-    NotCreatedYet instead of creating a missing one."""
+    """Make sure the endpoint's worker consumers (of ``priorities``) exist; returns their ack
+    wait (the heartbeat timeout whoever created them chose). ``create=False`` (a runtime pod's
+    credential): raise NotCreatedYet instead of creating a missing one."""
     ack_wait = layout.heartbeat_timeout_seconds
-    for priority in names.PRIORITIES:
+    for priority in priorities:
         durable = names.jobs_consumer(endpoint, priority)
         try:
             info = await js.consumer_info(names.JOBS_STREAM, durable)

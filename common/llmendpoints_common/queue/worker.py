@@ -6,7 +6,10 @@ Guarantees (see docs/jobs.md, "Shared queue"):
 
 - **Never more than it can run:** it asks the queue for at most ``free_slots()`` messages, and
   asks again only when a slot frees. Normal jobs first, FIFO; ``lowPriority`` jobs only when no
-  normal one is waiting.
+  normal one is waiting; a batch's requests (the ``batch`` lane) only when neither is, and
+  only as many as ``batch_slots()`` allows (the runtime keeps room for interactive requests
+  there). Each lane is asked without waiting (a pull with ``no_wait``); only when none has
+  anything does the worker wait, for a normal job, a freed slot, or ``poll_seconds``.
 - **Nothing accepted is lost:** a job's message is acknowledged only after its final state is
   stored. While a job runs, the worker tells the queue every ``heartbeat_interval`` that it is
   still at work; a worker that stops doing so (SIGKILL, lost network) has its job delivered to
@@ -39,6 +42,7 @@ from typing import Any
 
 import nats.errors
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from llmendpoints_common.errors import APIError, error_from_exception
 from llmendpoints_common.jobs.models import JobStatus
@@ -87,6 +91,112 @@ class _Attempt:
     cancelled: bool = False
 
 
+_NO_MESSAGES = {"404", "408", "409"}  # nothing (left) to deliver, the pull expired, or full
+_JOB_LANES = ("normal", "low")  # the lanes every worker takes (the batch lane: if it may)
+_BATCH_LANE_RETRY_SECONDS = 30.0
+_LANE_REPLY_SECONDS = 2.0
+
+
+class _Lane:
+    """One lane's durable consumer, pulled through a reply inbox of its own.
+
+    ``take(n)`` asks for up to ``n`` messages with ``no_wait`` (the server answers at once with
+    what it has), so asking every lane in turn costs a round trip each, not a poll timeout.
+    ``wait(seconds, until)`` asks for one message and waits for it, for ``until`` (a freed
+    slot), or for the time. A message that arrives after its asker stopped waiting stays in
+    the inbox and is the first a later ``take`` returns, so none is lost.
+    """
+
+    def __init__(self, nc: Any, subject: str, inbox: str, subscription: Subscription) -> None:
+        self._nc = nc
+        self._subject = subject
+        self._inbox = inbox
+        self._sub = subscription
+
+    @classmethod
+    async def open(cls, nc: Any, stream: str, durable: str) -> _Lane:
+        inbox = nc.new_inbox()
+        subscription = await nc.subscribe(inbox)
+        return cls(nc, f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", inbox, subscription)
+
+    def _pending(self, n: int) -> list[Msg]:
+        found: list[Msg] = []
+        queue = self._sub._pending_queue  # nats-py keeps delivered messages here
+        while len(found) < n and not queue.empty():
+            message = queue.get_nowait()
+            if message.data or not _status(message):
+                found.append(message)
+        return found
+
+    async def take(self, n: int) -> list[Msg]:
+        found = self._pending(n)
+        if found:
+            return found
+        await self._nc.publish(
+            self._subject, json.dumps({"batch": n, "no_wait": True}).encode(), reply=self._inbox
+        )
+        while len(found) < n:
+            try:
+                message = await self._sub.next_msg(timeout=_LANE_REPLY_SECONDS)
+            except (nats.errors.TimeoutError, TimeoutError):
+                break
+            status = _status(message)
+            if status is None:
+                found.append(message)
+            elif status in _NO_MESSAGES:
+                break
+        return found
+
+    async def wait(self, seconds: float, until: asyncio.Event) -> list[Msg]:
+        found = self._pending(1)
+        if found:
+            return found
+        expires = int(seconds * 1e9)
+        await self._nc.publish(
+            self._subject, json.dumps({"batch": 1, "expires": expires}).encode(), reply=self._inbox
+        )
+        deadline = time.monotonic() + seconds
+        waiter = asyncio.ensure_future(until.wait())
+        reader: asyncio.Future[Msg] | None = None
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                reader = asyncio.ensure_future(self._sub.next_msg(timeout=left))
+                done, _ = await asyncio.wait({reader, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                if reader not in done:
+                    return []  # a slot freed: the caller looks at every lane again
+                try:
+                    message = reader.result()
+                except (nats.errors.TimeoutError, TimeoutError):
+                    return []
+                finally:
+                    reader = None
+                status = _status(message)
+                if status is None:
+                    return [message]
+                if status in _NO_MESSAGES:
+                    return []
+            return []
+        finally:
+            waiter.cancel()
+            if reader is not None:  # abandoned (a freed slot, or shutdown): not left unread
+                reader.cancel()
+                with contextlib.suppress(BaseException):
+                    await reader
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._sub.unsubscribe()
+
+
+def _status(message: Msg) -> str | None:
+    """A JetStream status reply's code (``404`` no messages...), None for a job's message."""
+    headers = message.headers or {}
+    status = headers.get("Status")
+    if status is None and not message.data and not message.reply:
+        return "404"
+    return status
+
+
 class QueueWorker:
     def __init__(
         self,
@@ -96,6 +206,7 @@ class QueueWorker:
         execute: Execute,
         abort: Abort,
         free_slots: Callable[[], int],
+        batch_slots: Callable[[], int] | None = None,
         usage: AttemptUsage | None = None,
         settings: WorkerSettings | None = None,
         layout: QueueLayout | None = None,
@@ -106,12 +217,17 @@ class QueueWorker:
         self._execute = execute
         self._abort = abort
         self._free_slots = free_slots
+        # How many batch requests this worker may run now (None: none at all).
+        self._batch_slots = batch_slots
         self._usage = usage or (lambda record: None)
         self.settings = settings or WorkerSettings()
         self._layout = layout or QueueLayout()
         self._clock = clock
         self._running: dict[str, _Attempt] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._batch_tasks: set[asyncio.Task[None]] = set()
+        self._lanes: dict[str, _Lane] = {}
+        self._batch_lane_retry_at = 0.0
         self._slot_freed = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -122,6 +238,11 @@ class QueueWorker:
     @property
     def running(self) -> int:
         return len(self._running)
+
+    @property
+    def running_batch(self) -> int:
+        """Batch requests taken (claimed or running)."""
+        return len(self._batch_tasks)
 
     @property
     def endpoint(self) -> str:
@@ -147,9 +268,16 @@ class QueueWorker:
             task.cancel()  # each hands its job back (nak) and aborts its engine request
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._close_subscriptions()
+
+    async def _close_subscriptions(self) -> None:
         for sub in self._subscriptions.values():
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+        self._subscriptions.clear()
+        for lane in self._lanes.values():
+            await lane.close()
+        self._lanes.clear()
 
     async def _connect_consumers(self) -> None:
         js = self.service.js
@@ -158,29 +286,61 @@ class QueueWorker:
         create = connection.may(
             f"$JS.API.CONSUMER.CREATE.{names.JOBS_STREAM}.{names.jobs_consumer(ref)}"
         )
-        ack_wait = await ensure_consumers(js, ref, self._layout, create=create)
+        ack_wait = await ensure_consumers(
+            js, ref, self._layout, create=create, priorities=_JOB_LANES
+        )
         # Whoever created the consumers chose their ack wait (the heartbeat timeout); when it is
         # shorter than this worker was configured for, its heartbeat shrinks in proportion, so
         # a live worker is never taken for dead.
         self._heartbeat_seconds = self.settings.heartbeat_interval_seconds * min(
             1.0, ack_wait / self._layout.heartbeat_timeout_seconds
         )
-        for priority in names.PRIORITIES:
-            self._subscriptions[priority] = await js.pull_subscribe_bind(
-                durable=names.jobs_consumer(ref, priority), stream=names.JOBS_STREAM
+        for priority in _JOB_LANES:
+            self._lanes[priority] = await _Lane.open(
+                connection.nc, names.JOBS_STREAM, names.jobs_consumer(ref, priority)
             )
+        await self._open_batch_lane()
         self._subscriptions["cancel"] = await connection.nc.subscribe(
             names.cancel_subject(ref), cb=self._on_cancel_message
         )
         self._waiting_logged = False
+
+    async def _open_batch_lane(self) -> None:
+        """The batch lane, when this worker takes batches and its consumer exists. An operator
+        older than the batch lane has not created it: the worker takes jobs meanwhile and looks
+        again every ``_BATCH_LANE_RETRY_SECONDS``."""
+        if self._batch_slots is None or names.BATCH_PRIORITY in self._lanes:
+            return
+        if time.monotonic() < self._batch_lane_retry_at:
+            return
+        service = self.service
+        create = service.connection.may(
+            f"$JS.API.CONSUMER.CREATE.{names.JOBS_STREAM}."
+            f"{names.jobs_consumer(service.ref, names.BATCH_PRIORITY)}"
+        )
+        try:
+            await ensure_consumers(
+                service.js, service.ref, self._layout, create=create,
+                priorities=(names.BATCH_PRIORITY,),
+            )  # fmt: skip
+        except NotCreatedYet as exc:
+            self._batch_lane_retry_at = time.monotonic() + _BATCH_LANE_RETRY_SECONDS
+            log.warning("job queue worker: %s; taking jobs without batches meanwhile", exc)
+            return
+        self._lanes[names.BATCH_PRIORITY] = await _Lane.open(
+            service.connection.nc,
+            names.JOBS_STREAM,
+            names.jobs_consumer(service.ref, names.BATCH_PRIORITY),
+        )
 
     # ---- taking jobs ---------------------------------------------------------------------
 
     async def _pull_loop(self) -> None:
         while not self._stopping:
             try:
-                if not self._subscriptions:
+                if not self._lanes:
                     await self._connect_consumers()
+                await self._open_batch_lane()
                 # Jobs taken but still being claimed count too: never more than it can run.
                 free = self._free_slots() - len(self._tasks)
                 if free <= 0:
@@ -192,13 +352,24 @@ class QueueWorker:
                 if not self.service.connection.connected:
                     await asyncio.sleep(0.5)
                     continue
-                # One at a time: a pull for several waits (nats-py) until all arrive or the
-                # pull expires, holding the first job back; one is a round trip when jobs wait.
-                messages = await self._fetch("normal", 1, self.settings.poll_seconds)
+                self._slot_freed.clear()
+                # A lane at a time, highest first, each asked without waiting.
+                messages = await self._lanes["normal"].take(1)
                 if not messages:
-                    messages = await self._fetch("low", 1, 0.05)
+                    messages = await self._lanes["low"].take(1)
+                batch = False
+                if not messages and (room := min(free, self._batch_room())) > 0:
+                    messages = await self._lanes[names.BATCH_PRIORITY].take(room)
+                    batch = True
+                if not messages:
+                    # Nothing to take now: wait for a normal job, a freed slot (a batch
+                    # request may fit again) or the poll interval.
+                    messages = await self._lanes["normal"].wait(
+                        self.settings.poll_seconds, self._slot_freed
+                    )
+                    batch = False
                 for message in messages:
-                    self._spawn(message)
+                    self._spawn(message, batch=batch)
             except asyncio.CancelledError:
                 raise
             except NotCreatedYet as exc:
@@ -208,22 +379,21 @@ class QueueWorker:
                 await asyncio.sleep(1.0)
             except Exception as exc:  # the queue is unreachable: keep serving, try again
                 log.warning("job queue worker: %s: %s; retrying in 1 s", type(exc).__name__, exc)
-                for sub in self._subscriptions.values():
-                    with contextlib.suppress(Exception):
-                        await sub.unsubscribe()
-                self._subscriptions.clear()
+                await self._close_subscriptions()
                 await asyncio.sleep(1.0)
 
-    async def _fetch(self, priority: str, batch: int, timeout: float) -> list[Msg]:
-        try:
-            return await self._subscriptions[priority].fetch(batch, timeout=timeout)
-        except nats.errors.TimeoutError:
-            return []
+    def _batch_room(self) -> int:
+        if self._batch_slots is None or names.BATCH_PRIORITY not in self._lanes:
+            return 0
+        return self._batch_slots() - len(self._batch_tasks)
 
-    def _spawn(self, message: Msg) -> None:
+    def _spawn(self, message: Msg, *, batch: bool = False) -> None:
         task = asyncio.create_task(self._take(message))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if batch:
+            self._batch_tasks.add(task)
+            task.add_done_callback(self._batch_tasks.discard)
 
     # ---- one job -------------------------------------------------------------------------
 

@@ -118,6 +118,7 @@ class _Memory:
     next_due: float = 0.0
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     cold_start: ColdStart | None = None  # the last scale-up from zero
+    at_risk: frozenset[str] = frozenset()  # batches said to be at risk (one Event each)
 
 
 class Autoscaler:
@@ -235,12 +236,42 @@ class Autoscaler:
         decision = decide(memory.history, Current(replicas, observation), subject.policy, now)
         memory.history = decision.history
         self._metrics.record(namespace, name, replicas, decision)
+        self._batches_at_risk(subject, memory, decision, observation)
         if decision.replicas != replicas:
             await self._resize(kube, subject, memory, decision, now)
         await self._write_status(kube, subject, memory, status_block(
             memory.written, replicas, decision, now, memory.cold_start
         ))  # fmt: skip
         return decision
+
+    def _batches_at_risk(
+        self, subject: Subject, memory: _Memory, decision: Decision, observation: Observation
+    ) -> None:
+        """A Warning Event the first time a batch is seen to miss its window (before it does):
+        while there is time to raise maxReplicas, or to cancel it and keep what it did."""
+        at_risk = frozenset(decision.batches_at_risk)
+        new = at_risk - memory.at_risk
+        memory.at_risk = at_risk
+        if not new:
+            return
+        batches = {b.batch: b for b in (observation.outside.batches if observation.outside else ())}
+        now = self._clock()
+        for batch_id in sorted(new):
+            signal = batches.get(batch_id)
+            if signal is None:
+                continue
+            message = (
+                f"batch {batch_id} will not finish inside its completion window: "
+                f"{signal.remaining} request(s) left, {max(0, signal.deadline - now):.0f} s to go"
+            )
+            if signal.rate:
+                message += f", answered at {signal.rate:.3g}/s"
+            message += (
+                f"; maxReplicas {subject.policy.max_replicas} (raise it, or cancel the batch to "
+                "keep what it did)"
+            )
+            logger.warning("%s/%s: %s", *subject.key, message)
+            self._post_event(subject.owner, "Warning", "BatchAtRisk", message)
 
     async def _resize(
         self, kube: KubeApi, subject: Subject, memory: _Memory, decision: Decision, now: float

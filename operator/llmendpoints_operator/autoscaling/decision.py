@@ -40,6 +40,12 @@ How a decision is made (docs/autoscaling.md tells the same story for users):
    pull) do not pin their GPU request. Otherwise the floor is 1: the ordinary rules never
    take the last replica. Unknown outside work (the queue was not readable) and a ready pod
    that did not answer are never idle.
+8. Batches (batch.py): a batch's requests wait in their own lane and add no queue demand;
+   the running batches ask for the replicas that finish them inside their windows at the
+   rate they have been answered at (one while that rate is unknown). That is a floor under
+   the decision above (reached at the same growth rate), not a demand of its own: a batch
+   never grows the endpoint past what its window needs, and interactive load still scales it
+   beyond. A batch wakes an endpoint at zero (rule 6) and keeps it from zero (rule 7).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from .batch import BatchPlan, plan
 from .model import (
     EPS,
     STATE_VERSION,
@@ -82,10 +89,21 @@ def decide(history: History, current: Current, policy: ScalingPolicy, now: float
     """Replicas for the next interval, and the reason, from the history and this tick."""
     obs = current.observation
     signals = _signals(current)
+    batches = plan(
+        obs.outside.batches if obs.outside is not None else (),
+        ready=obs.ready,
+        max_replicas=policy.max_replicas,
+        now=now,
+    )
+    if batches.any:
+        signals["batchReplicas"] = batches.replicas
+        signals["batchesAtRisk"] = len(batches.at_risk)
+        if batches.per_replica is not None:
+            signals["batchRatePerReplica"] = round(batches.per_replica, 4)
     if current.replicas == 0:
-        return from_zero(history, current, policy, now, signals)
+        return _at_risk(from_zero(history, current, policy, now, signals), batches)
     if obs.answered == 0:
-        return _unmeasured(history, current, policy, now, signals)
+        return _at_risk(_unmeasured(history, current, policy, now, signals), batches)
     state = _observe(history, obs, policy, now)
     rec = _recommend(history, state, current, policy, now)
     signals.update(rec.averages)
@@ -98,8 +116,41 @@ def decide(history: History, current: Current, policy: ScalingPolicy, now: float
     if idle_since is not None:
         signals["idleSeconds"] = now - idle_since
     decision = _stabilise(history, state, rec, current, policy, now, signals)
+    decision = _batch_floor(decision, batches, current, policy)
     decision = replace(decision, history=replace(decision.history, idle_since=idle_since))
-    return to_zero_if_idle(decision, current, policy, now)
+    return _at_risk(to_zero_if_idle(decision, current, policy, now), batches)
+
+
+def _at_risk(decision: Decision, batches: BatchPlan) -> Decision:
+    return replace(decision, batches_at_risk=batches.at_risk) if batches.at_risk else decision
+
+
+def _batch_floor(
+    decision: Decision, batches: BatchPlan, current: Current, policy: ScalingPolicy
+) -> Decision:
+    """8. The replicas the running batches need for their windows, as a floor."""
+    if not batches.any or batches.replicas <= decision.replicas:
+        return decision
+    replicas = current.replicas
+    cap = max(math.ceil(replicas * policy.max_scale_up_rate - EPS), replicas + 1)
+    wanted = (
+        min(batches.replicas, max(cap, replicas))
+        if batches.replicas > replicas
+        else batches.replicas
+    )
+    why = f"batches: {batches.words}"
+    if wanted < batches.replicas:
+        why += f"; growth capped at {wanted} (x{policy.max_scale_up_rate:g} per decision)"
+    if decision.replicas < replicas:
+        why += f" (instead of {decision.reason})"
+    floored = finish(
+        replicas, wanted, policy, why, decision.history, decision.signals, decision.burst
+    )
+    if floored.action == "ScaleUp" and floored.replicas > replicas:
+        # The size a batch asked for is the floor of the scale-down window, as for any scale-up.
+        down = _push(decision.history.down, decision.history.last_sample_at or 0.0, floored.replicas, keep_if=_larger)  # fmt: skip
+        floored = replace(floored, history=replace(decision.history, down=down))
+    return floored
 
 
 @dataclass(frozen=True, slots=True)

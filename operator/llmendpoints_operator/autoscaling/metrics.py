@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from .decision import Decision, Outside
 
 DIRECTIONS = {"ScaleUp": "up", "ScaleDown": "down", "Hold": "none"}
-PRIORITIES = ("normal", "low")
+PRIORITIES = ("normal", "low", "batch")
 # A cold start is a pod scheduled, an image pulled, a model downloaded and loaded: 5 s to 30 min.
 _COLD_START_BUCKETS = (5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600, 900, 1800)
 
@@ -88,6 +88,19 @@ class AutoscalerMetrics:
             labels,
             registry=self.registry,
         )
+        self.batch_requests = Gauge(
+            "llmendpoints_autoscaler_batch_requests",
+            "Requests of the endpoint's running batches not answered yet, at the last tick.",
+            labels,
+            registry=self.registry,
+        )
+        self.batches_at_risk = Gauge(
+            "llmendpoints_autoscaler_batches_at_risk",
+            "Running batches of the endpoint that will not finish inside their completion "
+            "window at the rate they go, even at maxReplicas (see the BatchAtRisk Event).",
+            labels,
+            registry=self.registry,
+        )
         self.outside_errors = Counter(
             "llmendpoints_autoscaler_queue_read_errors",
             "Reads of held requests / queued jobs from NATS that failed.",
@@ -107,7 +120,9 @@ class AutoscalerMetrics:
         self.held.labels(ref).set(outside.held)
         self.queued_jobs.labels(ref, "normal").set(outside.jobs_queued)
         self.queued_jobs.labels(ref, "low").set(outside.jobs_queued_low_priority)
+        self.queued_jobs.labels(ref, "batch").set(outside.jobs_queued_batch)
         self.running_jobs.labels(ref).set(outside.jobs_running)
+        self.batch_requests.labels(ref).set(outside.batch_requests)
 
     def outside_failed(self, namespace: str, endpoint: str) -> None:
         self.outside_errors.labels(endpoint_label(namespace, endpoint)).inc()
@@ -125,6 +140,7 @@ class AutoscalerMetrics:
         self.signal.labels(*key, "queue_depth").set(decision.signals.get("queueDepth", 0))
         self.signal.labels(*key, "in_flight").set(decision.signals.get("inFlight", 0))
         self.decisions.labels(*key, DIRECTIONS[decision.action]).inc()
+        self.batches_at_risk.labels(*key).set(len(decision.batches_at_risk))
 
     def scrape_failed(self, namespace: str, endpoint: str, count: int = 1) -> None:
         self.scrape_errors.labels(endpoint_label(namespace, endpoint)).inc(count)
@@ -146,5 +162,5 @@ class AutoscalerMetrics:
     def _per_endpoint(self) -> tuple:
         return (
             self.desired, self.current, self.ready, self.held, self.running_jobs,
-            self.outside_errors, self.cold_start,
+            self.outside_errors, self.cold_start, self.batch_requests, self.batches_at_risk,
         )  # fmt: skip

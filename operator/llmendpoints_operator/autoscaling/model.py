@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmendpoints_common.batch.signal import BatchSignal
+
 from .policy import ScalingPolicy
 
 # Demand that is a hair above an integer (2.0000000001) is that integer, not the next one.
@@ -24,6 +26,11 @@ class Outside:
     jobs_queued: float = 0  # normal-priority jobs waiting in the shared queue
     jobs_queued_low_priority: float = 0  # lowPriority jobs waiting (no demand, no zero)
     jobs_running: float = 0  # jobs a pod runs now (already in its in-flight count)
+    # A batch's requests waiting in the batch lane: no queue demand (the batch's own signal
+    # sizes the endpoint for its window), but work that keeps the endpoint from zero.
+    jobs_queued_batch: float = 0
+    # The running batches' remaining work, deadlines and rates (their drivers' signals).
+    batches: tuple[BatchSignal, ...] = ()
 
     @property
     def queue(self) -> float:
@@ -31,9 +38,19 @@ class Outside:
         return self.held + self.jobs_queued
 
     @property
+    def batch_requests(self) -> int:
+        return sum(b.remaining for b in self.batches)
+
+    @property
     def any(self) -> bool:
         """Anything at all that needs a replica, now or soon."""
-        return (self.queue + self.jobs_queued_low_priority + self.jobs_running) > 0
+        return (
+            self.queue
+            + self.jobs_queued_low_priority
+            + self.jobs_running
+            + self.jobs_queued_batch
+            + self.batch_requests
+        ) > 0
 
     def signals(self) -> dict[str, float]:
         return {
@@ -41,6 +58,9 @@ class Outside:
             "queuedJobs": self.jobs_queued,
             "queuedLowPriorityJobs": self.jobs_queued_low_priority,
             "runningJobs": self.jobs_running,
+            "queuedBatchJobs": self.jobs_queued_batch,
+            "batches": len(self.batches),
+            "batchRequests": self.batch_requests,
         }
 
 
@@ -181,6 +201,9 @@ class Decision:
     burst: bool = False
     signals: dict[str, float] = field(default_factory=dict)  # what this tick measured
     before: int | None = None  # the replica count the decision started from
+    # Batches that will not finish inside their window (autoscaling/batch.py): the controller
+    # says so (an Event, a metric) when one joins.
+    batches_at_risk: tuple[str, ...] = ()
 
     @property
     def from_zero(self) -> bool:
@@ -237,6 +260,10 @@ def outside_words(outside: Outside) -> str:
         parts.append(f"{fmt(outside.jobs_queued_low_priority)} queued low-priority job(s)")
     if outside.jobs_running:
         parts.append(f"{fmt(outside.jobs_running)} running job(s)")
+    if outside.batch_requests:
+        parts.append(f"{outside.batch_requests} batch request(s) of {len(outside.batches)} batch(es)")  # fmt: skip
+    elif outside.jobs_queued_batch:
+        parts.append(f"{fmt(outside.jobs_queued_batch)} queued batch request(s)")
     return " + ".join(parts) or "nothing held or queued"
 
 

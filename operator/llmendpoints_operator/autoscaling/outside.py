@@ -1,5 +1,6 @@
 """Work for an endpoint that no pod holds, read from NATS: requests the gateway replicas hold
-(the LLMEP_SIGNALS bucket) and jobs in the shared queue (queued by priority, running). Also the
+(the LLMEP_SIGNALS bucket), jobs in the shared queue (queued by priority, running) and the
+running batches' remaining work and deadlines (their drivers' signals). Also the
 gateway's nudges ("work arrived for an endpoint with no ready replica"), so that a scale-up from
 zero does not wait for the next tick.
 
@@ -72,11 +73,14 @@ class NatsOutside:
             # Its worker consumers, should the reconcile not have reached NATS.
             await self._queue.ensure_endpoint(endpoint)
             depth = await endpoint_depth(connection.js, endpoint)  # the queue's own accounting
+            batches = await signals.read_batches(connection.js, endpoint)
             return Outside(
                 held=held,
                 jobs_queued=depth.for_scaling,  # normal priority (queued counts every one)
                 jobs_queued_low_priority=depth.queued_low_priority,
                 jobs_running=depth.running,
+                jobs_queued_batch=depth.queued_batch,
+                batches=tuple(batches),
             )
 
     async def close(self) -> None:

@@ -465,10 +465,13 @@ async def produce(
     request_id: str,
     publish: Callable[[Any], None],
     tally: UsageTally | None = None,
+    *,
+    priority: int = 0,
 ) -> Any:
     """One attempt of a job on the engine: ``publish`` gets each stream chunk as it exists;
     the return value is the output. Raises for a job that fails. ``tally`` counts the tokens
-    used as they are produced (what a job stopped before its end is billed)."""
+    used as they are produced (what a job stopped before its end is billed). ``priority``:
+    vLLM's (a batch's request runs above 0, below interactive requests)."""
     job_input = request.input
     schedule = resolve_schedule(
         max_batch_size=job_input.max_batch_size,
@@ -486,6 +489,7 @@ async def produce(
             raw_output=settings.raw_openai_output,
             publish=publish,
             tally=tally,
+            priority=priority,
         )
     return await work.run_generation(
         engine,
@@ -495,6 +499,7 @@ async def produce(
         default_max_tokens=settings.default_max_tokens,
         publish=publish,
         tally=tally,
+        priority=priority,
     )
 
 

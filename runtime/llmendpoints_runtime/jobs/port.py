@@ -41,6 +41,8 @@ class GenerationRequest:
     default_max_tokens: int = 512
     # A served name: the base model (None: the same) or a loaded LoRA adapter.
     model: str | None = None
+    # vLLM's request priority (lower runs first; a batch's requests run above 0).
+    priority: int = 0
 
 
 @dataclass(frozen=True)

@@ -65,12 +65,37 @@ class SharedQueueSettings:
     service: QueueJobSettings
     worker: WorkerSettings
     creds_file: str | None = None
+    # Batches: whether this pod takes batch requests, at which vLLM priority, and the share of
+    # its capacity they may take at most.
+    batch: BatchShare | None = None
+
+
+@dataclass(frozen=True)
+class BatchShare:
+    priority: int = 10
+    max_share: float = 0.75
+
+    def slots(self, capacity: int, busy: int, engine_waiting: int) -> int:
+        """How many batch requests a pod of ``capacity`` may run when ``busy`` of it runs
+        other work (interactive requests, jobs) and the engine has ``engine_waiting`` requests
+        it cannot schedule yet (pure). Never past ``max_share`` of the capacity, never into
+        room other work uses, none while the engine is saturated."""
+        if engine_waiting > 0:
+            return 0
+        share = max(1, int(capacity * self.max_share))
+        return max(0, min(share, capacity - busy))
 
 
 def shared_queue_settings(settings: Any) -> SharedQueueSettings:
     """From the runtime's settings (environment variables)."""
     timeout = settings.jobs_heartbeat_timeout_seconds
+    batch = (
+        BatchShare(priority=settings.batch_priority, max_share=settings.batch_max_share)
+        if settings.batch_enabled
+        else None
+    )
     return SharedQueueSettings(
+        batch=batch,
         url=settings.jobs_queue_url.get_secret_value(),
         endpoint=EndpointRef(settings.endpoint_namespace, settings.endpoint_id),
         creds_file=settings.jobs_queue_creds_file,
@@ -120,6 +145,8 @@ class SharedQueueJobs:
         settings: SharedQueueSettings,
         *,
         capacity: Callable[[], int],
+        interactive: Callable[[], int] = lambda: 0,
+        batch_capacity: Callable[[], int] | None = None,
         on_final: Callable[[JobRecord], None] | None = None,
         webhook_policy: DestinationPolicy | None = None,
     ) -> None:
@@ -127,6 +154,10 @@ class SharedQueueJobs:
         self._job_settings = job_settings
         self.settings = settings
         self._capacity = capacity
+        # Interactive requests admitted (running or waiting for a slot): batch requests keep
+        # out of their way.
+        self._interactive = interactive
+        self._batch_capacity = batch_capacity or capacity
         self._on_final = on_final
         self._webhooks = WebhookSender(
             retries=job_settings.webhook_retries,
@@ -183,6 +214,7 @@ class SharedQueueJobs:
             execute=self._execute,
             abort=self._abort,
             free_slots=self._free_slots,
+            batch_slots=self._batch_slots if self.settings.batch is not None else None,
             usage=self._attempt_usage,
             settings=self.settings.worker,
             layout=self.settings.layout,
@@ -227,15 +259,35 @@ class SharedQueueJobs:
         # pod may so run up to MAX_N - 1 sequences over its limit, never more).
         return self._capacity() - self._extra_sequences
 
+    def _batch_slots(self) -> int:
+        """Batch requests this pod may run now (the worker subtracts those it runs)."""
+        share = self.settings.batch
+        if share is None or self._engine.draining() or not self._engine.is_ready():
+            return 0
+        worker = self._worker
+        batch_running = worker.running_batch if worker is not None else 0
+        others = (worker.running if worker is not None else 0) - batch_running
+        busy = self._interactive() + max(0, others) + self._extra_sequences
+        return share.slots(self._batch_capacity(), busy, self._engine.load().waiting)
+
     async def _execute(self, record: JobRecord, publish: Callable[[Any], None]) -> Any:
         request = JobRequest.model_validate(record.request)
         check_with_engine(self._engine, request, self._job_settings.limits)
         extra = job_sequences(request) - 1
         self._extra_sequences += extra
         tally = self._tallies[record.engine_request_id] = UsageTally()
+        # A batch's request runs below interactive ones inside the engine too.
+        share = self.settings.batch
+        priority = share.priority if record.batch is not None and share is not None else 0
         try:
             return await produce(
-                self._engine, self._job_settings, request, record.engine_request_id, publish, tally
+                self._engine,
+                self._job_settings,
+                request,
+                record.engine_request_id,
+                publish,
+                tally,
+                priority=priority,
             )
         finally:
             self._extra_sequences -= extra
@@ -320,6 +372,8 @@ def build_queue_feature(
     registry: Any,
     capacity: Callable[[], int],
     webhook_policy: DestinationPolicy,
+    interactive: Callable[[], int] = lambda: 0,
+    batch_capacity: Callable[[], int] | None = None,
 ) -> QueueJobFeature:
     """The job API on the shared queue, as a feature of the runtime (``compose.py``)."""
     finished = finished_jobs_counter(registry)
@@ -328,6 +382,8 @@ def build_queue_feature(
         job_settings,
         settings,
         capacity=capacity,
+        interactive=interactive,
+        batch_capacity=batch_capacity,
         on_final=lambda record: finished.labels(status=record.status.value).inc(),
         webhook_policy=webhook_policy,
     )

@@ -36,6 +36,7 @@ async def run_generation(
     default_max_tokens: int,
     publish: Publish,
     tally: UsageTally | None = None,
+    priority: int = 0,
 ) -> list[dict[str, Any]]:
     """A prompt/messages job: token batches when streamed, one batch of full texts if not."""
     check_images(engine, job_input)
@@ -53,6 +54,7 @@ async def run_generation(
         sampling_params=job_input.sampling_params,
         stream=job_input.stream,
         default_max_tokens=default_max_tokens,
+        priority=priority,
     )
     n_choices = engine.n_choices(job_input.sampling_params)
     steps = _counted(engine.generate(request), tally or UsageTally())
@@ -84,13 +86,17 @@ async def run_openai_route(
     raw_output: bool,
     publish: Publish,
     tally: UsageTally | None = None,
+    priority: int = 0,
 ) -> Any:
-    """An ``openai_route`` job: the OpenAI JSON, or the streamed events in growing batches."""
+    """An ``openai_route`` job: the OpenAI JSON, or the streamed events in growing batches.
+    ``priority`` (a batch's request) replaces whatever the body says: vLLM's request field."""
     route = job_input.openai_route
     assert route is not None  # validated by JobInput
     check_images(engine, job_input)
     method = OPENAI_ROUTES[route]
     body = job_input.openai_input if method == "POST" else None
+    if priority and body is not None:
+        body = {**body, "priority": priority}
     response = await call_app(engine.openai_app(), method, route, body)
     streamed = response.headers.get("content-type", "").startswith("text/event-stream")
     if response.status >= 400 or not streamed:

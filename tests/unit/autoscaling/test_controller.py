@@ -119,6 +119,31 @@ class FakeOutside:
         pass
 
 
+async def test_a_batch_that_will_miss_its_window_is_said_once_in_an_event_a_metric_and_status():
+    from llmendpoints_common.batch.signal import BatchSignal
+    from llmendpoints_operator.autoscaling.decision import Outside
+
+    now = 1_700_000_000.0
+    late = BatchSignal("batch_late", remaining=100_000, deadline=now + 600, rate=1.0)
+    scaler, kube, events = _tick_setup(queue_depth=0)
+    scaler.set_outside(FakeOutside(Outside(batches=(late,))))
+
+    decision = await scaler.tick(SUBJECT)
+    await scaler.tick(SUBJECT)
+
+    assert decision.batches_at_risk == ("batch_late",)
+    warnings = [e for e in events if e[0] == "Warning"]
+    assert len(warnings) == 1 and warnings[0][1] == "BatchAtRisk"
+    assert "batch_late" in warnings[0][2] and "maxReplicas 4" in warnings[0][2]
+    metric = scaler._metrics.registry.get_sample_value(
+        "llmendpoints_autoscaler_batches_at_risk", {"endpoint": "team/chat"}
+    )
+    assert metric == 1
+    status = next(p for kind, _, p in kube.patches if kind == "LLMEndpoint")
+    signals = status["status"]["autoscaling"]["signals"]
+    assert signals["batchesAtRisk"] == 1 and signals["batchRequests"] == 100_000
+
+
 def _starting(min_replicas: int) -> Subject:
     """One replica asked for, none ready yet (the Deployment's readyReplicas is 0)."""
     from dataclasses import replace

@@ -310,7 +310,8 @@ def test_shutdown_drains_the_features_before_the_engine_stops():
 
     runtime = build_runtime(load_config({"MODEL_NAME": "org/m", "DRAIN_TIMEOUT_SECONDS": "7"}))
     app = create_app(runtime, start_engine=False)
-    assert len(runtime.drainers) == 1  # the job API's
+    assert len(runtime.drainers) == 2  # the job API's, the batches'
+
     seen: list[tuple[float, EngineState]] = []
 
     async def feature_drain(timeout: float) -> None:

@@ -1,0 +1,323 @@
+"""The batch verbs over the local store (a pod without the queue), with a stand-in runner:
+routes, owners, bounds, errors -- the same code the gateway runs over NATS
+(tests/queue/test_batch_queue.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+from types import SimpleNamespace
+
+import pytest
+from llmendpoints_common.batch.api import BatchAPI, BatchCall
+from llmendpoints_common.batch.driver import BatchDrivers
+from llmendpoints_common.batch.limits import BatchLimits
+from llmendpoints_common.batch.output import NOT_QUEUED, LineOutcome
+from llmendpoints_common.batch.record import line_job_id
+from llmendpoints_common.batch.store import LocalBatchStore, StaleRevision, StoreFull
+from llmendpoints_common.jobs.models import JobStatus
+
+LIMITS = BatchLimits(min_window_seconds=1, window_lines=3)
+
+
+class Runner:
+    """Every request answered at once (its body echoed), unless told to hold them."""
+
+    def __init__(self) -> None:
+        self.submitted: list[tuple[str, int]] = []
+        self.cancelled: list[tuple[int, bool]] = []
+        self.hold = False
+        self.states: dict[str, LineOutcome] = {}
+
+    async def submit(self, batch, index, request):
+        job = line_job_id(batch.id, index)
+        if job in self.states:
+            return
+        self.submitted.append((batch.id, index))
+        if self.hold:
+            self.states[job] = LineOutcome(JobStatus.IN_QUEUE)
+        else:
+            self.states[job] = LineOutcome(JobStatus.COMPLETED, output={"echo": request})
+
+    async def outcome(self, batch, index):
+        return self.states.get(line_job_id(batch.id, index), NOT_QUEUED)
+
+    async def cancel(self, batch, index, *, running):
+        self.cancelled.append((index, running))
+        job = line_job_id(batch.id, index)
+        if self.states.get(job, NOT_QUEUED).status is JobStatus.IN_QUEUE:
+            self.states[job] = LineOutcome(JobStatus.CANCELLED)
+
+
+def upload(lines) -> SimpleNamespace:
+    data = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+    return SimpleNamespace(fields={"purpose": "batch"}, file=io.BytesIO(data), filename="f.jsonl", size=len(data))  # fmt: skip
+
+
+def chat(i, model="m"):
+    return {"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": model, "messages": [{"role": "user", "content": str(i)}]}}  # fmt: skip
+
+
+@pytest.fixture
+def setup(tmp_path):
+    store = LocalBatchStore(tmp_path, max_bytes=10_000_000)
+    runner = Runner()
+
+    async def resolve(owner, model):
+        if model != "m":
+            raise LookupError(f"model {model!r} is not served here")
+        return "default/local"
+
+    drivers = BatchDrivers(store, runner, holder="pod", limits=LIMITS, resolve=resolve)
+    api = BatchAPI(store, runner, LIMITS)
+    return api, drivers, runner, store
+
+
+def create_body(file_id, **extra) -> bytes:
+    return json.dumps({"input_file_id": file_id, "endpoint": "/v1/chat/completions",
+                       "completion_window": "24h", **extra}).encode()  # fmt: skip
+
+
+async def drive(drivers, owner, batch_id, times=10):
+    for _ in range(times):
+        await drivers.step(owner, batch_id)
+
+
+async def test_a_batch_runs_a_window_at_a_time_and_completes(setup):
+    api, drivers, runner, _ = setup
+    file = await api.create_file(upload([chat(i) for i in range(7)]), "alice")
+    assert file["purpose"] == "batch" and file["bytes"] > 0
+    created = await api.openai(BatchCall("POST", "batches", "alice", body=create_body(file["id"])))
+    batch_id = created.body["id"]
+    runner.hold = True
+    await drivers.step("alice", batch_id)  # validates
+    await drivers.step("alice", batch_id)  # hands over the first window
+    assert [index for _, index in runner.submitted] == [0, 1, 2]
+    shown = (await api.openai(BatchCall("GET", f"batches/{batch_id}", "alice"))).body
+    assert shown["status"] == "in_progress" and shown["request_counts"]["total"] == 7
+    runner.hold = False
+    for job in list(runner.states):
+        runner.states[job] = LineOutcome(JobStatus.COMPLETED, output={"ok": job})
+    await drive(drivers, "alice", batch_id)
+    done = (await api.openai(BatchCall("GET", f"batches/{batch_id}", "alice"))).body
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 7
+    reply = await api.openai(BatchCall("GET", f"files/{done['output_file_id']}/content", "alice"))
+    lines = [json.loads(x) for x in reply.content.read().splitlines()]
+    reply.content.close()
+    assert [x["custom_id"] for x in lines] == [f"c{i}" for i in range(7)]
+    assert done["error_file_id"] is None
+
+
+async def test_cancel_takes_back_queued_requests_and_answers_them_cancelled(setup):
+    api, drivers, runner, _ = setup
+    runner.hold = True
+    file = await api.create_file(upload([chat(i) for i in range(5)]), "alice")
+    created = await api.create_batch(create_body(file["id"]), "alice")
+    await drive(drivers, "alice", created.id, 2)
+    cancelled = await api.openai(BatchCall("POST", f"batches/{created.id}/cancel", "alice"))
+    assert cancelled.body["status"] == "cancelling"
+    await drive(drivers, "alice", created.id)
+    assert runner.cancelled == [(0, False), (1, False), (2, False)]  # queued only: running finish
+    done = (await api.openai(BatchCall("GET", f"batches/{created.id}", "alice"))).body
+    assert done["status"] == "cancelled" and done["request_counts"]["failed"] == 5
+    again = await api.openai(BatchCall("POST", f"batches/{created.id}/cancel", "alice"))
+    assert again.status == 409 and again.body["error"]["type"] == "ConflictError"
+
+
+async def test_an_expired_batch_stops_everything_and_answers_expired(setup):
+    api, drivers, runner, _store = setup
+    runner.hold = True
+    file = await api.create_file(upload([chat(i) for i in range(4)]), "alice")
+    created = await api.create_batch(create_body(file["id"], completion_window="2s"), "alice")
+    await drive(drivers, "alice", created.id, 2)
+    drivers.clock = lambda: created.expires_at + 1
+    await drive(drivers, "alice", created.id)
+    assert {running for _, running in runner.cancelled} == {True}
+    done = (await api.openai(BatchCall("GET", f"batches/{created.id}", "alice"))).body
+    assert done["status"] == "expired"
+    reply = await api.openai(BatchCall("GET", f"files/{done['error_file_id']}/content", "alice"))
+    codes = [json.loads(x)["error"]["code"] for x in reply.content.read().splitlines()]
+    reply.content.close()
+    assert codes == ["batch_expired"] * 4
+
+
+async def test_a_model_not_served_fails_validation_naming_the_line(setup):
+    api, drivers, _, _ = setup
+    file = await api.create_file(upload([chat(0, model="other")]), "alice")
+    created = await api.create_batch(create_body(file["id"]), "alice")
+    await drivers.step("alice", created.id)
+    shown = (await api.openai(BatchCall("GET", f"batches/{created.id}", "alice"))).body
+    assert shown["status"] == "failed"
+    assert shown["errors"]["data"][0]["code"] == "model_not_found"
+    assert shown["errors"]["data"][0]["line"] == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({}, "input_file_id"),
+        (
+            {"input_file_id": "f", "endpoint": "/v1/responses", "completion_window": "24h"},
+            "endpoint",
+        ),
+        (
+            {"input_file_id": "f", "endpoint": "/v1/completions", "completion_window": "1y"},
+            "completion_window",
+        ),
+        (
+            {
+                "input_file_id": "f",
+                "endpoint": "/v1/completions",
+                "completion_window": "24h",
+                "x": 1,
+            },
+            "x",
+        ),
+        (
+            {
+                "input_file_id": "f",
+                "endpoint": "/v1/completions",
+                "completion_window": "24h",
+                "metadata": {"llmep_x": "1"},
+            },
+            "metadata.llmep_x",
+        ),
+        (
+            {
+                "input_file_id": "f",
+                "endpoint": "/v1/completions",
+                "completion_window": "24h",
+                "metadata": {str(i): "v" for i in range(17)},
+            },
+            "metadata",
+        ),
+        (
+            {
+                "input_file_id": "f",
+                "endpoint": "/v1/completions",
+                "completion_window": "24h",
+                "metadata": {"k": 1},
+            },
+            "metadata.k",
+        ),
+        (
+            {
+                "input_file_id": "f",
+                "endpoint": "/v1/completions",
+                "completion_window": "24h",
+                "output_expires_after": {"anchor": "created_at", "seconds": 5},
+            },
+            "output_expires_after.seconds",
+        ),
+    ],
+)
+async def test_bad_batch_requests_are_400_naming_the_field(setup, body, param):
+    api, *_ = setup
+    reply = await api.openai(BatchCall("POST", "batches", "alice", body=json.dumps(body).encode()))
+    assert reply.status == 400 and reply.body["error"]["param"] == param
+
+
+async def test_unknown_ids_routes_and_methods(setup):
+    api, *_ = setup
+    for path in (
+        "files/file-nope",
+        "files/../../etc",
+        "batches/batch_nope",
+        "files/file-x/content",
+    ):
+        reply = await api.openai(BatchCall("GET", path, "alice"))
+        assert reply.status == 404, path
+    assert (await api.openai(BatchCall("PUT", "batches", "alice"))).status == 405
+    assert (await api.openai(BatchCall("GET", "other", "alice"))).status == 404
+    missing = await api.openai(BatchCall("POST", "batches", "alice", body=create_body("file-" + "0" * 32)))  # fmt: skip
+    assert missing.status == 404 and missing.body["error"]["param"] == "input_file_id"
+
+
+async def test_listing_pages_and_owners(setup):
+    api, *_ = setup
+    ids = [(await api.create_file(upload([chat(i)]), "alice"))["id"] for i in range(3)]
+    await api.create_file(upload([chat(9)]), "bob")
+    listed = (await api.openai(BatchCall("GET", "files", "alice", query={"order": "asc", "limit": "2"}))).body  # fmt: skip
+    assert [f["id"] for f in listed["data"]] == ids[:2] and listed["has_more"]
+    rest = (await api.openai(BatchCall("GET", "files", "alice", query={"order": "asc", "after": ids[1]}))).body  # fmt: skip
+    assert [f["id"] for f in rest["data"]] == ids[2:] and not rest["has_more"]
+    newest = (await api.openai(BatchCall("GET", "files", "alice"))).body["data"][0]["id"]
+    assert newest == ids[2]
+    assert (await api.openai(BatchCall("GET", f"files/{ids[0]}", "bob"))).status == 404
+    assert (await api.openai(BatchCall("DELETE", f"files/{ids[0]}", "bob"))).status == 404
+    deleted = await api.openai(BatchCall("DELETE", f"files/{ids[0]}", "alice"))
+    assert deleted.body == {"id": ids[0], "object": "file", "deleted": True}
+    bad = await api.openai(BatchCall("GET", "files", "alice", query={"limit": "0"}))
+    assert bad.status == 400 and bad.body["error"]["param"] == "limit"
+
+
+async def test_per_key_bounds(setup):
+    _api, _, runner, store = setup
+    tight = BatchAPI(store, runner, BatchLimits(max_bytes_per_key=300, max_active_batches_per_key=1, min_window_seconds=1))  # fmt: skip
+    first = await tight.create_file(upload([chat(0)]), "erin")
+    refused = await tight.openai(BatchCall("POST", "files", "erin", upload=upload([chat(i) for i in range(5)])))  # fmt: skip
+    assert refused.status == 429 and refused.body["error"]["code"] == "storage_limit_exceeded"
+    await tight.create_batch(create_body(first["id"]), "erin")
+    refused = await tight.openai(
+        BatchCall("POST", "batches", "erin", body=create_body(first["id"]))
+    )
+    assert (
+        refused.status == 429
+        and "LLMEP_BATCH_MAX_ACTIVE_PER_KEY" in refused.body["error"]["message"]
+    )
+
+
+async def test_runpod_routes_on_the_local_store(setup):
+    api, drivers, runner, _ = setup
+    endpoint, name = "default/local", "local"
+
+    async def call(method, path, body=None, query=None):
+        raw = b"" if body is None else json.dumps(body).encode()
+        return await api.runpod(BatchCall(method, path, "alice", query=query or {}, body=raw), endpoint, name)  # fmt: skip
+
+    created = await call("POST", "", [{"input": {"prompt": "a"}}, {"input": {"prompt": "b"}}])
+    batch_id = created.body["id"]
+    assert created.body == {"id": batch_id, "status": "DRAFT"}
+    assert (await call("POST", f"/{batch_id}/requests", {"requests": [{"input": {"prompt": "c"}}]})).body["requestTotal"] == 3  # fmt: skip
+    page = (await call("GET", f"/{batch_id}/requests", query={"limit": "2"})).body
+    assert (page["total"], page["hasMore"], len(page["requests"])) == (3, True, 2)
+    assert (await call("DELETE", f"/{batch_id}/requests/{page['requests'][0]['id']}")).body["requestTotal"] == 2  # fmt: skip
+    assert (await call("DELETE", f"/{batch_id}/requests/nope")).status == 404
+    await drivers.step("alice", batch_id)  # a draft is not run
+    assert runner.submitted == []
+    assert (await call("POST", f"/{batch_id}/finalize")).body["status"] == "FINALIZED"
+    await drive(drivers, "alice", batch_id)
+    summary = (await call("GET", f"/{batch_id}")).body
+    assert (summary["requestTotal"], summary["requestCompleted"]) == (2, 2)
+    results = (await call("GET", f"/{batch_id}/requests")).body["requests"]
+    assert [r["output"]["echo"]["input"]["prompt"] for r in results] == ["b", "c"]
+    other = await api.runpod(BatchCall("GET", f"/{batch_id}", "bob"), endpoint, name)
+    assert other.status == 404 and other.body["id"] == batch_id
+    elsewhere = await api.runpod(BatchCall("GET", f"/{batch_id}", "alice"), "default/other", "other")  # fmt: skip
+    assert elsewhere.status == 404
+    assert (await call("GET", "")).body["batches"][0]["id"] == batch_id
+    bad = await call("POST", "", {"requests": "x"})
+    assert bad.status == 400 and bad.body["error"]["param"] == "requests"
+
+
+async def test_the_local_store_compares_and_sets_and_is_bounded(tmp_path):
+    from llmendpoints_common.batch.files import FileRecord
+
+    store = LocalBatchStore(tmp_path, max_bytes=100)
+    record = FileRecord(id="file-" + "1" * 32, owner="a", filename="f", purpose="batch", bytes=50,
+                        created_at=0, expires_at=1e12)  # fmt: skip
+    await store.put_file(record, io.BytesIO(b"x" * 50))
+    with pytest.raises(StoreFull, match="LLMEP_BATCH_LOCAL_MAX_BYTES"):
+        await store.put_file(record.model_copy(update={"id": "file-" + "2" * 32, "bytes": 60}), io.BytesIO(b"y" * 60))  # fmt: skip
+    assert await store.file("b", record.id) is None  # another owner
+    from llmendpoints_common.batch.record import BatchRecord, BatchStatus
+
+    batch = BatchRecord(id="batch_" + "3" * 32, api="openai", owner="a", created_at=0,
+                        expires_at=1e12, completion_window="24h", status=BatchStatus.VALIDATING)  # fmt: skip
+    assert await store.write_batch(batch, 0) == 1
+    with pytest.raises(StaleRevision):
+        await store.write_batch(batch, 0)
+    assert await store.active() == [("a", batch.id)]
+    assert await store.sweep(0) == 0
+    assert await store.sweep(2e12) == 1  # the file expired
