@@ -265,8 +265,10 @@ def test_a_client_disconnect_aborts_the_request_in_the_engine(gateway, replicas)
     ):
         assert time.monotonic() < deadline, "the engine kept running the request"
         time.sleep(0.05)
-    finished, tokens = totals()
-    assert finished == finished_before  # it did not run to its 2,000 tokens
+    _, tokens = totals()
+    # The engines generated fewer tokens than the request asked for: it was cut when the
+    # client left. (Counting finished requests instead also counted, on some loaded runs, one
+    # that was not this test's.)
     assert tokens - tokens_before < 2000
 
 
