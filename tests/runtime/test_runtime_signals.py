@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -126,14 +124,18 @@ async def test_in_flight_is_what_the_engine_runs_and_the_rest_is_queue(two_seqs)
             assert time.monotonic() < deadline, f"never {count} requests outstanding"
             await asyncio.sleep(0.05)
 
-    async def settled() -> dict[str, float]:
-        last = await asyncio.to_thread(gauges, live_url)
+    seen: list[dict[str, float]] = []
+
+    def stepped() -> bool:
+        """Read until two reads agree; true once vLLM's gauges say the engine has stepped."""
+        sample = gauges(live_url)
         while True:
-            await asyncio.sleep(0.3)
-            sample = await asyncio.to_thread(gauges, live_url)
+            time.sleep(0.3)
+            last, sample = sample, gauges(live_url)
             if sample == last:
-                return sample
-            last = sample
+                break
+        seen.append(sample)
+        return sample["vllm:num_requests_running"] > 0
 
     async with httpx.AsyncClient(base_url=two_seqs.url, timeout=600) as client:
         with engines_frozen(two_seqs.process.pid) as cores:
@@ -147,16 +149,7 @@ async def test_in_flight_is_what_the_engine_runs_and_the_rest_is_queue(two_seqs)
                 for _ in range(CONCURRENT - MAX_NUM_SEQS)
             ]
             await until_outstanding(CONCURRENT)
-            seen: list[dict[str, float]] = []
-            deadline = time.monotonic() + 120
-            while not seen or seen[-1]["vllm:num_requests_running"] == 0:
-                assert time.monotonic() < deadline, f"the engine never stepped: {seen[-3:]}"
-                for pid in cores:
-                    os.kill(pid, signal.SIGCONT)
-                await asyncio.sleep(0.05)
-                for pid in cores:
-                    os.kill(pid, signal.SIGSTOP)
-                seen.append(await settled())
+            await asyncio.to_thread(proc_kit.run_in_slices, cores, stepped)
             main_port = seen[-1]
             # The control port serves what the API process last published (every 0.5 s for
             # /metrics): wait for the publication of the frozen state.
