@@ -6,7 +6,8 @@ thousands of streams cost the backend next to nothing and failures can be made o
 - ``GET /ready?strict=1``: 503 for ``--ready-after`` seconds, then 200.
 - ``POST /v1/chat/completions`` and ``/v1/completions``: with ``"stream": true`` an SSE stream
   of ``standin_chunks`` events (default 8) ``standin_interval`` seconds apart (default 0.01),
-  then ``[DONE]``; without, one JSON completion. ``standin_fail``: ``"before"`` exits the process
+  then ``[DONE]`` (``standin_end_after``: the body's end that many seconds after it; a client
+  that closes meanwhile is counted in ``closed_after_done``); without, one JSON completion. ``standin_fail``: ``"before"`` exits the process
   without answering (a crash), ``"midstream"`` closes it after two events (``standin_fail_on``: only on the replica of that
   ``--name``).
 - Usage as vLLM reports it: ``prompt_tokens`` = the prompt's (or messages') words,
@@ -46,6 +47,7 @@ class Standin:
             "name": name,
             "requests": 0,
             "disconnects": 0,
+            "closed_after_done": 0,
             "open": 0,
             "last_request_id": None,
             "prompt_tokens": 0,
@@ -187,9 +189,20 @@ class Standin:
                         "more_body": True,
                     }
                 )
+            end_after = float(request.get("standin_end_after", 0))
             await send(
-                {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
+                {
+                    "type": "http.response.body",
+                    "body": b"data: [DONE]\n\n",
+                    "more_body": bool(end_after),
+                }
             )
+            if end_after:  # the body's end comes later: [DONE] and the end are two writes
+                done, _ = await asyncio.wait({gone}, timeout=end_after)
+                if done:
+                    self.stats["closed_after_done"] += 1
+                    return
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             gone.cancel()
             self.stats["open"] -= 1

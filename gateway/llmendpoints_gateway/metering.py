@@ -248,6 +248,12 @@ def with_usage_option(body: bytes, payload: dict[str, Any]) -> bytes:
 # A non-empty generated text in an SSE event: a chat delta's content, a completion's text, a
 # /v1/responses text delta (the role-only first delta and finish events carry "").
 _TEXT = re.compile(rb'"(?:content|text|delta)"\s*:\s*"(?!")')
+# A stream's last event: chat and completions end with ``[DONE]``, /v1/responses with a
+# terminal ``response.*`` event. At an event's start only: generated text inside a JSON string
+# cannot hold a raw newline, so it never matches.
+_LAST_EVENT = re.compile(
+    rb"(?:\A|\n\n)(?:data: ?\[DONE\]|event: ?response\.(?:completed|failed|incomplete)\r?\n)"
+)
 
 
 class StreamUsage:
@@ -260,13 +266,18 @@ class StreamUsage:
 
     A stream cut before its usage chunk (the client left, the replica failed) is still billed:
     its completion tokens estimated by the events that carried text (vLLM streams a token an
-    event), its prompt by the request's size (``estimated``)."""
+    event), its prompt by the request's size (``estimated``).
+
+    ``ended``: the stream's last event has passed. A client may close the connection then,
+    before the body's end (the openai SDK's synchronous stream does, at ``[DONE]``): it had the
+    whole answer, so it did not leave early."""
 
     def __init__(self, strip: bool, prompt_estimate: int = 0):
         self.strip = strip
         self.prompt_estimate = prompt_estimate
         self.found: Usage | None = None
         self.text_events = 0
+        self.ended = False
         self._tail = b""
 
     @property
@@ -293,6 +304,8 @@ class StreamUsage:
             self._tail = data
             return b""
         complete, self._tail = data[: cut + 2], data[cut + 2 :]
+        if not self.ended and _LAST_EVENT.search(complete) is not None:
+            self.ended = True
         if b'"usage"' not in complete:
             return complete if self.strip else chunk
         kept: list[bytes] = []

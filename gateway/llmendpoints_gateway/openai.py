@@ -252,6 +252,8 @@ class OpenAIRoutes:
                 return
         except asyncio.CancelledError:
             if disconnected.gone:
+                if getattr(state.meter, "ended", False):
+                    return  # it left after the stream's last event: answered (state.status)
                 raise ClientGone() from None
             raise
         finally:

@@ -304,6 +304,42 @@ def test_client_disconnect_cancels_the_upstream_stream(gateway, standins):
     )
 
 
+def test_a_stream_read_to_done_and_closed_is_answered_not_abandoned(gateway, standins):
+    """The openai SDK's synchronous stream closes the connection at [DONE], before the body's
+    end (here 3 s later): the client had the whole answer, so it is counted a 200 (metrics,
+    usage record), not a 499 as a client that left mid-answer is."""
+    labels = {"key": "alice", "endpoint": "default/pair"}
+    before = {
+        code: _metric(gateway, "llmendpoints_gateway_key_requests_total", code=code, **labels)
+        for code in ("200", "499")
+    }
+    closed_before = [httpx.get(standins[n].url + "/stats").json() for n in ("p1", "p2")]
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=ALICE, max_retries=0)
+    chunks = list(
+        client.chat.completions.create(
+            model="pair-model",
+            messages=[{"role": "user", "content": "hello"}],
+            stream=True,
+            extra_body={"standin_chunks": 3, "standin_end_after": 3},
+        )
+    )
+    assert len(chunks) == 3
+    deadline = time.monotonic() + 10
+    while True:  # the gateway saw the client close before the body's end, and closed upstream
+        stats = [httpx.get(standins[n].url + "/stats").json() for n in ("p1", "p2")]
+        if sum(s["closed_after_done"] for s in stats) == 1 + sum(
+            s["closed_after_done"] for s in closed_before
+        ):
+            break
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+    after = {
+        code: _metric(gateway, "llmendpoints_gateway_key_requests_total", code=code, **labels)
+        for code in ("200", "499")
+    }
+    assert (after["200"] - before["200"], after["499"] - before["499"]) == (1, 0)
+
+
 def test_a_client_leaving_before_the_answer_starts_closes_the_upstream_request(gateway, standins):
     # Non-streamed: the stand-in answers after 1,000 x 10 ms; the client gives up after 0.5 s.
     body = chat("other-model", standin_chunks=1000, standin_interval=0.01)

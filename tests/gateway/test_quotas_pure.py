@@ -271,6 +271,27 @@ def test_responses_stream_usage():
     assert reader.usage == Usage(4, 9)
 
 
+@pytest.mark.parametrize("split", [1, 7, 10_000])
+def test_a_stream_has_ended_once_its_last_event_passed(split):
+    """What tells a client that closed at [DONE] (the openai SDK's synchronous stream does) from
+    one that left mid-answer: only a whole last event at an event's start counts."""
+    said = {"choices": [{"index": 0, "delta": {"content": "then\\n\\ndata: [DONE]"}}]}
+    responses_end = b'event: response.completed\ndata: {"type": "response.completed"}\n\n'
+    for stream, ends in [
+        (_sse(TOKEN, said, TOKEN), False),  # the words, generated, are not the event
+        (_sse(TOKEN, USAGE_CHUNK) + b"data: [DO", False),  # cut inside the last event
+        (_sse(TOKEN, USAGE_CHUNK, "[DONE]"), True),
+        (_sse("[DONE]"), True),
+        (b'event: response.output_text.delta\ndata: {"delta": "x"}\n\n', False),
+        (b'event: response.output_text.delta\ndata: {"delta": "x"}\n\n' + responses_end, True),
+    ]:
+        for strip in (True, False):
+            reader = StreamUsage(strip)
+            for i in range(0, len(stream), split):
+                reader.feed(stream[i : i + split])
+            assert reader.ended is ends, (stream, strip)
+
+
 def test_usage_of_answers_and_jobs():
     assert usage_of_body(b'{"usage": {"prompt_tokens": 5, "completion_tokens": 2}}') == Usage(5, 2)
     assert usage_of_body(b'{"usage": {"prompt_tokens": 5, "total_tokens": 5}}') == Usage(5, 0)
