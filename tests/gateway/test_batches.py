@@ -268,7 +268,10 @@ def test_vllm_runs_a_later_interactive_request_before_waiting_batch_ones(pods):
     """The runtime runs vLLM with --scheduling-policy priority and gives batch requests a
     lower priority: with the engine's slots full, an interactive request sent after a
     batch-priority one is scheduled first. (The engine is stopped while the requests arrive,
-    so all are waiting together when it resumes.)"""
+    so all are waiting together when it resumes.) The fillers' lengths differ by 16 tokens, so
+    their slots come free one at a time: the first goes to the interactive request, the next,
+    16 steps later, to the batch one -- fillers ending together would free two slots at once
+    and start both, and which of two equal requests the client hears from first is chance."""
     pod = pods[1]
     finished: list[str] = []
     threads = []
@@ -288,7 +291,7 @@ def test_vllm_runs_a_later_interactive_request_before_waiting_batch_ones(pods):
 
     with proc_kit.engines_frozen(pod.process.pid):
         for i in range(MAX_NUM_SEQS):  # fill every engine slot with batch-priority work
-            threads.append(threading.Thread(target=send, args=(f"fill-{i}", 48, 10)))
+            threads.append(threading.Thread(target=send, args=(f"fill-{i}", 48 + 16 * i, 10)))
         threads.append(threading.Thread(target=send, args=("batch", 24, 10)))
         threads.append(threading.Thread(target=send, args=("interactive", 24, None)))
         for thread in threads:
