@@ -20,6 +20,7 @@ import logging
 import re
 
 from llmendpoints_common.queue.signals import HELD_REFRESH_SECONDS, nudge, publish_held
+from llmendpoints_common.waiting import wait_until_set
 
 from llmendpoints_gateway.queue import SharedQueue
 
@@ -93,8 +94,7 @@ class SignalPublisher:
         loop = asyncio.get_running_loop()
         refresh_at = loop.time() + HELD_REFRESH_SECONDS
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(0.0, refresh_at - loop.time()))
+            await wait_until_set(self._wake, refresh_at - loop.time())
             self._wake.clear()
             if loop.time() >= refresh_at:
                 self._dirty.update(self._counts)

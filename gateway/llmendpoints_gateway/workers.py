@@ -49,6 +49,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from llmendpoints_common.waiting import wait_until_set
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -314,8 +315,7 @@ class Supervisor:
             )
             self.metrics.restarts.inc()
             assert self._wake is not None
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), delay)
+            await wait_until_set(self._wake, delay)
 
     def _on_signal(self, sig: int) -> None:
         self._signals += 1

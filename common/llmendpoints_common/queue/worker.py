@@ -60,6 +60,7 @@ from llmendpoints_common.queue import names
 from llmendpoints_common.queue.client import ATTEMPT_HEADER, QueueJobService, record_ttl
 from llmendpoints_common.queue.state import StaleRevision
 from llmendpoints_common.queue.topology import NotCreatedYet, QueueLayout, ensure_consumers
+from llmendpoints_common.waiting import wait_until_set
 
 log = logging.getLogger(__name__)
 
@@ -346,8 +347,7 @@ class QueueWorker:
                 if free <= 0:
                     self._slot_freed.clear()
                     # The limit can also grow (the engine's batch size becomes known).
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._slot_freed.wait(), 1.0)
+                    await wait_until_set(self._slot_freed, 1.0)
                     continue
                 if not self.service.connection.connected:
                     await asyncio.sleep(0.5)

@@ -24,7 +24,6 @@ two never disagree.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from llmendpoints_common.identity import EndpointRef
+from llmendpoints_common.waiting import wait_until_set
 
 from .decision import Current, Decision, History, Observation, Outside, decide
 from .metrics import AutoscalerMetrics
@@ -187,8 +187,7 @@ class Autoscaler:
                 self.forget(key)
             wake = min((m.next_due for m in self._memory.values()), default=now + 1)
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), min(max(wake - self._clock(), 0.05), 1.0))
+            await wait_until_set(self._wake, min(max(wake - self._clock(), 0.05), 1.0))
 
     def forget(self, key: Key) -> None:
         """An endpoint is gone or no longer autoscaled: drop its memory and metric series."""

@@ -28,6 +28,7 @@ from llmendpoints_common.batch.output import NOT_QUEUED, LineOutcome
 from llmendpoints_common.batch.record import BatchRecord, line_job_id
 from llmendpoints_common.errors import RequestTimeoutError, error_from_exception
 from llmendpoints_common.jobs.models import JobRequest, JobStatus
+from llmendpoints_common.waiting import wait_until_set
 
 from llmendpoints_runtime.jobs.executor import produce
 from llmendpoints_runtime.jobs.port import JobEngine
@@ -153,8 +154,7 @@ class LocalLines:
                 continue
             self._wake.clear()
             # Room also opens when interactive work ends, which nobody signals: look again.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 0.2)
+            await wait_until_set(self._wake, 0.2)
 
     async def _run(self, batch_id: str, job_id: str, raw: dict[str, Any]) -> None:
         started = self._clock()

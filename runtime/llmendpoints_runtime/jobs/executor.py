@@ -40,6 +40,7 @@ from llmendpoints_common.errors import (
 )
 from llmendpoints_common.jobs.models import job_sequences
 from llmendpoints_common.jobs.service import status_body
+from llmendpoints_common.waiting import wait_until_set
 from llmendpoints_common.webhooks import WebhookSender
 
 from llmendpoints_runtime.admission import AdmissionQueue
@@ -244,8 +245,7 @@ class JobExecutor:
         job = await self.get(job_id, owner=owner)
         event = self._done.get(job_id)
         if event is not None and timeout_seconds > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), timeout_seconds)
+            await wait_until_set(event, timeout_seconds)
         try:
             return await self.get(job_id, owner=owner)
         except JobNotFound:
