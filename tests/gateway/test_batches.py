@@ -268,10 +268,12 @@ def test_vllm_runs_a_later_interactive_request_before_waiting_batch_ones(pods):
     """The runtime runs vLLM with --scheduling-policy priority and gives batch requests a
     lower priority: with the engine's slots full, an interactive request sent after a
     batch-priority one is scheduled first. (The engine is stopped while the requests arrive,
-    so all are waiting together when it resumes.) The fillers' lengths differ by 16 tokens, so
+    so all are waiting together when it resumes.) The fillers' lengths differ by 32 tokens, so
     their slots come free one at a time: the first goes to the interactive request, the next,
-    16 steps later, to the batch one -- fillers ending together would free two slots at once
-    and start both, and which of two equal requests the client hears from first is chance."""
+    32 steps later, to the batch one -- fillers ending together would free two slots at once
+    and start both, and which of two equal requests the client hears from first is chance. The
+    pod's session is niced while it runs, so its spinning engine does not hold this process's
+    client threads off the CPU until both answers wait unread."""
     pod = pods[1]
     finished: list[str] = []
     threads = []
@@ -289,17 +291,21 @@ def test_vllm_runs_a_later_interactive_request_before_waiting_batch_ones(pods):
         assert response.status_code == 200, response.text
         finished.append(name)
 
-    with proc_kit.engines_frozen(pod.process.pid):
-        for i in range(MAX_NUM_SEQS):  # fill every engine slot with batch-priority work
-            threads.append(threading.Thread(target=send, args=(f"fill-{i}", 48 + 16 * i, 10)))
-        threads.append(threading.Thread(target=send, args=("batch", 24, 10)))
-        threads.append(threading.Thread(target=send, args=("interactive", 24, None)))
+    with proc_kit.session_niced(pod.process.pid):
+        with proc_kit.engines_frozen(pod.process.pid):
+            for i in range(MAX_NUM_SEQS):  # fill every engine slot with batch-priority work
+                fill = threading.Thread(target=send, args=(f"fill-{i}", 48 + 32 * i, 10))
+                threads.append(fill)
+            threads.append(threading.Thread(target=send, args=("batch", 24, 10)))
+            threads.append(threading.Thread(target=send, args=("interactive", 24, None)))
+            for thread in threads:
+                thread.start()
+                time.sleep(0.2)  # arrival order: fillers, then the batch one, then interactive
+            _until(
+                lambda: _in_flight(pod) >= len(threads), "every request in the (stopped) engine", 60
+            )
         for thread in threads:
-            thread.start()
-            time.sleep(0.2)  # arrival order: fillers, then the batch one, then interactive
-        _until(lambda: _in_flight(pod) >= len(threads), "every request in the (stopped) engine", 60)
-    for thread in threads:
-        thread.join(300)
+            thread.join(300)
     assert finished.index("interactive") < finished.index("batch"), finished
 
 
