@@ -358,6 +358,7 @@ class BodyUsage:
 
     strip = False
     estimated = False
+    ended = False  # nothing in a JSON body marks its end: the client has it with the last byte
 
     def __init__(self) -> None:
         self._parts: list[bytes] = []

@@ -252,7 +252,7 @@ class OpenAIRoutes:
                 return
         except asyncio.CancelledError:
             if disconnected.gone:
-                if getattr(state.meter, "ended", False):
+                if state.meter is not None and state.meter.ended:
                     return  # it left after the stream's last event: answered (state.status)
                 raise ClientGone() from None
             raise

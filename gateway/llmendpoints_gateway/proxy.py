@@ -84,6 +84,7 @@ class UpstreamResult:
 
 class Meter(Protocol):
     usage: Any
+    ended: bool  # the answer's last event has passed (a stream's [DONE])
 
     def feed(self, chunk: bytes) -> bytes: ...
 
