@@ -69,6 +69,7 @@ from llmendpoints_common.batch.store import (
 )
 from llmendpoints_common.errors import RateLimitError
 from llmendpoints_common.jobs.models import JobStatus
+from llmendpoints_common.waiting import wait_until_set
 
 log = logging.getLogger("llmendpoints.batch")
 
@@ -193,9 +194,7 @@ class BatchDrivers:
             if self._stopping:
                 break
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.tick_seconds):
-                    await self._wake.wait()
+            await wait_until_set(self._wake, self.tick_seconds)
 
     async def tick(self) -> None:
         """One pass: a step for every batch not ended (each in a task of its own, one at a
