@@ -40,7 +40,7 @@ CHAT_TEMPLATE = (
 SEED = 1234
 
 
-def _model_config(vocab_size: int) -> dict:
+def _model_config(vocab_size: int, max_positions: int = 2048) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -51,7 +51,7 @@ def _model_config(vocab_size: int) -> dict:
         "num_key_value_heads": 1,
         "head_dim": 64,
         "hidden_act": "silu",
-        "max_position_embeddings": 2048,
+        "max_position_embeddings": max_positions,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
@@ -110,17 +110,19 @@ def _weights(config: dict) -> dict:
     return tensors
 
 
-def write_demo_model(path: str | Path) -> Path:
+def write_demo_model(path: str | Path, max_positions: int = 2048) -> Path:
     """Write the demo model to `path` (created if missing) and return it.
 
     The same call always writes the same bytes for weights, config and tokenizer.
+    ``max_positions``: the longest sequence it takes (RoPE: any length it is built for; tests
+    of long streams ask for more than the default).
     """
     from safetensors.torch import save_file
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer()
-    config = _model_config(tokenizer.get_vocab_size())
+    config = _model_config(tokenizer.get_vocab_size(), max_positions)
 
     tokenizer.save(str(out / "tokenizer.json"))
     tokenizer_config = {

@@ -10,7 +10,6 @@ jobs of endpoint ``chat`` from a real nats-server, which the gateway's job API w
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
@@ -35,14 +34,10 @@ STREAM_TOKENS = 12_000
 
 @pytest.fixture(scope="module")
 def demo_model(tmp_path_factory) -> Path:
-    """The demo model with room for STREAM_TOKENS positions (RoPE: any length it is built for)."""
+    """The demo model with room for STREAM_TOKENS positions."""
     from llmendpoints_runtime.demo import write_demo_model
 
-    model = write_demo_model(tmp_path_factory.mktemp("demo-model"))
-    config = json.loads((model / "config.json").read_text())
-    config["max_position_embeddings"] = STREAM_TOKENS + 64
-    (model / "config.json").write_text(json.dumps(config))
-    return model
+    return write_demo_model(tmp_path_factory.mktemp("demo-model"), STREAM_TOKENS + 64)
 
 
 @pytest.fixture(scope="module")

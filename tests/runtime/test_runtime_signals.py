@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -52,14 +51,11 @@ PROBE_TIMEOUT = 10.0
 
 
 @pytest.fixture(scope="module")
-def long_demo_model(demo_model, tmp_path_factory) -> Path:
-    """The demo model with room for LONG_TOKENS positions (RoPE: any length it is built for)."""
-    copy = tmp_path_factory.mktemp("long-demo") / "model"
-    shutil.copytree(demo_model, copy)
-    config = json.loads((copy / "config.json").read_text())
-    config["max_position_embeddings"] = LONG_TOKENS + 64
-    (copy / "config.json").write_text(json.dumps(config))
-    return copy
+def long_demo_model(tmp_path_factory) -> Path:
+    """The demo model with room for LONG_TOKENS positions."""
+    from llmendpoints_runtime.demo import write_demo_model
+
+    return write_demo_model(tmp_path_factory.mktemp("long-demo"), LONG_TOKENS + 64)
 
 
 @pytest.fixture(scope="module")
