@@ -7,8 +7,9 @@ thousands of streams cost the backend next to nothing and failures can be made o
 - ``POST /v1/chat/completions`` and ``/v1/completions``: with ``"stream": true`` an SSE stream
   of ``standin_chunks`` events (default 8) ``standin_interval`` seconds apart (default 0.01),
   then ``[DONE]`` (``standin_end_after``: the body's end that many seconds after it; a client
-  that closes meanwhile is counted in ``closed_after_done``); without, one JSON completion. ``standin_fail``: ``"before"`` exits the process
-  without answering (a crash), ``"midstream"`` closes it after two events (``standin_fail_on``: only on the replica of that
+  that closes meanwhile is counted in ``closed_after_done``); without, one JSON completion.
+  ``standin_fail``: ``"before"`` exits the process without answering (a crash),
+  ``"midstream"`` closes it after two events (``standin_fail_on``: only on the replica of that
   ``--name``).
 - Usage as vLLM reports it: ``prompt_tokens`` = the prompt's (or messages') words,
   ``completion_tokens`` = the chunks sent; in the JSON answer's ``usage``, and for streams with

@@ -308,11 +308,20 @@ def test_a_stream_read_to_done_and_closed_is_answered_not_abandoned(gateway, sta
     """The openai SDK's synchronous stream closes the connection at [DONE], before the body's
     end (here 3 s later): the client had the whole answer, so it is counted a 200 (metrics,
     usage record), not a 499 as a client that left mid-answer is."""
-    labels = {"key": "alice", "endpoint": "default/pair"}
-    before = {
-        code: _metric(gateway, "llmendpoints_gateway_key_requests_total", code=code, **labels)
-        for code in ("200", "499")
-    }
+
+    def counted() -> tuple[float, float]:  # alice's requests on "pair" answered 200, and 499
+        return tuple(
+            _metric(
+                gateway,
+                "llmendpoints_gateway_key_requests_total",
+                key="alice",
+                endpoint="default/pair",
+                code=code,
+            )
+            for code in ("200", "499")
+        )
+
+    before = counted()
     closed_before = [httpx.get(standins[n].url + "/stats").json() for n in ("p1", "p2")]
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=ALICE, max_retries=0)
     chunks = list(
@@ -333,11 +342,8 @@ def test_a_stream_read_to_done_and_closed_is_answered_not_abandoned(gateway, sta
             break
         assert time.monotonic() < deadline, stats
         time.sleep(0.05)
-    after = {
-        code: _metric(gateway, "llmendpoints_gateway_key_requests_total", code=code, **labels)
-        for code in ("200", "499")
-    }
-    assert (after["200"] - before["200"], after["499"] - before["499"]) == (1, 0)
+    after = counted()
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 0)
 
 
 def test_a_client_leaving_before_the_answer_starts_closes_the_upstream_request(gateway, standins):

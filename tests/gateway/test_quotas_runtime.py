@@ -133,6 +133,14 @@ def _until(condition, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def _until_read(read, want, timeout: float) -> None:
+    """Until ``read()`` returns ``want``; on timeout the assertion shows the last value read."""
+    deadline = time.monotonic() + timeout
+    while (got := read()) != want:
+        assert time.monotonic() < deadline, f"timed out: read {got}, want {want}"
+        time.sleep(0.05)
+
+
 def _metric(metrics_url: str, name: str, **labels: str) -> float:
     total = 0.0
     for line in httpx.get(metrics_url, timeout=10).text.splitlines():
@@ -211,27 +219,16 @@ def test_the_tokens_counted_are_the_engines_own_for_answers_streams_and_jobs(gat
 
     engine_after = _engine_tokens(runtime)
     engine = (engine_after[0] - engine_before[0], engine_after[1] - engine_before[1])
-    try:
-        _until(
-            lambda: _gateway_tokens(gateways, "meter") == engine,
-            "the gateways' counters",
-            timeout=180,  # the job's tokens are counted when its record is seen completed
-        )
-    except AssertionError:
-        assert _gateway_tokens(gateways, "meter") == engine  # shows what differs
-        raise
+    # The job's tokens are counted when its record is seen completed.
+    _until_read(lambda: _gateway_tokens(gateways, "meter"), engine, timeout=180)
     assert engine[1] == seen[1] + 6 + 4 + job_usage["output"]
     assert engine[0] > seen[0] + job_usage["input"]  # plus the two streams' prompts
     # Five answers, all 200 -- the two streams too, which the SDK closed at [DONE], before the
     # body's end (a loaded run counted only 4 of 5 as 200: such a stream was then counted 499,
-    # test_gateway_behaviour.py reproduces it). A request is counted as its
-    # handler ends, just after the client has its answer: read as a scrape would, not in the
-    # same instant; a failure shows every code counted.
-    try:
-        _until(lambda: _key_requests(gateways, "meter") == {"200": 5}, "the requests counted", 30)
-    except AssertionError:
-        assert _key_requests(gateways, "meter") == {"200": 5}
-        raise
+    # test_gateway_behaviour.py reproduces it). A request is counted as its handler ends, just
+    # after the client has its answer: read as a scrape would, not in the same instant; a
+    # failure shows every code counted.
+    _until_read(lambda: _key_requests(gateways, "meter"), {"200": 5}, timeout=30)
 
 
 def _key_requests(gateways, key: str) -> dict[str, float]:
