@@ -41,7 +41,7 @@ MAX_NUM_SEQS = 2
 
 # Tokens of the two requests that hold the engine while the other 22 wait: 12,000 engine steps,
 # so "2 running, 22 waiting" lasts ~10 s here, longer than this process was ever seen held off
-# its CPU (about 4 s, tests/README.md). The demo model's copy for this module allows that length.
+# its CPU (about 4 s, tests/README.md). The demo model written for this module allows that length.
 LONG_TOKENS = 12_000
 PROBE_PATHS = ("/health", "/ready?strict=1", "/metrics")
 PROBER = Path(__file__).resolve().parent / "prober.py"
