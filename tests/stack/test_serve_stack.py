@@ -112,10 +112,12 @@ def stack(tmp_path_factory):
         print(f"serve-stack up in {time.monotonic() - began:.0f} s")
         yield {"process": process, "ports": ports, "output": output, "state": state}
     finally:
-        if process.poll() is None:
+        if process.poll() is None:  # (the last test stops it; not when it is left out)
+            # Its processes before it dies: then they are init's children, found no more.
+            family = descendants(process.pid)
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
-            for pid in descendants(process.pid):
+            for pid in family:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         out.close()
