@@ -99,7 +99,8 @@ def table() -> FlagTable:
 # --- values ------------------------------------------------------------------------------------
 
 
-def _human_int(value: str) -> int:
+def human_int(value: str) -> int:
+    """vLLM's human_readable_int: 4096, 32k (32,000), 32K (32,768), 1.5m."""
     match = _HUMAN_INT.fullmatch(value.strip())
     if match is None:
         return int(value)
@@ -109,7 +110,7 @@ def _human_int(value: str) -> int:
     return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
 
 
-def _convert(type_name: str, value: str) -> Any:
+def parse_value(type_name: str, value: str) -> Any:
     """The parser's type applied to one value: its result, or ValueError naming what it takes."""
     try:
         if type_name == "int":
@@ -117,10 +118,10 @@ def _convert(type_name: str, value: str) -> Any:
         if type_name == "float":
             return float(value)
         if type_name == "human_int":
-            return _human_int(value)
+            return human_int(value)
         if type_name == "human_int_or_auto":
             auto = value.strip() == "-1" or value.strip().lower() == "auto"
-            return -1 if auto else _human_int(value)
+            return -1 if auto else human_int(value)
         if type_name == "json" or (type_name == "json_if_braces" and _BRACES.match(value)):
             return json.loads(value)
     except ValueError as exc:
@@ -147,7 +148,7 @@ def _one_value_problem(spec: Flag, value: str) -> str | None:
     if spec.optional and value in ("", "None"):
         return None
     try:
-        converted = _convert(spec.type, value)
+        converted = parse_value(spec.type, value)
     except ValueError as exc:
         return f"{spec.flag} takes {exc}, got {value!r}"
     if spec.choices is not None and converted not in spec.choices:
