@@ -612,18 +612,7 @@ def transition_events(
 def _fit_events(previous: Mapping[str, Any] | None, current: Mapping[str, Any]) -> list[Event]:
     """A Warning when the model does not fit (again, or for a new reason); a Normal Event when
     it fits after it did not."""
-    was = _find((previous or {}).get("conditions") or [], FIT_CONDITION) or {}
-    now = _find(current.get("conditions") or [], FIT_CONDITION)
-    if now is None:
-        return []
-    if now["status"] == "False" and (was.get("status"), was.get("message")) != (
-        "False",
-        now["message"],
-    ):
-        return [Event("Warning", "ModelDoesNotFit", str(now["message"]))]
-    if now["status"] == "True" and was.get("status") == "False":
-        return [Event("Normal", "ModelFits", str(now["message"]))]
-    return []
+    return _lost_and_regained(previous, current, FIT_CONDITION, "ModelDoesNotFit", "ModelFits")
 
 
 def _pool_events(previous: Mapping[str, Any] | None, current: Mapping[str, Any]) -> list[Event]:
@@ -643,17 +632,31 @@ def _model_name_events(
     """A Warning naming the owner when the served model name is (or goes to) another endpoint,
     once per owner: the status compared is the stored one, so resyncs and operator restarts
     post nothing new. A Normal Event when the name comes back."""
-    was = _find((previous or {}).get("conditions") or [], MODEL_NAME_CONDITION) or {}
-    now = _find(current.get("conditions") or [], MODEL_NAME_CONDITION)
+    return _lost_and_regained(
+        previous, current, MODEL_NAME_CONDITION, "ModelNameTaken", "ModelNameAvailable"
+    )
+
+
+def _lost_and_regained(
+    previous: Mapping[str, Any] | None,
+    current: Mapping[str, Any],
+    condition: str,
+    warning: str,
+    recovered: str,
+) -> list[Event]:
+    """A Warning when `condition` turns False or says something new while False; a Normal Event
+    when it turns True again."""
+    was = _find((previous or {}).get("conditions") or [], condition) or {}
+    now = _find(current.get("conditions") or [], condition)
     if now is None:
         return []
     if now["status"] == "False" and (was.get("status"), was.get("message")) != (
         "False",
         now["message"],
     ):
-        return [Event("Warning", "ModelNameTaken", str(now["message"]))]
+        return [Event("Warning", warning, str(now["message"]))]
     if now["status"] == "True" and was.get("status") == "False":
-        return [Event("Normal", "ModelNameAvailable", str(now["message"]))]
+        return [Event("Normal", recovered, str(now["message"]))]
     return []
 
 
