@@ -44,6 +44,8 @@ def unknown(reason: str, message: str) -> Fit:
 
 
 def _gib(value: int) -> str:
+    if abs(value) < GiB:
+        return f"{value / (1 << 20):.1f} MiB"
     return f"{value / GiB:.1f} GiB"
 
 
