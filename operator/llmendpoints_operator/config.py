@@ -177,6 +177,13 @@ class OperatorSettings(BaseSettings):
         "read private and gated models (the chart then grants `get` on Secrets). Unset, such "
         "models are Unknown and roll out unchecked.",
     )
+    fit_allowed_hubs: str | None = Field(
+        None,
+        description="Other hubs (comma-separated base URLs) the fit check may read when an "
+        "endpoint's spec.engine.env sets HF_ENDPOINT; an endpoint naming any other hub gets "
+        "ModelFits Unknown (the operator contacts no address an endpoint author picks). Unset: "
+        "only the operator's own hub.",
+    )
     hf_endpoint: str | None = Field(
         None,
         description="The hub the fit check reads models from, unless an endpoint sets "

@@ -245,7 +245,6 @@ async def test_a_private_model_is_read_with_the_endpoints_token(
     await _checked(operator, cluster, "private", "True")
     private = [s for s in hub.seen if s.path.startswith(f"/{PRIVATE}/")]
     assert private and all(s.authorization == f"Bearer {TOKEN}" for s in private)
-    # The CDN (another path, as another origin would be) never needs the token.
     spec = _spec(PRIVATE, "h100")
     spec["model"]["hfTokenSecretRef"] = {"name": "no-such-secret", "key": "token"}
     await cluster.create("llmendpoints.dev/v1alpha1/llmendpoints", NS, endpoint(

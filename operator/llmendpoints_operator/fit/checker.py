@@ -7,6 +7,9 @@ bounded in time so that a reconcile never waits long and a slow hub never stops 
   read carries on in the background, so the next reconcile (the resync, or any change) has it.
 - The nodes are listed at most once per LLMEP_OPERATOR_FIT_NODES_SECONDS.
 - The verdict itself is recomputed on every reconcile: a spec change is checked at once.
+- An endpoint whose pods use another hub (HF_ENDPOINT in spec.engine.env) is read there only if
+  the cluster admin lists it (LLMEP_OPERATOR_FIT_ALLOWED_HUBS): the operator contacts no address
+  an endpoint author picks.
 - A private or gated model needs the endpoint's token: the Secret of spec.model.hfTokenSecretRef
   is read only with LLMEP_OPERATOR_FIT_READ_TOKEN_SECRETS (the chart's RBAC then allows it);
   otherwise, or when the API refuses, the model is read without a token and, if the hub refuses,
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from llmendpoints_operator import kube
-from llmendpoints_operator.config import OperatorSettings
+from llmendpoints_operator.config import OperatorSettings, split_list
 from llmendpoints_operator.fit import nodes
 from llmendpoints_operator.fit.inputs import ModelRef, fit_inputs, gpu_memory, model_ref, placement
 from llmendpoints_operator.fit.sizing import GpuMemory, ModelFacts
@@ -68,7 +71,9 @@ class FitChecker:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cluster, self._hub, self._settings = cluster, hub, settings
-        self._default_hub = settings.hf_endpoint or default_hub
+        self._default_hub = (settings.hf_endpoint or default_hub).rstrip("/")
+        allowed = split_list(settings.fit_allowed_hubs) or ()
+        self._hubs = {self._default_hub, *(h.rstrip("/") for h in allowed)}
         self._clock = clock
         self._models: OrderedDict[tuple[Any, ...], _Read] = OrderedDict()
         self._nodes: tuple[float, list[dict[str, Any]]] | None = None
@@ -134,6 +139,13 @@ class FitChecker:
 
     async def _facts(self, ep: Endpoint, ref: ModelRef) -> ModelFacts | Fit:
         hub = (ref.hub or self._default_hub).rstrip("/")
+        if hub not in self._hubs:
+            return unknown(
+                "HubNotAllowed",
+                f"the pods read {ref.name} from {hub} (HF_ENDPOINT in spec.engine.env), a hub the "
+                "operator does not contact: the cluster admin may list it in "
+                "LLMEP_OPERATOR_FIT_ALLOWED_HUBS",
+            )
         secret = (ep.namespace, *ref.token_secret) if ref.token_secret else None
         key = (hub, ref.name, ref.revision, secret)
         read = self._current(key)

@@ -141,6 +141,11 @@ async def test_what_the_check_cannot_know_is_unknown_and_never_an_exception(
     assert (local.status, local.reason) == ("Unknown", "NotOnHub")
     cpu = await checker.check(_ep(resources={"gpus": 0}))
     assert cpu.reason == "NoGPU"
+    elsewhere = _ep(
+        resources={"gpuMemory": "80Gi"},
+        engine={"env": [{"name": "HF_ENDPOINT", "value": "http://169.254.169.254"}]},
+    )
+    assert (await checker.check(elsewhere)).reason == "HubNotAllowed"  # never contacted
     missing = await checker.check(_ep("acme/nothing", resources={"gpuMemory": "80Gi"}))
     assert (missing.status, missing.reason) == ("Unknown", "ModelNotFound")
 
@@ -152,6 +157,19 @@ async def test_what_the_check_cannot_know_is_unknown_and_never_an_exception(
     assert (broken.status, broken.reason) == ("Unknown", "CheckFailed")
     assert "boom" in broken.message
     assert await _checker(hub, FakeCluster([], {}), fit_check=False).check(_ep()) is None
+
+
+async def test_a_hub_the_admin_allows_is_read_for_the_endpoints_that_name_it(
+    hub: HeaderHub,
+) -> None:
+    mirror = HeaderHub()
+    mirror.repos[MODEL] = _repo()
+    with mirror:
+        ep = _ep(engine={"env": [{"name": "HF_ENDPOINT", "value": mirror.url + "/"}]})
+        checker = _checker(hub, FakeCluster([H100], {}), fit_allowed_hubs=mirror.url)
+        assert (await checker.check(ep)).status == "True"
+        await checker.close()
+    assert mirror.shard_requests(MODEL) and not hub.shard_requests(MODEL)
 
 
 async def test_a_failed_read_is_retried_after_a_minute(hub: HeaderHub) -> None:
