@@ -111,6 +111,20 @@ def _batch(inputs: FitInputs, gpu: GpuMemory) -> overhead.Batch:
     )
 
 
+def _stage_weights(
+    shape: ModelShape, tensors: Sequence[Tensor], inputs: FitInputs, dtype_bytes: int
+) -> list[int]:
+    """Weights on one GPU of each pipeline stage, less CPU offload, plus LoRA's buffers."""
+    par = inputs.parallel
+    stage_weights = weights.per_stage(
+        tensors, shape, par, dtype_bytes, online_fp8=_online_fp8(shape, tensors, inputs)
+    )
+    extra = -inputs.cpu_offload_bytes
+    if inputs.lora is not None:
+        extra += weights.lora_bytes(tensors, par, *inputs.lora, dtype_bytes)
+    return [max(0, w + extra) for w in stage_weights]
+
+
 def size(
     shape: ModelShape,
     tensors: Sequence[Tensor],
@@ -126,25 +140,14 @@ def size(
     shape = _shape_for(shape, inputs, kv_name)
     kv_bytes = kv_bytes or 1
     stages = weights.stage_layers(shape.num_layers, par.pipeline)
-    stage_weights = weights.per_stage(
-        tensors, shape, par, dtype_bytes, online_fp8=_online_fp8(shape, tensors, inputs)
-    )
-    extra = -inputs.cpu_offload_bytes
-    if inputs.lora is not None:
-        extra += weights.lora_bytes(tensors, par, *inputs.lora, dtype_bytes)
-    stage_weights = [max(0, w + extra) for w in stage_weights]
+    stage_weights = _stage_weights(shape, tensors, inputs, dtype_bytes)
     batch = _batch(inputs, gpu)
     reserves = [
         overhead.estimate(
-            shape,
-            par,
-            dtype_bytes,
-            batch,
-            eager=inputs.enforce_eager,
-            last_stage=i == len(stages) - 1,
+            shape, par, dtype_bytes, batch, eager=inputs.enforce_eager, last_stage=i == len(stages) - 1
         ).total
         for i in range(len(stages))
-    ]
+    ]  # fmt: skip
     usable = math.ceil(gpu.bytes * inputs.gpu_memory_utilization)
     if inputs.kv_cache_memory_bytes:  # vLLM then skips profiling and takes this as the budget
         budgets = [inputs.kv_cache_memory_bytes] * len(stages)
