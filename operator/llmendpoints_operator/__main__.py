@@ -5,11 +5,14 @@
     llmendpoints-operator queue-auth keys --out-dir DIR
     llmendpoints-operator queue-auth server-config --keys-dir DIR --out-dir DIR [--route URL ...]
     llmendpoints-operator queue-auth creds --keys-dir DIR --role ROLE [--endpoint NS/NAME] --out FILE
+    llmendpoints-operator fit MODEL --gpus N --gpu-memory 80GiB [--max-model-len N] ...
     llmendpoints-operator --version
 
 `queue-auth` works with the shared job queue's NATS keys (llmendpoints_common.queue.trust): a new
 installation's keys, the NATS servers' trust configuration (the chart's NATS init container),
 and a role's creds file (the gateway's init container; `admin` for a person repairing the queue).
+`fit` answers "will this model fit these GPUs?" locally, as the operator's pre-flight check does
+(fit/cli.py).
 
 Credentials come from KUBECONFIG when it is set, else from the in-cluster service account.
 Operator settings come from LLMEP_OPERATOR_* variables (see config.py and docs/operator.md;
@@ -111,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
     creds.add_argument("--role", required=True, choices=["runtime", "gateway", "operator", "admin"])
     creds.add_argument("--endpoint", help="NS/NAME: the endpoint of a runtime credential")
     creds.add_argument("--out", required=True, help="file to write (mode 0600)")
+    from llmendpoints_operator.fit import cli as fit_cli
+
+    fit_cli.add_parser(commands)
     return parser
 
 
@@ -169,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "queue-auth":
         return _queue_auth(args)
+    if args.command == "fit":
+        from llmendpoints_operator.fit import cli as fit_cli
+
+        return fit_cli.main(args)
 
     # Settings are validated before anything starts: a bad LLMEP_OPERATOR_* value names itself.
     from llmendpoints_operator.config import OperatorSettings

@@ -263,6 +263,8 @@ class Toleration(_Model):
 class ResourcesSpec(_Model):
     gpus: int = Field(1, ge=0)
     gpu_resource_name: str | None = Field(None, min_length=1)
+    # One GPU's memory, for the fit check where the nodes' labels do not say it.
+    gpu_memory: Quantity | None = None
     requests: ComputeQuantities | None = None
     limits: ComputeQuantities | None = None
     shm_size: Quantity | None = None
