@@ -309,6 +309,7 @@ def test_a_tokens_per_minute_key_far_from_its_limit_is_admitted_and_settled_loca
 
     import nats
     from llmendpoints_common.queue import names
+    from llmendpoints_common.queue.connect import settle
 
     limit = 1_000_000
     subject = names.kv_subject(names.QUOTAS_BUCKET, names.quota_key("tpm-local"))
@@ -323,7 +324,7 @@ def test_a_tokens_per_minute_key_far_from_its_limit_is_admitted_and_settled_loca
             writes += 1
 
         await nc.subscribe(subject, cb=seen)  # every write to the key's value, by anyone
-        await nc.flush()
+        await settle(nc)  # on the server before the first request (flush() is not enough)
         statuses = []
         try:
             async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
