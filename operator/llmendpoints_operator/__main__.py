@@ -25,7 +25,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import pathlib
 import sys
+import time
 
 from pydantic import ValidationError
 
@@ -116,8 +118,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _write_private(path: str, text: str) -> None:
     """Write a secret file readable by its owner only (replaced whole, never half-written)."""
-    import os
-
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
@@ -126,9 +126,8 @@ def _write_private(path: str, text: str) -> None:
 
 
 def _queue_auth(args: argparse.Namespace) -> int:
-    import pathlib
-    import time
-
+    # Here, not at the top: the queue's credential code pulls in nats-py (about 1 s of imports
+    # on a busy node), which `run` and `--version` never use.
     from llmendpoints_common.queue.natsjwt import CredentialsError
     from llmendpoints_common.queue.trust import (
         Installation,
