@@ -53,6 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_run(commands)
+    _add_queue_auth(commands)
+    return parser
+
+
+def _add_run(commands: argparse._SubParsersAction) -> None:
     run = commands.add_parser(
         "run",
         help="run the operator until interrupted",
@@ -88,6 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("-v", "--verbose", action="store_true", help="log debug details")
 
+
+def _add_queue_auth(commands: argparse._SubParsersAction) -> None:
     auth = commands.add_parser("queue-auth", help="NATS keys, server trust and creds files")
     actions = auth.add_subparsers(dest="action", required=True)
     keys = actions.add_parser("keys", help="write a new installation's four nkey seeds")
@@ -113,7 +121,6 @@ def _parser() -> argparse.ArgumentParser:
     creds.add_argument("--role", required=True, choices=["runtime", "gateway", "operator", "admin"])
     creds.add_argument("--endpoint", help="NS/NAME: the endpoint of a runtime credential")
     creds.add_argument("--out", required=True, help="file to write (mode 0600)")
-    return parser
 
 
 def _write_private(path: str, text: str) -> None:
