@@ -28,11 +28,14 @@ import asyncio
 import contextlib
 import logging
 import os
+import pathlib
 import sys
+import time
 
 from pydantic import ValidationError
 
 from llmendpoints_operator import __version__
+from llmendpoints_operator.fit import cli as fit_cli
 
 
 def _settings_help() -> str:
@@ -54,6 +57,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_run(commands)
+    _add_queue_auth(commands)
+    fit_cli.add_parser(commands)
+    return parser
+
+
+def _add_run(commands: argparse._SubParsersAction) -> None:
     run = commands.add_parser(
         "run",
         help="run the operator until interrupted",
@@ -89,6 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("-v", "--verbose", action="store_true", help="log debug details")
 
+
+def _add_queue_auth(commands: argparse._SubParsersAction) -> None:
     auth = commands.add_parser("queue-auth", help="NATS keys, server trust and creds files")
     actions = auth.add_subparsers(dest="action", required=True)
     keys = actions.add_parser("keys", help="write a new installation's four nkey seeds")
@@ -114,16 +126,10 @@ def _parser() -> argparse.ArgumentParser:
     creds.add_argument("--role", required=True, choices=["runtime", "gateway", "operator", "admin"])
     creds.add_argument("--endpoint", help="NS/NAME: the endpoint of a runtime credential")
     creds.add_argument("--out", required=True, help="file to write (mode 0600)")
-    from llmendpoints_operator.fit import cli as fit_cli
-
-    fit_cli.add_parser(commands)
-    return parser
 
 
 def _write_private(path: str, text: str) -> None:
     """Write a secret file readable by its owner only (replaced whole, never half-written)."""
-    import os
-
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
@@ -132,9 +138,8 @@ def _write_private(path: str, text: str) -> None:
 
 
 def _queue_auth(args: argparse.Namespace) -> int:
-    import pathlib
-    import time
-
+    # Here, not at the top: the queue's credential code pulls in nats-py (about 1 s of imports
+    # on a busy node), which `run` and `--version` never use.
     from llmendpoints_common.queue.natsjwt import CredentialsError
     from llmendpoints_common.queue.trust import (
         Installation,
@@ -176,8 +181,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "queue-auth":
         return _queue_auth(args)
     if args.command == "fit":
-        from llmendpoints_operator.fit import cli as fit_cli
-
         return fit_cli.main(args)
 
     # Settings are validated before anything starts: a bad LLMEP_OPERATOR_* value names itself.
