@@ -20,6 +20,7 @@ from integration.nats_kit import record_wire, running_nats
 from llmendpoints_common.queue import signals
 from llmendpoints_common.queue.connect import connect, settle
 from ports import free_port
+from proc_kit import stopped, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,7 @@ async def test_settle_gives_up_with_an_error_when_the_server_does_not_answer(tmp
         nc, _ = await connect(frozen.url, name="frozen", reconnect=False)
         os.kill(frozen.process.pid, signal.SIGSTOP)
         try:
+            wait_until(lambda: stopped(frozen.process.pid), 10, "nats-server stopped", 0.01)
             with pytest.raises(TimeoutError):
                 await settle(nc, timeout=0.5)
         finally:
