@@ -390,8 +390,7 @@ async def _workload_changed(
                 endpoint, prune=False, logger=logger, trigger="deployment-deleted"
             )
         return
-    if not reconciler.reconciling(key):
-        await reconciler.publish_status(endpoint)
+    await reconciler.child_changed(endpoint)
 
 
 @kopf.on.event("", "v1", "persistentvolumeclaims")
@@ -400,5 +399,5 @@ async def claim_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) ->
     for endpoint_name in list(reconciler.indexes.claim_users.get((namespace, name), ())):
         key = (namespace, endpoint_name)
         endpoint = reconciler.indexes.endpoint(key)
-        if endpoint is not None and not reconciler.reconciling(key):
-            await reconciler.publish_status(endpoint)
+        if endpoint is not None:
+            await reconciler.child_changed(endpoint)

@@ -188,6 +188,18 @@ def lenient_cache_state(
     return status.CacheState(claim_name=claim, phase=phases.get(claim), existing=bool(existing))
 
 
+def _nulling(previous: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """`new` as a merge patch over `previous`: inside objects both have (status.groups and its
+    lastFailure), the keys `new` no longer has are nulled (a merge patch merges nested objects;
+    lists it replaces)."""
+    out = dict(new)
+    for key, value in new.items():
+        old = previous.get(key)
+        if isinstance(old, Mapping) and isinstance(value, Mapping):
+            out[key] = {**dict.fromkeys(k for k in old if k not in value), **_nulling(old, value)}
+    return out
+
+
 class _ClaimPhases(Mapping[str, str]):
     """Claim name -> phase for one namespace, read from the claim_phases index."""
 
@@ -263,6 +275,8 @@ class Reconciler:
         self._pools: dict[Key, status.InferencePoolState] = {}
         # Why the last reconcile could not write an endpoint's workload (no LeaderWorkerSet API).
         self._workload_problems: dict[Key, status.WorkloadProblem] = {}
+        # Endpoints a child's event came for while they were being reconciled (child_changed).
+        self._missed: set[Key] = set()
         # The served model name each endpoint declared when last seen (model_claims_changed).
         self._served: dict[Key, str] = {}
         # Secrets this process created, per endpoint (the annotation's record may not be in the
@@ -284,6 +298,7 @@ class Reconciler:
         try:
             await self._reconcile(endpoint, prune=prune, logger=logger)
             result = "ok"
+            await self._publish_missed(endpoint)
         except InvalidSpecError:
             result = "invalid"
             raise
@@ -296,6 +311,23 @@ class Reconciler:
         then-current indexes, so a publish triggered by a child's event now would be wasted."""
         lock = self._reconcile_locks.get(key)
         return lock is not None and lock.locked()
+
+    async def child_changed(self, endpoint: Mapping[str, Any]) -> None:
+        """A child's watch event: publish the status, or - while a reconcile runs, which
+        publishes what it wrote - once more after it (the event may be newer than the write)."""
+        meta = endpoint["metadata"]
+        key = (meta["namespace"], meta["name"])
+        if self.reconciling(key):
+            self._missed.add(key)
+            return
+        await self.publish_status(endpoint)
+
+    async def _publish_missed(self, endpoint: Mapping[str, Any]) -> None:
+        meta = endpoint["metadata"]
+        key = (meta["namespace"], meta["name"])
+        if key in self._missed and not self.reconciling(key):
+            self._missed.discard(key)
+            await self.publish_status(self.indexes.endpoint(key) or endpoint)
 
     async def _reconcile(
         self, endpoint: Mapping[str, Any], *, prune: bool, logger: logging.Logger
@@ -641,7 +673,7 @@ class Reconciler:
                     manifests.KIND,
                     namespace,
                     name,
-                    {"status": {**dict.fromkeys(gone), **new}},
+                    {"status": {**dict.fromkeys(gone), **_nulling(previous, new)}},
                     subresource="status",
                 )
             except kube.NotFound:
@@ -660,7 +692,13 @@ class Reconciler:
         except kube.ApiError as exc:  # no permission (an older chart): the counts still show
             logger.info("Pods of %s/%s not read: %s", namespace, name, exc)
             return []
-        return groups.unready_pods(pods)
+        mine = [
+            pod
+            for pod in pods
+            if ((pod.get("metadata") or {}).get("labels") or {}).get(manifests.LABEL_ENDPOINT)
+            == name
+        ]  # the selector's answer, checked (a stand-in API server may not filter)
+        return groups.unready_pods(mine)
 
     def model_name(self, snapshot: Mapping[str, Any]) -> status.ModelNameState:
         """The endpoint's served model name, and the older endpoint keeping it, if any.
@@ -771,6 +809,7 @@ class Reconciler:
             self._pools.pop(key, None)
         for key in [k for k in self._workload_problems if k not in endpoints]:
             self._workload_problems.pop(key, None)
+        self._missed = {key for key in self._missed if key in endpoints}
         for key in [k for k in self._served if k not in endpoints]:
             self._served.pop(key, None)
         for locks in (self._reconcile_locks, self._status_locks):

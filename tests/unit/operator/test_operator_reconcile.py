@@ -687,7 +687,7 @@ async def test_a_group_that_is_not_ready_names_its_failing_pod_and_keeps_the_las
     calls = len(world.kube.calls)
     await world.reconciler.publish_status(endpoint)
     assert not [c for c in world.kube.calls[calls:] if c[0] == "list"]
-    assert "unready" not in world.kube.status_of("big")["groups"]
+    assert world.kube.status_of("big")["groups"].get("unready") is None  # nulled
 
 
 async def test_without_the_leader_worker_set_api_the_status_says_how_to_install_it() -> None:
@@ -773,3 +773,17 @@ async def test_the_autoscaler_scales_the_groups() -> None:
     assert (subject.deployment, subject.service) == ("big-group", "big")
     assert (subject.replicas, subject.ready_replicas) == (1, 1)
     assert subject.policy.max_replicas == 3  # groups
+
+
+def test_a_status_patch_nulls_what_nested_objects_no_longer_hold() -> None:
+    from llmendpoints_operator.reconcile import _nulling
+
+    previous = {
+        "phase": "Failed",
+        "groups": {"ready": 0, "unready": [1], "lastFailure": {"node": "a", "pod": "p"}},
+    }
+    new = {"phase": "Ready", "groups": {"ready": 1, "lastFailure": {"pod": "q"}}}
+    assert _nulling(previous, new) == {
+        "phase": "Ready",
+        "groups": {"ready": 1, "unready": None, "lastFailure": {"node": None, "pod": "q"}},
+    }
