@@ -488,3 +488,56 @@ def test_a_mismatch_at_kubectl_apply_names_the_sizes(schema: dict[str, Any]) -> 
         "engine: tensorParallelSize 8 x pipelineParallelSize 1 x dataParallelSize 1 must multiply "
         "to resources.gpus 8 x resources.nodes 2 = 16 (every GPU of a replica holds one shard)"
     )
+
+
+def _pruned(value: Any, node: dict[str, Any], path: str = "") -> list[str]:
+    """The paths of `value` the API server would prune under the structural schema `node`."""
+    if node.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    if isinstance(value, dict):
+        props = node.get("properties")
+        extra = node.get("additionalProperties")
+        out = []
+        for key, child in value.items():
+            if props is not None and key in props:
+                out += _pruned(child, props[key], f"{path}.{key}")
+            elif isinstance(extra, dict):
+                out += _pruned(child, extra, f"{path}.{key}")
+            else:
+                out.append(f"{path}.{key}")
+        return out
+    if isinstance(value, list) and isinstance(node.get("items"), dict):
+        return [p for item in value for p in _pruned(item, node["items"], f"{path}[]")]
+    return []
+
+
+def test_a_multi_node_status_survives_the_schema(schema: dict[str, Any]) -> None:
+    """Everything the operator writes in a multi-node endpoint's status is in the CRD's status
+    schema (the API server silently prunes what is not)."""
+    from llmendpoints_operator import groups, status
+
+    ep = spec.parse("big", "ns", {"model": {"name": "m"}, "resources": {"gpus": 8, "nodes": 2}})
+    pod = groups.UnreadyPod(1, 1, "big-group-1-1", "gpu-7", "OOMKilled", "exit code 137")
+    state = status.DeploymentState.from_leader_worker_set(
+        {
+            "spec": {"replicas": 2, "leaderWorkerTemplate": {"size": 2}},
+            "status": {"readyReplicas": 1},
+        }
+    )
+    written = status.compute(
+        name="big",
+        namespace="ns",
+        endpoint=ep,
+        invalid_message=None,
+        observed=status.Observed(
+            deployment=state,
+            cache=status.CacheState(),
+            unready=(pod,),
+            workload_problem=status.groups_api_missing(2),
+        ),
+        previous=None,
+        now="2026-01-01T00:00:00Z",
+        observed_generation=1,
+    )
+    assert written["groups"]["lastFailure"]["node"] == "gpu-7"
+    assert _pruned(written, schema["properties"]["status"]) == []

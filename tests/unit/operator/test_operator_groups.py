@@ -258,3 +258,50 @@ def test_unready_pods_say_which_pod_on_which_node_and_why() -> None:
 def test_at_most_ten_unready_pods_are_reported() -> None:
     pods = [_pod(g, w) for g in range(8) for w in range(2)]
     assert len(groups.unready_pods(pods)) == groups.MAX_UNREADY_REPORTED
+
+
+def test_placement_images_adapters_and_the_cache_reach_leader_and_workers_alike() -> None:
+    spec = {
+        "model": {"name": "org/big"},
+        "engine": {"image": "registry.example/runtime:9", "imagePullSecrets": [{"name": "pull"}]},
+        "resources": {
+            "gpus": 8,
+            "nodes": 2,
+            "priorityClassName": "inference-critical",
+            "nodeSelector": {"nvidia.com/gpu.product": "H100"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+        },
+        "cache": {"existingClaim": "weights"},
+        "adapters": [{"name": "sql", "source": "org/sql-lora"}],
+    }
+    lwt = _lws(spec)["spec"]["leaderWorkerTemplate"]
+    for role in ("leaderTemplate", "workerTemplate"):
+        pod = lwt[role]["spec"]
+        assert pod["priorityClassName"] == "inference-critical"
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
+        assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
+        assert pod["imagePullSecrets"] == [{"name": "pull"}]
+        assert pod["containers"][0]["image"] == "registry.example/runtime:9"
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["model-cache"] == {
+            "name": "model-cache",
+            "persistentVolumeClaim": {"claimName": "weights"},
+        }
+        assert volumes["adapters"]["configMap"]["name"] == "big-adapters"
+        assert pod["automountServiceAccountToken"] is False
+
+
+def test_the_cluster_policy_and_managed_variables_hold_for_groups() -> None:
+    from llmendpoints_operator.admission import admit
+    from llmendpoints_operator.spec import InvalidSpecError
+
+    strict = OperatorSettings(allowed_images="registry.example/*")
+    spec = {**GROUP, "engine": {"image": "elsewhere/runtime:1"}}
+    with pytest.raises(InvalidSpecError, match=r"spec\.engine\.image"):
+        admit("big", "team", spec, strict)
+    for name in ("LWS_WORKER_INDEX", "NODE_RANK", "DATA_PARALLEL_EXTERNAL_LB"):
+        spec = {**GROUP, "engine": {"env": [{"name": name, "value": "1"}]}}
+        with pytest.raises(InvalidSpecError, match=name):
+            admit("big", "team", spec, OperatorSettings())
+    with pytest.raises(InvalidSpecError, match=r"args\.pipeline-parallel-size"):
+        parse("big", "team", {**GROUP, "engine": {"args": {"pipeline-parallel-size": 2}}})
