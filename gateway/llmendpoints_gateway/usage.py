@@ -26,7 +26,10 @@ from typing import Any
 from llmendpoints_common.jobs.record import JobRecord
 from llmendpoints_common.queue import names
 from llmendpoints_common.queue.connect import connect
+from llmendpoints_common.queue.natsjwt import Permissions
 from llmendpoints_common.queue.topology import QueueLayout, ensure_streams
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from llmendpoints_gateway.keys import KeyRing
@@ -307,14 +310,30 @@ async def read_usage(
 ) -> list[UsageRecord]:
     """Every record of ``LLMEP_USAGE`` that ended in [since, until): read from the first
     message stored at ``since`` (the stream's own time index) up to its last message now."""
+    nc, permissions = await _connect_once(url, creds_file)
+    try:
+        js = nc.jetstream(timeout=10)
+        if permissions is None or permissions.may_publish(
+            f"$JS.API.STREAM.CREATE.{names.USAGE_STREAM}"
+        ):
+            await ensure_streams(js, QueueLayout())
+        info = await js.stream_info(names.USAGE_STREAM)
+        if info.state.messages == 0:
+            return []
+        return await _records_between(js, since, until, info.state.last_seq)
+    finally:
+        await nc.close()
+
+
+async def _connect_once(url: str, creds_file: str | None) -> tuple[NATS, Permissions | None]:
+    """Bounded, unlike the servers' reconnect-forever (nats-py keeps retrying a first connect
+    whatever its options say): a CLI says it cannot reach the queue."""
 
     async def quiet(exc: Exception) -> None:
         pass
 
-    # Bounded, unlike the servers' reconnect-forever (nats-py keeps retrying a first connect
-    # whatever its options say): a CLI says it cannot reach the queue.
     try:
-        nc, permissions = await asyncio.wait_for(
+        return await asyncio.wait_for(
             connect(
                 url,
                 name="llmendpoints-gateway-usage",
@@ -329,51 +348,45 @@ async def read_usage(
         raise ConnectionError(
             f"no NATS server answered within {CONNECT_TIMEOUT_SECONDS:.0f} s"
         ) from None
+
+
+async def _records_between(
+    js: JetStreamContext, since: float, until: float | None, last: int
+) -> list[UsageRecord]:
+    """The records that ended in [since, until), up to stream sequence ``last``."""
+    # Records may be stored a moment after they ended: start a minute early, filter exactly.
+    start = datetime.fromtimestamp(max(0.0, since - 60.0), tz=UTC)
+    sub = await js.pull_subscribe(
+        "llmep.usage.>",
+        stream=names.USAGE_STREAM,
+        config=ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_TIME,
+            ack_policy=AckPolicy.NONE,
+            opt_start_time=start.isoformat().replace("+00:00", "Z"),
+            inactive_threshold=60.0,
+            mem_storage=True,
+        ),
+    )
+    records: list[UsageRecord] = []
     try:
-        js = nc.jetstream(timeout=10)
-        if permissions is None or permissions.may_publish(
-            f"$JS.API.STREAM.CREATE.{names.USAGE_STREAM}"
-        ):
-            await ensure_streams(js, QueueLayout())
-        info = await js.stream_info(names.USAGE_STREAM)
-        last = info.state.last_seq
-        records: list[UsageRecord] = []
-        if info.state.messages == 0:
-            return records
-        # Records may be stored a moment after they ended: start a minute early, filter exactly.
-        start = datetime.fromtimestamp(max(0.0, since - 60.0), tz=UTC)
-        sub = await js.pull_subscribe(
-            "llmep.usage.>",
-            stream=names.USAGE_STREAM,
-            config=ConsumerConfig(
-                deliver_policy=DeliverPolicy.BY_START_TIME,
-                ack_policy=AckPolicy.NONE,
-                opt_start_time=start.isoformat().replace("+00:00", "Z"),
-                inactive_threshold=60.0,
-                mem_storage=True,
-            ),
-        )
-        try:
-            while True:
-                try:
-                    messages = await sub.fetch(1000, timeout=1.0)
-                except TimeoutError:
-                    break
-                seq = 0
-                for msg in messages:
-                    seq = msg.metadata.sequence.stream
-                    record = UsageRecord.decode(msg.data)
-                    if (
-                        record is not None
-                        and record.time >= since
-                        and (until is None or record.time < until)
-                    ):
-                        records.append(record)
-                if seq >= last:
-                    break
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        return records
+        while True:
+            try:
+                messages = await sub.fetch(1000, timeout=1.0)
+            except TimeoutError:
+                break
+            seq = 0
+            for msg in messages:
+                seq = msg.metadata.sequence.stream
+                record = UsageRecord.decode(msg.data)
+                if (
+                    record is not None
+                    and record.time >= since
+                    and (until is None or record.time < until)
+                ):
+                    records.append(record)
+            if seq >= last:
+                break
     finally:
-        await nc.close()
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    return records

@@ -5,11 +5,14 @@
     llmendpoints-operator queue-auth keys --out-dir DIR
     llmendpoints-operator queue-auth server-config --keys-dir DIR --out-dir DIR [--route URL ...]
     llmendpoints-operator queue-auth creds --keys-dir DIR --role ROLE [--endpoint NS/NAME] --out FILE
+    llmendpoints-operator fit MODEL --gpus N --gpu-memory 80GiB [--max-model-len N] ...
     llmendpoints-operator --version
 
 `queue-auth` works with the shared job queue's NATS keys (llmendpoints_common.queue.trust): a new
 installation's keys, the NATS servers' trust configuration (the chart's NATS init container),
 and a role's creds file (the gateway's init container; `admin` for a person repairing the queue).
+`fit` answers "will this model fit these GPUs?" locally, as the operator's pre-flight check does
+(fit/cli.py).
 
 Credentials come from KUBECONFIG when it is set, else from the in-cluster service account.
 Operator settings come from LLMEP_OPERATOR_* variables (see config.py and docs/operator.md;
@@ -25,11 +28,14 @@ import asyncio
 import contextlib
 import logging
 import os
+import pathlib
 import sys
+import time
 
 from pydantic import ValidationError
 
 from llmendpoints_operator import __version__
+from llmendpoints_operator.fit import cli as fit_cli
 
 
 def _settings_help() -> str:
@@ -51,6 +57,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_run(commands)
+    _add_queue_auth(commands)
+    fit_cli.add_parser(commands)
+    return parser
+
+
+def _add_run(commands: argparse._SubParsersAction) -> None:
     run = commands.add_parser(
         "run",
         help="run the operator until interrupted",
@@ -86,6 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("-v", "--verbose", action="store_true", help="log debug details")
 
+
+def _add_queue_auth(commands: argparse._SubParsersAction) -> None:
     auth = commands.add_parser("queue-auth", help="NATS keys, server trust and creds files")
     actions = auth.add_subparsers(dest="action", required=True)
     keys = actions.add_parser("keys", help="write a new installation's four nkey seeds")
@@ -111,13 +126,10 @@ def _parser() -> argparse.ArgumentParser:
     creds.add_argument("--role", required=True, choices=["runtime", "gateway", "operator", "admin"])
     creds.add_argument("--endpoint", help="NS/NAME: the endpoint of a runtime credential")
     creds.add_argument("--out", required=True, help="file to write (mode 0600)")
-    return parser
 
 
 def _write_private(path: str, text: str) -> None:
     """Write a secret file readable by its owner only (replaced whole, never half-written)."""
-    import os
-
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
@@ -126,9 +138,8 @@ def _write_private(path: str, text: str) -> None:
 
 
 def _queue_auth(args: argparse.Namespace) -> int:
-    import pathlib
-    import time
-
+    # Here, not at the top: the queue's credential code pulls in nats-py (about 1 s of imports
+    # on a busy node), which `run` and `--version` never use.
     from llmendpoints_common.queue.natsjwt import CredentialsError
     from llmendpoints_common.queue.trust import (
         Installation,
@@ -169,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "queue-auth":
         return _queue_auth(args)
+    if args.command == "fit":
+        return fit_cli.main(args)
 
     # Settings are validated before anything starts: a bad LLMEP_OPERATOR_* value names itself.
     from llmendpoints_operator.config import OperatorSettings

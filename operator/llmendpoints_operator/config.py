@@ -146,6 +146,51 @@ class OperatorSettings(BaseSettings):
         "gateways with an endpoint picker (docs/gateway-api.md).",
     )
 
+    fit_check: bool = Field(
+        True,
+        description="Check before rollout whether each endpoint's model fits the GPUs it asks "
+        'for (status.fit, condition ModelFits; docs/operator.md, "Will it fit?"): a model '
+        "that does not fit gets no pods. Reads config.json and safetensors headers from the "
+        "hub, and the nodes' GPU labels.",
+    )
+    fit_timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="How long a reconcile waits for the hub's answer about a model it has not "
+        "read yet; then ModelFits is Unknown, the rollout goes on and the read finishes in the "
+        "background for the next reconcile.",
+    )
+    fit_cache_seconds: float = Field(
+        3600.0,
+        gt=0,
+        description="How long a model's config.json and headers are reused, per hub, model, "
+        "revision and token Secret (a failed read is retried after a minute).",
+    )
+    fit_nodes_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="How long the list of nodes (their GPU labels) is reused by the fit check.",
+    )
+    fit_read_token_secrets: bool = Field(
+        False,
+        description="Whether the fit check reads the Secret of spec.model.hfTokenSecretRef to "
+        "read private and gated models (the chart then grants `get` on Secrets). Unset, such "
+        "models are Unknown and roll out unchecked.",
+    )
+    fit_allowed_hubs: str | None = Field(
+        None,
+        description="Other hubs (comma-separated base URLs) the fit check may read when an "
+        "endpoint's spec.engine.env sets HF_ENDPOINT; an endpoint naming any other hub gets "
+        "ModelFits Unknown (the operator contacts no address an endpoint author picks). Unset: "
+        "only the operator's own hub.",
+    )
+    hf_endpoint: str | None = Field(
+        None,
+        description="The hub the fit check reads models from, unless an endpoint sets "
+        "HF_ENDPOINT in spec.engine.env. Unset: the operator's HF_ENDPOINT, else "
+        "https://huggingface.co.",
+    )
+
     # -- cluster-admin policy (policy.py; docs/security.md). Lists are comma-separated; unset
     # means no restriction, an empty value allows nothing. Globs: `*` any run of characters,
     # `?` one character.

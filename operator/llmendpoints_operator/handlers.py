@@ -44,6 +44,8 @@ from llmendpoints_operator.autoscaling.metrics import AutoscalerMetrics
 from llmendpoints_operator.autoscaling.outside import NatsOutside
 from llmendpoints_operator.config import OperatorSettings
 from llmendpoints_operator.events import EventPoster
+from llmendpoints_operator.fit.checker import FitChecker
+from llmendpoints_operator.hub import DEFAULT_HUB, HubClient
 from llmendpoints_operator.jobs_queue import JobsQueue
 from llmendpoints_operator.reconcile import (
     Indexes,
@@ -82,6 +84,7 @@ class Running:
     reconciler: Reconciler = field(init=False)
     autoscaler: Autoscaler = field(init=False)
     adapter_watcher: AdapterStatusWatcher = field(init=False)
+    fit_checker: FitChecker = field(init=False)
     jobs_queue: JobsQueue | None = None
 
     def api(self) -> kube.KubeClient:
@@ -98,6 +101,13 @@ class Running:
         self.events = EventPoster(self.api)
         # The shared job queue (None without one): streams, consumers, per-endpoint creds.
         self.jobs_queue = JobsQueue.from_settings(self.settings)
+        self.fit_checker = FitChecker(
+            cluster=self.api,
+            hub=HubClient(timeout=self.settings.fit_timeout_seconds),
+            settings=self.settings,
+            # The operator's own HF_ENDPOINT, as huggingface_hub reads it (unless the setting).
+            default_hub=os.environ.get("HF_ENDPOINT") or DEFAULT_HUB,
+        )
         self.reconciler = Reconciler(
             kube=self.api,
             indexes=indexes,
@@ -105,6 +115,7 @@ class Running:
             post_event=self.events.post,
             metrics=ReconcileMetrics(registry),
             jobs_queue=self.jobs_queue,
+            fit_checker=self.fit_checker,
         )
         self.autoscaler = Autoscaler(
             kube=self.api, post_event=self.events.post, metrics=AutoscalerMetrics(registry)
@@ -137,6 +148,7 @@ class Running:
         if self.loops:
             await self.autoscaler.close()
             await self.adapter_watcher.close()
+            await self.fit_checker.close()
         if self.events_task is not None:
             # What the last reconciles had to say still reaches the API, while it is reachable.
             await self.events.flush(EVENT_FLUSH_SECONDS)

@@ -16,6 +16,10 @@ it to kopf; tests drive it with a fake client and plain dicts as indexes.
   reconcile, and the endpoint's other children are written all the same. Idempotent: running it twice
   changes nothing. An invalid spec publishes the status (Ready=False/InvalidSpec naming the
   field), creates nothing, and raises InvalidSpecError; an API refusal raises kube.ApiError.
+- The fit check (fit/checker.py) runs on every reconcile, beside the children's writes: a model
+  that does not fit (ModelFits False) gets no workload (Deployment or LeaderWorkerSet) -- none is
+  created, and an existing one, running the last spec that did fit, is left as it is (its pods keep
+  serving; the new spec is not rolled out). Unknown rolls out. The check is bounded in time and never fails a reconcile.
 - `publish_status` computes the status from the indexes (status.compute, pure) and writes it
   when it changed, posting Events for notable transitions.
 - A served model name belongs to the oldest endpoint declaring it (llmendpoints_common.
@@ -54,6 +58,8 @@ from llmendpoints_operator.autoscaling.controller import STATUS_KEY as AUTOSCALI
 from llmendpoints_operator.autoscaling.controller import Subject
 from llmendpoints_operator.config import OperatorSettings
 from llmendpoints_operator.events import PostEvent
+from llmendpoints_operator.fit.checker import FitChecker
+from llmendpoints_operator.fit.verdict import Fit
 from llmendpoints_operator.jobs_queue import JobsQueue
 from llmendpoints_operator.spec import Endpoint, InvalidSpecError
 
@@ -254,9 +260,11 @@ class Reconciler:
         metrics: ReconcileMetrics | None = None,
         clock: Callable[[], datetime.datetime] = _utc_now,
         jobs_queue: JobsQueue | None = None,
+        fit_checker: FitChecker | None = None,
     ) -> None:
         self._kube = kube
         self._jobs_queue = jobs_queue
+        self._fit_checker = fit_checker
         self._gateway_token_secret = (
             gateway_token.read_secret(settings.gateway_token_secret_file)
             if settings.gateway_token_secret_file
@@ -277,6 +285,8 @@ class Reconciler:
         self._workload_problems: dict[Key, status.WorkloadProblem] = {}
         # Endpoints a child's event came for while they were being reconciled (child_changed).
         self._missed: set[Key] = set()
+        # The last fit check of each endpoint (status.fit, ModelFits).
+        self._fits: dict[Key, Fit] = {}
         # The served model name each endpoint declared when last seen (model_claims_changed).
         self._served: dict[Key, str] = {}
         # Secrets this process created, per endpoint (the annotation's record may not be in the
@@ -345,15 +355,27 @@ class Reconciler:
                 raise
 
             client = self._kube()
-            await self._ensure_admin_key(ep, endpoint, client, logger)
-            await self._ensure_queue_creds(ep, endpoint, client, logger)
-            await self._ensure_gateway_token(ep, endpoint, client, logger)
-            children = manifests.build_children(ep, self._settings)
-            kopf.adopt(children, owner=endpoint)
-            for child in children:
-                await client.apply(child)
+            # The fit check reads the hub while the children are written (bounded in time).
+            checking = asyncio.create_task(self._check_fit(ep))
+            try:
+                await self._ensure_admin_key(ep, endpoint, client, logger)
+                await self._ensure_queue_creds(ep, endpoint, client, logger)
+                await self._ensure_gateway_token(ep, endpoint, client, logger)
+                children = manifests.build_children(ep, self._settings)
+                kopf.adopt(children, owner=endpoint)
+                for child in children:
+                    await client.apply(child)
+                fit = await checking
+            finally:
+                checking.cancel()
+            if fit is not None:
+                self._fits[key] = fit
 
-            created, written = await self._write_workload(ep, endpoint, client, logger)
+            created, written = False, None
+            if fit is not None and fit.refuses:
+                logger.warning("Not rolled out, the model does not fit: %s", fit.message)
+            else:
+                created, written = await self._write_workload(ep, endpoint, client, logger)
             self._pools[key] = await self._reconcile_inference_pool(ep, endpoint, client, logger)
 
             if prune:
@@ -378,8 +400,13 @@ class Reconciler:
                 observed_generation=generation,
                 parsed=ep,
                 # Fresher than the index, whose watch event for our write may not have come yet.
-                deployment=status.workload_state(written) if written is not None else None,
+                deployment=status.workload_state(written) if written else None,
             )
+
+    async def _check_fit(self, ep: Endpoint) -> Fit | None:
+        if self._fit_checker is None:
+            return None
+        return await self._fit_checker.check(ep)
 
     async def _ensure_admin_key(
         self, ep: Endpoint, owner: Mapping[str, Any], client: KubeApi, logger: logging.Logger
@@ -659,6 +686,7 @@ class Reconciler:
                 gateway_url=self._settings.gateway_url,
                 inference_pool=self._pools.get(key),
                 model_name=self.model_name(snapshot),
+                fit=self._fits.get(key),
             )
             # Blocks other writers own: the autoscaler's and the adapter watcher's.
             others = {k: v for k, v in previous.items() if k not in _OTHER_WRITERS}
@@ -810,6 +838,8 @@ class Reconciler:
         for key in [k for k in self._workload_problems if k not in endpoints]:
             self._workload_problems.pop(key, None)
         self._missed = {key for key in self._missed if key in endpoints}
+        for key in [k for k in self._fits if k not in endpoints]:
+            self._fits.pop(key, None)
         for key in [k for k in self._served if k not in endpoints]:
             self._served.pop(key, None)
         for locks in (self._reconcile_locks, self._status_locks):

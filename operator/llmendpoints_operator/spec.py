@@ -278,6 +278,8 @@ class ResourcesSpec(_Model):
     # Pods per replica: more than one makes each replica a LeaderWorkerSet group.
     nodes: int = Field(1, ge=1)
     gpu_resource_name: str | None = Field(None, min_length=1)
+    # One GPU's memory, for the fit check where the nodes' labels do not say it.
+    gpu_memory: Quantity | None = None
     requests: ComputeQuantities | None = None
     limits: ComputeQuantities | None = None
     shm_size: Quantity | None = None

@@ -14,7 +14,10 @@ Conditions, in the order a user reads them:
               ModelNameTaken, when an older endpoint declares the same name: the message names
               it; the endpoint still serves its Service and its /v2 job API);
 - InferencePool  only when the endpoint asks for one: created (status.inferencePool names it),
-              or why not (CRDNotInstalled, Rejected, Forbidden).
+              or why not (CRDNotInstalled, Rejected, Forbidden);
+- ModelFits   the model fits the GPUs the endpoint asks for (the fit check, fit/): True with
+              status.fit's numbers, False with what to change (no pods are asked for: Ready is
+              False, ModelDoesNotFit), Unknown with why (the rollout goes on).
 
 `phase` summarises them in one word for `kubectl get`: Pending, Starting, Ready, Updating,
 Scaling, Degraded, ScaledToZero, Failed. Transition events come from `transition_events`.
@@ -28,6 +31,7 @@ from typing import Any
 
 from llmendpoints_operator import groups, manifests
 from llmendpoints_operator.autoscaling.record import SCALED_TO_ZERO_ANNOTATION
+from llmendpoints_operator.fit.verdict import Fit
 from llmendpoints_operator.spec import Endpoint
 
 
@@ -271,6 +275,31 @@ def _pool_report(
     return _condition(POOL_CONDITION, state.ok, state.reason, state.message), state.name
 
 
+# --- will the model fit (fit/; None: not checked since the operator started) ------------------
+
+FIT_CONDITION = "ModelFits"
+
+
+def _fit_report(
+    fit: Fit | None, previous: Mapping[str, Any]
+) -> tuple[dict[str, Any] | None, Mapping[str, Any] | None]:
+    """The ModelFits condition and status.fit; what the status said while the operator has not
+    checked the endpoint since it started."""
+    if fit is None:
+        kept = _find(previous.get("conditions") or [], FIT_CONDITION)
+        if kept is None:
+            return None, None
+        condition = {k: kept[k] for k in ("type", "status", "reason", "message") if k in kept}
+        return condition, previous.get("fit")
+    condition = {
+        "type": FIT_CONDITION,
+        "status": fit.status,
+        "reason": fit.reason,
+        "message": fit.message,
+    }
+    return condition, fit.numbers
+
+
 # --- the served model name (a name belongs to the oldest endpoint declaring it) ------------------
 
 MODEL_NAME_CONDITION = "ModelNameAvailable"
@@ -425,6 +454,7 @@ def compute(
     gateway_url: str | None = None,
     inference_pool: InferencePoolState | None = None,
     model_name: ModelNameState | None = None,
+    fit: Fit | None = None,
 ) -> dict[str, Any]:
     """The full `.status` (a merge-patch replaces it wholesale, conditions included).
 
@@ -438,6 +468,8 @@ def compute(
     the operator started; the previous report stays).
     `model_name`: the served model name and whether an older endpoint keeps it (None: no
     ModelNameAvailable condition). It does not change Ready or the phase: the endpoint serves.
+    `fit`: the last fit check (None: not checked since the operator started; the previous report
+    stays). A model that does not fit and has no Deployment is Ready False, ModelDoesNotFit.
     """
     previous = previous or {}
     dep = observed.deployment
@@ -449,10 +481,16 @@ def compute(
     cache = _cache_condition(observed.cache)
     available = _available_condition(dep, observed.workload_problem)
     progressing = _progressing_condition(dep)
+    fit_condition, fit_numbers = _fit_report(fit, previous)
     ready, phase = _ready_and_phase(endpoint, invalid_message, dep, cache, available, progressing)
     if endpoint is not None and observed.workload_problem is not None:
         problem = observed.workload_problem
         ready, phase = _condition("Ready", False, problem.reason, problem.message), "Pending"
+    if endpoint is not None and dep is None and (fit_condition or {}).get("status") == "False":
+        ready, phase = (
+            _condition("Ready", False, "ModelDoesNotFit", fit_condition["message"]),
+            "Failed",
+        )
     conditions = [spec_valid, cache, available, progressing, ready]
     authenticated = _authenticated_condition_or_last(endpoint, previous)
     if authenticated is not None:
@@ -462,6 +500,8 @@ def compute(
     pool_condition, pool_name = _pool_report(inference_pool, previous)
     if pool_condition is not None:
         conditions.append(pool_condition)
+    if fit_condition is not None:
+        conditions.append(fit_condition)
     generation = (
         observed_generation
         if observed_generation is not None
@@ -487,6 +527,8 @@ def compute(
     status.update(_addresses(endpoint, previous, cluster_domain, gateway_url))
     if pool_name is not None:
         status["inferencePool"] = pool_name
+    if fit_numbers is not None:
+        status["fit"] = dict(fit_numbers)
     return status
 
 
@@ -687,6 +729,7 @@ def transition_events(
         + _model_name_events(previous, current)
         + _pool_events(previous, current)
         + _workload_events(previous, current)
+        + _fit_events(previous, current)
         + _phase_events(previous, current)
     )
 
@@ -701,6 +744,12 @@ def _workload_events(previous: Mapping[str, Any] | None, current: Mapping[str, A
     if now.get("reason") in WORKLOAD_PROBLEMS and was.get("reason") != now.get("reason"):
         return [Event("Warning", str(now["reason"]), str(now.get("message", "")))]
     return []
+
+
+def _fit_events(previous: Mapping[str, Any] | None, current: Mapping[str, Any]) -> list[Event]:
+    """A Warning when the model does not fit (again, or for a new reason); a Normal Event when
+    it fits after it did not."""
+    return _lost_and_regained(previous, current, FIT_CONDITION, "ModelDoesNotFit", "ModelFits")
 
 
 def _pool_events(previous: Mapping[str, Any] | None, current: Mapping[str, Any]) -> list[Event]:
@@ -720,17 +769,31 @@ def _model_name_events(
     """A Warning naming the owner when the served model name is (or goes to) another endpoint,
     once per owner: the status compared is the stored one, so resyncs and operator restarts
     post nothing new. A Normal Event when the name comes back."""
-    was = _find((previous or {}).get("conditions") or [], MODEL_NAME_CONDITION) or {}
-    now = _find(current.get("conditions") or [], MODEL_NAME_CONDITION)
+    return _lost_and_regained(
+        previous, current, MODEL_NAME_CONDITION, "ModelNameTaken", "ModelNameAvailable"
+    )
+
+
+def _lost_and_regained(
+    previous: Mapping[str, Any] | None,
+    current: Mapping[str, Any],
+    condition: str,
+    warning: str,
+    recovered: str,
+) -> list[Event]:
+    """A Warning when `condition` turns False or says something new while False; a Normal Event
+    when it turns True again."""
+    was = _find((previous or {}).get("conditions") or [], condition) or {}
+    now = _find(current.get("conditions") or [], condition)
     if now is None:
         return []
     if now["status"] == "False" and (was.get("status"), was.get("message")) != (
         "False",
         now["message"],
     ):
-        return [Event("Warning", "ModelNameTaken", str(now["message"]))]
+        return [Event("Warning", warning, str(now["message"]))]
     if now["status"] == "True" and was.get("status") == "False":
-        return [Event("Normal", "ModelNameAvailable", str(now["message"]))]
+        return [Event("Normal", recovered, str(now["message"]))]
     return []
 
 
@@ -763,7 +826,7 @@ def _phase_events(previous: Mapping[str, Any] | None, current: Mapping[str, Any]
         return [Event("Normal", "Ready", f"{message}; serving at {url}")]
     if after == "Degraded":
         return [Event("Warning", "Degraded", f"{message}: {_trouble(current)}")]
-    if after == "Failed" and (ready or {}).get("reason") != "InvalidSpec":
+    if after == "Failed" and (ready or {}).get("reason") not in ("InvalidSpec", "ModelDoesNotFit"):
         return [Event("Warning", "RolloutFailed", (progressing or {}).get("message", message))]
     if after == "ScaledToZero":
         return [Event("Normal", "ScaledToZero", message or "the endpoint has no replicas")]

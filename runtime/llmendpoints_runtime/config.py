@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from llmendpoints_common import vllm_env
 from llmendpoints_common.batch.limits import BatchEnv
 from llmendpoints_common.fair_use import DEFAULT_MAX_N
 from llmendpoints_common.identity import EndpointRef
@@ -36,7 +37,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 
 from llmendpoints_runtime import engine as engine_module
 
-SAGEMAKER_PREFIX = "SM_VLLM_"
+SAGEMAKER_PREFIX = vllm_env.SAGEMAKER_PREFIX
 
 
 class ConfigError(Exception):
@@ -584,17 +585,12 @@ NOT_FROM_ENVIRONMENT: dict[str, str] = {
 # value parsing
 # ---------------------------------------------------------------------------------------------
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
-
 
 def parse_bool(name: str, value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in _TRUE:
-        return True
-    if lowered in _FALSE:
-        return False
-    raise ConfigError(name, f"expected a boolean (1/0, true/false), got {value!r}")
+    try:
+        return vllm_env.parse_bool(value)
+    except ValueError as exc:
+        raise ConfigError(name, str(exc)) from None
 
 
 def _flag_argv(flag: str, value: str) -> list[str]:
@@ -603,16 +599,10 @@ def _flag_argv(flag: str, value: str) -> list[str]:
 
 def _list_values(name: str, value: str) -> list[str]:
     """A multi-valued flag: a JSON array, or values separated by whitespace or commas."""
-    stripped = value.strip()
-    if stripped.startswith("["):
-        try:
-            items = json.loads(stripped)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(name, f"is not a valid JSON list: {exc}") from None
-        if not isinstance(items, list):
-            raise ConfigError(name, "must be a JSON list")
-        return [item if isinstance(item, str) else json.dumps(item) for item in items]
-    return [v for v in re.split(r"[\s,]+", stripped) if v]
+    try:
+        return vllm_env.list_values(value)
+    except ValueError as exc:
+        raise ConfigError(name, str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -621,8 +611,7 @@ class FlagSpec:
     kind: Literal["value", "list", "store_true", "bool_optional", "append"]
 
 
-def env_name_for(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_").upper()
+env_name_for = vllm_env.env_name_for
 
 
 def flag_table(parser) -> dict[str, FlagSpec]:

@@ -278,6 +278,7 @@ def test_rbac_grants_what_the_operator_does_and_nothing_else(helm: Path, tmp_pat
         ("inference.networking.k8s.io", "inferencepools"): {"create", "patch", "delete"},
         ("discovery.k8s.io", "endpointslices"): {"list"},
         ("", "events"): {"create"},
+        ("", "nodes"): {"list"},
     }
     binding = only(docs, "ClusterRoleBinding")
     account = only(docs, "ServiceAccount")
@@ -289,6 +290,27 @@ def test_rbac_grants_what_the_operator_does_and_nothing_else(helm: Path, tmp_pat
     assert (
         deployment["spec"]["template"]["spec"]["serviceAccountName"] == account["metadata"]["name"]
     )
+
+
+@pytest.mark.parametrize("values", [{}, NAMESPACED])
+def test_the_fit_check_reads_secrets_only_when_asked_and_nodes_only_when_on(
+    helm: Path, tmp_path: Path, values: dict[str, Any]
+) -> None:
+    reads = render(helm, tmp_path, {**values, "fit": {"readTokenSecrets": True}})
+    assert _grants(_rbac_rules(reads))[("", "secrets")] == {"create", "get"}
+    env = {e["name"]: e.get("value") for e in _operator_env(reads)}
+    assert env["LLMEP_OPERATOR_FIT_READ_TOKEN_SECRETS"] == "true"
+    off = render(helm, tmp_path, {**values, "fit": {"enabled": False, "readTokenSecrets": True}})
+    grants = _grants(_rbac_rules(off))
+    assert grants[("", "secrets")] == {"create"}
+    assert ("", "nodes") not in grants
+    env = {e["name"]: e.get("value") for e in _operator_env(off)}
+    assert env["LLMEP_OPERATOR_FIT_CHECK"] == "false"
+    assert env["LLMEP_OPERATOR_FIT_READ_TOKEN_SECRETS"] == "false"
+
+
+def _operator_env(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return only(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
 
 
 def test_watch_namespaces_switches_to_namespaced_roles(helm: Path, tmp_path: Path) -> None:
@@ -311,6 +333,7 @@ def test_watch_namespaces_switches_to_namespaced_roles(helm: Path, tmp_path: Pat
     } == {
         ("apiextensions.k8s.io", "customresourcedefinitions"),
         ("", "namespaces"),
+        ("", "nodes"),  # the fit check's GPU labels
     }
     assert {v for rule in cluster_rules for v in rule["verbs"]} == {"list", "watch"}
     args = only(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -610,7 +633,7 @@ def test_rbac_covers_what_the_operator_code_watches_and_writes(
     (delete), the EndpointSlices the autoscaler lists, and the Events it posts — and nothing more."""
     import kopf
     import llmendpoints_operator.handlers  # noqa: F401  (registers the kopf handlers)
-    from llmendpoints_operator import groups, manifests, spec
+    from llmendpoints_operator import groups, kube, manifests, spec
     from llmendpoints_operator.autoscaling import controller
     from llmendpoints_operator.config import OperatorSettings
 
@@ -663,6 +686,9 @@ def test_rbac_covers_what_the_operator_code_watches_and_writes(
     need(group, "endpointslices", "list")
     # The pods of a multi-node endpoint whose groups are not all ready (reconcile.py).
     need("", "pods", "list")
+    # The fit check reads the nodes' GPU labels (kube.KubeClient.list_nodes).
+    assert kube.KubeClient.list_nodes
+    need("", "nodes", "list")
     need("", "events", "create")
     # kopf itself: CRD discovery, and namespace names when it serves a list of namespaces.
     need("apiextensions.k8s.io", "customresourcedefinitions", "list", "watch")

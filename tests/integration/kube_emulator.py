@@ -73,6 +73,7 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "subresources": {"status"}},
     "networking.k8s.io/v1/ingresses": {"kind": "Ingress", "subresources": {"status"}},
     "discovery.k8s.io/v1/endpointslices": {"kind": "EndpointSlice"},  # the autoscaler reads them
+    "v1/nodes": {"kind": "Node", "namespaced": False},  # the fit check reads their GPU labels
 }
 
 CHILD_RESOURCES = {
@@ -443,6 +444,9 @@ class Operator:
             "KUBECONFIG": str(self.kubeconfig),
             "LLMEP_OPERATOR_METRICS_PORT": str(self.metrics_port),
             "PYTHONUNBUFFERED": "1",
+            # The fit check reads models from a hub: never the real one from a test (a module
+            # with a stand-in hub sets its own); nothing listens on port 1.
+            "LLMEP_OPERATOR_HF_ENDPOINT": "http://127.0.0.1:1",
             **self.extra_env,
         }
         env.pop("KUBERNETES_SERVICE_HOST", None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import pytest_asyncio
 from llmendpoints_common.errors import (
@@ -12,6 +14,7 @@ from llmendpoints_common.errors import (
 )
 from llmendpoints_common.jobs.models import JobStatus, parse_job_request
 from llmendpoints_common.queue.client import QueueConnection, QueueJobService
+from llmendpoints_common.queue.connect import settle
 from llmendpoints_common.queue.depth import endpoint_depth
 from llmendpoints_common.queue.topology import QueueLayout, ensure_consumers
 
@@ -139,6 +142,26 @@ async def test_wait_returns_current_state_when_time_runs_out(service):
     job = await service.submit(request('{"input": {"prompt": "a"}}'), sync=True, owner="")
     waited = await service.wait(job.id, 0.2, owner="")
     assert waited.status is JobStatus.IN_QUEUE
+
+
+async def test_a_wait_learns_of_an_end_its_subscription_never_saw(service, connection):
+    """A job that existed before its waiter subscribed can end unseen by the subscription: the
+    end's write routed just before the SUB reached the server, stored only after the waiter's
+    first read (nats-server queues a stream's writes, answers a direct get at once; seen in
+    test_queue_tenancy.py, bench/RESULTS.md). The waiter reads the record again meanwhile, so
+    it returns with the end, not when its own time runs out. The lost notification is made on
+    cue here: the waiter's subscription is taken off the server under it."""
+    job = await service.submit(request('{"input": {"prompt": "a"}}'), sync=False, owner="alice")
+    waiting = asyncio.create_task(service.wait(job.id, 60, owner="alice"))
+    nc = connection.nc
+    subject = service.states.subject(job.id)
+    while not (sids := [sid for sid, sub in nc._subs.items() if sub.subject == subject]):
+        await asyncio.sleep(0.01)
+    await nc._send_unsubscribe(sids[0])  # the server forgets it; the client still waits on it
+    await settle(nc)
+    assert (await service.cancel(job.id, owner="alice")).status is JobStatus.CANCELLED
+    waited = await asyncio.wait_for(waiting, 30)  # well inside the wait's own 60 s
+    assert waited.status is JobStatus.CANCELLED
 
 
 async def test_unreachable_queue_is_503_with_retry_after(tmp_path):

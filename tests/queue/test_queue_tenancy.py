@@ -112,8 +112,9 @@ def test_same_named_endpoints_in_two_namespaces_share_nothing(server):
             assert await signals.read_held(operator.js, A) == 2
             assert await signals.read_held(operator.js, B) == 7
             nudged: list[EndpointRef] = []
+            # Returns once the server holds the subscription (a flush() did not promise that:
+            # tests/queue/test_subscription_start.py).
             await signals.subscribe_nudges(operator.nc, nudged.append)
-            await operator.nc.flush()
             await signals.nudge(gateway.nc, B)
             deadline = time.monotonic() + 30  # generous: a loaded machine delays delivery
             while not nudged:

@@ -21,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -74,6 +76,9 @@ RETRY_AFTER_SECONDS = 5
 ATTEMPT_HEADER = "Llmep-Attempt"
 # How long a waiter re-reads a job whose end it was told of, while the write lands (seconds).
 _READ_BACK_DELAYS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+# How long a waiter that subscribed to an existing record waits between reads of it (seconds;
+# the last is repeated): see QueueJobService.wait.
+_RECHECK_PAUSES = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 # A /runsync's watch that no wait() took within this long is dropped.
 _UNCLAIMED_WATCH_SECONDS = 10.0
 _MSG_ID = "Nats-Msg-Id"
@@ -397,14 +402,24 @@ class QueueJobService:
             return await self._read_owned(job_id, owner)
 
     async def wait(self, job_id: str, timeout_seconds: float, *, owner: str | None) -> JobRecord:
-        """The job once it ends, or its latest state when ``timeout_seconds`` run out."""
+        """The job once it ends, or its latest state when ``timeout_seconds`` run out.
+
+        Changes arrive on the record's subject, as the server routes each write. A /runsync
+        subscribed before its job existed (``submit``) sees every change. A record that existed
+        before the subscription can end unseen: its last write routed just before the SUB
+        reached the server, yet stored only after the first read (nats-server queues a stream's
+        writes but answers a direct get at once). So such a record is also read again, after
+        ``_RECHECK_PAUSES`` without news (bench/RESULTS.md, "A nudge lost between two
+        connections")."""
         self._require_connection("/runsync")
         async with queue_call("the job's status could not be read"):
             if (watched := self._watches.pop(job_id, None)) is not None:
                 subscription, record = watched
                 self._check_owner(record, job_id, owner)
+                pauses = itertools.repeat(math.inf)
             else:
                 subscription = await self.connection.nc.subscribe(self.states.subject(job_id))
+                pauses = itertools.chain(_RECHECK_PAUSES, itertools.repeat(_RECHECK_PAUSES[-1]))
             try:
                 if watched is None:
                     record = await self._read_owned(job_id, owner)
@@ -414,10 +429,10 @@ class QueueJobService:
                     if remaining <= 0:
                         break
                     try:
-                        message = await subscription.next_msg(timeout=remaining)
+                        message = await subscription.next_msg(timeout=min(remaining, next(pauses)))
                     except nats.errors.TimeoutError:
                         record = await self._read_owned(job_id, owner)
-                        break
+                        continue
                     if not message.data or JobRecord.decode(message.data).status.is_final:
                         record = await self._read_back_end(job_id, owner)
                 return record

@@ -154,11 +154,6 @@ def chunk_subject(endpoint: EndpointRef | str, job_id: str, attempt: int, index:
     return f"llmep.chunks.{tokens(endpoint)}.{check_job_id(job_id)}.{attempt}.{index}"
 
 
-def chunks_filter(endpoint: EndpointRef | str, job_id: str) -> str:
-    """Every chunk of every attempt of one job."""
-    return f"llmep.chunks.{tokens(endpoint)}.{check_job_id(job_id)}.>"
-
-
 def cancel_subject(endpoint: EndpointRef | str, job_id: str = "*") -> str:
     job = job_id if job_id == "*" else check_job_id(job_id)
     return f"llmep.cancel.{tokens(endpoint)}.{job}"

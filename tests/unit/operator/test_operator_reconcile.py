@@ -14,6 +14,7 @@ from llmendpoints_common.gateway_token import derive
 from llmendpoints_common.model_names import Claim, creation_time, served_model_name
 from llmendpoints_operator import kube, status
 from llmendpoints_operator.config import OperatorSettings
+from llmendpoints_operator.fit.verdict import Fit
 from llmendpoints_operator.reconcile import (
     SECRETS_CREATED,
     Indexes,
@@ -110,7 +111,9 @@ class FakeKube:
 class World:
     """A Reconciler with its fake client, indexes as dicts, and the Events it posted."""
 
-    def __init__(self, settings: OperatorSettings | None = None) -> None:
+    def __init__(
+        self, settings: OperatorSettings | None = None, fit_checker: Any | None = None
+    ) -> None:
         self.kube = FakeKube()
         self.endpoints: dict[Any, list[Any]] = {}
         self.deployments: dict[Any, list[Any]] = {}
@@ -135,6 +138,7 @@ class World:
             ),
             metrics=ReconcileMetrics(self.registry),
             clock=lambda: NOW,
+            fit_checker=fit_checker,
         )
 
     def add(
@@ -787,3 +791,62 @@ def test_a_status_patch_nulls_what_nested_objects_no_longer_hold() -> None:
         "phase": "Ready",
         "groups": {"ready": 1, "unready": None, "lastFailure": {"node": None, "pod": "q"}},
     }
+
+
+class FakeFitChecker:
+    """The fit check's answer, set by the test."""
+
+    def __init__(self, fit: Fit) -> None:
+        self.fit = fit
+
+    async def check(self, ep: Any) -> Fit:
+        return self.fit
+
+
+REFUSED = Fit("False", "WeightsDoNotFit", "the weights need 131.4 GiB per GPU, ...", {"gpus": 1})
+FITS = Fit("True", "Fits", "fits: ...", {"gpus": 1, "weightsBytes": 16})
+
+
+async def test_a_model_that_does_not_fit_gets_no_deployment_and_says_why() -> None:
+    checker = FakeFitChecker(REFUSED)
+    world = World(fit_checker=checker)
+    await world.reconcile(world.add("chat", FULL), trigger="create")
+    assert not [w for w in world.kube.writes() if w[1] == "Deployment"]
+    assert ("apply", "Service", "chat") in world.kube.writes()  # the rest is there
+    st = world.kube.status_of("chat")
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    fits = next(c for c in st["conditions"] if c["type"] == "ModelFits")
+    assert (ready["reason"], st["phase"], fits["status"]) == ("ModelDoesNotFit", "Failed", "False")
+    assert st["fit"] == {"gpus": 1}
+    assert [reason for _, reason, _ in world.events] == ["ModelDoesNotFit"]
+
+    checker.fit = FITS  # fixed (more GPUs): rolled out at once
+    await world.reconcile(world.add("chat", FULL, generation=2))
+    assert ("create", "Deployment", "chat") in world.kube.writes()
+    assert world.kube.status_of("chat")["fit"] == {"gpus": 1, "weightsBytes": 16}
+    assert [reason for _, reason, _ in world.events][-1] == "ModelFits"
+
+
+async def test_a_change_that_does_not_fit_leaves_the_serving_deployment_alone() -> None:
+    checker = FakeFitChecker(FITS)
+    world = World(fit_checker=checker)
+    await world.reconcile(world.add("chat", FULL), trigger="create")
+    world.observe_deployment("chat", **AVAILABLE)
+    before = dict(world.kube.objects[("Deployment", NS, "chat")])
+    checker.fit = REFUSED
+    world.kube.calls.clear()
+    longer = {**FULL, "engine": {"maxModelLen": 131072}}
+    await world.reconcile(world.add("chat", longer, generation=2))
+    assert not [w for w in world.kube.writes() if w[1] == "Deployment"]
+    assert world.kube.objects[("Deployment", NS, "chat")] == before
+    st = world.kube.status_of("chat")
+    assert next(c for c in st["conditions"] if c["type"] == "Ready")["status"] == "True"
+    assert next(c for c in st["conditions"] if c["type"] == "ModelFits")["status"] == "False"
+
+
+async def test_an_unknown_fit_rolls_out() -> None:
+    world = World(fit_checker=FakeFitChecker(Fit("Unknown", "HubTimeout", "no answer")))
+    await world.reconcile(world.add("chat", FULL), trigger="create")
+    assert ("create", "Deployment", "chat") in world.kube.writes()
+    fits = next(c for c in world.kube.status_of("chat")["conditions"] if c["type"] == "ModelFits")
+    assert (fits["status"], fits["reason"]) == ("Unknown", "HubTimeout")
