@@ -1,6 +1,6 @@
 """`llmendpoints-operator fit`: the operator's fit check, run locally before anything is applied.
 
-    llmendpoints-operator fit MODEL --gpus N --gpu-memory 80GiB [--max-model-len ...]
+    llmendpoints-operator fit MODEL --gpus N [--nodes N] --gpu-memory 80GiB [--max-model-len ...]
                               [--tensor-parallel-size ...] [--kv-cache-dtype fp8] [--json] ...
 
 MODEL is a model on a hub (HF_ENDPOINT, else https://huggingface.co; HF_TOKEN for private and

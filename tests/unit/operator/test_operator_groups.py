@@ -305,3 +305,12 @@ def test_the_cluster_policy_and_managed_variables_hold_for_groups() -> None:
             admit("big", "team", spec, OperatorSettings())
     with pytest.raises(InvalidSpecError, match=r"args\.pipeline-parallel-size"):
         parse("big", "team", {**GROUP, "engine": {"args": {"pipeline-parallel-size": 2}}})
+
+
+def test_the_fit_check_sizes_the_groups_layout() -> None:
+    from llmendpoints_operator.fit.inputs import parallelism
+    from llmendpoints_operator.fit.weights import Parallelism
+
+    assert parallelism(_endpoint(GROUP)) == Parallelism(tensor=8, pipeline=2, data=1, nodes=2)
+    wide = {**GROUP, "engine": {"dataParallelSize": 16, "enableExpertParallel": True}}
+    assert parallelism(_endpoint(wide)) == Parallelism(data=16, nodes=2, expert=True)
