@@ -13,13 +13,15 @@ it to kopf; tests drive it with a fake client and plain dicts as indexes.
   (groups.py); a change of spec.resources.nodes between 1 and more replaces one with the other
   (the new one first, with the old one's replica count). The LeaderWorkerSet API is optional in a
   cluster: missing (or forbidden), it becomes the status's Ready=False reason, never a failed
-  reconcile, and the endpoint's other children are written all the same. Idempotent: running it twice
-  changes nothing. An invalid spec publishes the status (Ready=False/InvalidSpec naming the
-  field), creates nothing, and raises InvalidSpecError; an API refusal raises kube.ApiError.
+  reconcile, and the endpoint's other children are written all the same.
+- Idempotent: running it twice changes nothing. An invalid spec publishes the status
+  (Ready=False/InvalidSpec naming the field), creates nothing, and raises InvalidSpecError; an
+  API refusal raises kube.ApiError.
 - The fit check (fit/checker.py) runs on every reconcile, beside the children's writes: a model
   that does not fit (ModelFits False) gets no workload (Deployment or LeaderWorkerSet) -- none is
-  created, and an existing one, running the last spec that did fit, is left as it is (its pods keep
-  serving; the new spec is not rolled out). Unknown rolls out. The check is bounded in time and never fails a reconcile.
+  created, and an existing one, running the last spec that did fit, is left as it is (its pods
+  keep serving; the new spec is not rolled out). Unknown rolls out. The check is bounded in time
+  and never fails a reconcile.
 - `publish_status` computes the status from the indexes (status.compute, pure) and writes it
   when it changed, posting Events for notable transitions.
 - A served model name belongs to the oldest endpoint declaring it (llmendpoints_common.
