@@ -89,7 +89,11 @@ async def test_each_endpoint_gets_its_own_credential(running) -> None:
         assert claims["name"] == f"runtime:{ref.id}"
         assert natsjwt.Permissions.from_claims(claims) == roles.runtime(ref)
 
-    deployment = cluster.get(DEPLOYMENTS, "team-a", "chat")
+    # The Secrets are written before the Deployment (whose pods mount them), and the fit check
+    # runs in between.
+    deployment = await until(
+        operator, lambda: cluster.get(DEPLOYMENTS, "team-a", "chat"), "the Deployment"
+    )
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     env = {v["name"]: v.get("value") for v in container["env"]}
     assert env["JOBS_QUEUE_URL"] == url  # no password in it
