@@ -6,8 +6,13 @@ init container's trust and routes files: nats_chart_kit), with each role's real 
   queue end to end -- the real QueueJobService, QueueWorker, depth and /health -- once the
   operator's credential has created the streams and the endpoint's consumers;
 - and refuses, on the server, everything else: another endpoint's records, jobs, chunks,
-  consumers, cancels and replies, the quotas, usage records, and every delete or purge, which
-  the gateway's credential is refused too.
+  consumers, cancels and replies, every consumer but its own workers' (the gateway's usage
+  consumers by their real names and configs), gateway admissions, the quotas, usage records,
+  and every delete or purge, which the gateway's credential is refused too;
+- bounds it: what it writes fills its own endpoint's reserved storage and nobody else's, its
+  job messages are a job id's size, its subscriptions are counted;
+- and bills nobody with it: a forged COMPLETED record naming another key is billed to no key
+  and spends no key's tokens-per-minute.
 
 A refused request waits out its timeout (the server answers nothing; its log says "Publish
 Violation" or "Subscription Violation"); each test also checks that nothing changed.
@@ -26,11 +31,12 @@ import nats
 import nats.errors
 import pytest
 from llmendpoints_common.identity import EndpointRef
+from llmendpoints_common.jobs import admission
 from llmendpoints_common.jobs.models import JobStatus, parse_job_request
 from llmendpoints_common.queue import names, signals
 from llmendpoints_common.queue.client import QueueConnection, QueueJobService
 from llmendpoints_common.queue.depth import endpoint_depth
-from llmendpoints_common.queue.topology import QueueLayout, ensure_consumers
+from llmendpoints_common.queue.topology import QueueLayout, ensure_endpoint_queue
 from llmendpoints_common.queue.trust import Signer, mint
 from llmendpoints_common.queue.worker import QueueWorker, WorkerSettings
 from nats.aio.client import RawCredentials
@@ -107,6 +113,7 @@ def test_the_chart_lets_the_gateway_limit_and_meter(chart_nats):
     async def scenario() -> None:
         # The operator creates the streams (nobody else's credential may).
         operator = await _connect(url, _creds(chart_nats, "operator"), "operator")
+        await ensure_endpoint_queue(operator.js, A, QueueLayout())
         queue = SharedQueue(url, "g", gateway_creds)  # the gateway's one connection
         await queue.start()
         limiter = Limiter("g", queue)
@@ -114,8 +121,8 @@ def test_the_chart_lets_the_gateway_limit_and_meter(chart_nats):
         counted: list[str] = []
         meter = JobUsageMeter(
             queue,
-            lambda r, u: (
-                UsageRecord(f"job-{r.id}-usage", time.time(), r.owner, r.endpoint, "m", 200,
+            lambda r, v, u, at: (
+                UsageRecord(f"job-{r.id}-usage", at, v.key, r.endpoint, "m", 200,
                             u.prompt_tokens, u.completion_tokens, requests=0),
                 lambda: counted.append(r.id),
             ),
@@ -141,7 +148,7 @@ def test_the_chart_lets_the_gateway_limit_and_meter(chart_nats):
                 await asyncio.sleep(0.05)
 
             usage.record(UsageRecord("r1", time.time(), "team", A.id, "m", 200, 1, 2))
-            jobs = QueueJobService(connection, A)
+            jobs = QueueJobService(connection, A, admitted_by=admission.GATEWAY)
             job = await jobs.submit(
                 parse_job_request(b'{"input": {"prompt": "x"}}'), sync=False, owner="team"
             )
@@ -185,7 +192,7 @@ def test_an_endpoints_pods_work_with_their_own_credential_only(chart_nats):
 
     async def scenario() -> None:
         operator = await _connect(server.url, _creds(chart_nats, "operator"), "operator")
-        await ensure_consumers(operator.js, A, QueueLayout())
+        await ensure_endpoint_queue(operator.js, A, QueueLayout())
         pod = await _connect(server.url, _creds(chart_nats, "runtime", A), "pod-a")
         service = QueueJobService(pod, A)
 
@@ -239,8 +246,9 @@ def test_an_endpoints_pods_work_with_their_own_credential_only(chart_nats):
             )
             assert (await service.cancel(queued.id, owner="alice")).status is JobStatus.CANCELLED
             assert await service.purge_queue(owner="alice") == 1  # the retried job
-            # The cancelled jobs' messages stay until a worker reaches them (a pod may not
-            # delete queue messages): it acknowledges them and runs nothing.
+            # The cancelled jobs' messages are out of the queue at once: the pod may take
+            # messages out of its own endpoint's queue (its own stream).
+            assert (await endpoint_depth(pod.js, A)).queued == 0
             ran: list[str] = []
 
             async def must_not_run(record, publish):
@@ -251,10 +259,7 @@ def test_an_endpoints_pods_work_with_their_own_credential_only(chart_nats):
                 free_slots=lambda: 2, settings=WorkerSettings(poll_seconds=0.2),
             )  # fmt: skip
             await worker.start()
-            deadline = time.monotonic() + 20
-            while (await endpoint_depth(pod.js, A, stream_fallback=False)).queued:
-                assert time.monotonic() < deadline, "the cancelled jobs' messages stayed"
-                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)
             assert ran == []
         finally:
             await worker.stop(1)
@@ -273,8 +278,8 @@ def test_an_endpoints_credential_reaches_nothing_else(chart_nats):
         gateway = await _connect(server.url, _creds(chart_nats, "gateway"), "gateway")
         admin = await _connect(server.url, _creds(chart_nats, "admin"), "admin")
         for endpoint in (A, B):
-            await ensure_consumers(operator.js, endpoint, QueueLayout())
-        b_jobs = QueueJobService(gateway, B)
+            await ensure_endpoint_queue(operator.js, endpoint, QueueLayout())
+        b_jobs = QueueJobService(gateway, B, admitted_by=admission.GATEWAY)
         b_job = await b_jobs.submit(
             parse_job_request(b'{"input": {"prompt": "B secret prompt"}}'), sync=False, owner="b"
         )
@@ -286,40 +291,41 @@ def test_an_endpoints_credential_reaches_nothing_else(chart_nats):
         a_creds = _creds(chart_nats, "runtime", A)
         a_pod = await _connect(server.url, a_creds, "pod-a", timeout=REFUSED)
         js = a_pod.js
+        b_records, b_queue = names.records_stream(B), names.queue_stream(B)
         try:
-            b_record = names.kv_subject(names.JOB_STATE_BUCKET, names.job_key(B, b_job.id))
-            # B's record: no direct get, no core subscription to its updates.
-            await _refused(
-                js.get_msg(names.kv_stream(names.JOB_STATE_BUCKET), subject=b_record, direct=True)
-            )
-            await _refused(js.get_msg(names.kv_stream(names.JOB_STATE_BUCKET), seq=1, direct=True))
+            b_record = names.record_subject(B, b_job.id)
+            # B's record: no direct get (by subject or by sequence), no core subscription.
+            await _refused(js.get_msg(b_records, subject=b_record, direct=True))
+            await _refused(js.get_msg(b_records, seq=1, direct=True))
             # B's jobs: no pull from B's consumer, no consumer of its own on B's subjects.
-            await _refused(_pull_one(js, names.jobs_consumer(B)))
+            await _refused(_pull_one(js, B, names.jobs_consumer(B)))
             await _refused(
                 js.add_consumer(
-                    names.JOBS_STREAM,
+                    b_queue,
                     durable_name="thief",
                     name="thief",
-                    filter_subject=names.jobs_subject(B),
+                    filter_subject=names.jobs_consumer_filter(B, "normal"),
                 )
             )
-            # Stream-wide reads that no subject can scope: refused whole.
-            await _refused(js.get_msg(names.JOBS_STREAM, seq=1))
-            await _refused(js.stream_info(names.JOBS_STREAM, subjects_filter=">"))
-            await _refused(js.delete_msg(names.JOBS_STREAM, 1))
-            # Deletes and purges of anything.
-            for stream in (names.JOBS_STREAM, names.kv_stream(names.QUOTAS_BUCKET),
-                           names.USAGE_STREAM, names.kv_stream(names.JOB_STATE_BUCKET)):  # fmt: skip
+            # B's stream by sequence, its info, its messages taken out.
+            await _refused(js.get_msg(b_queue, seq=1))
+            await _refused(js.stream_info(b_queue, subjects_filter=">"))
+            await _refused(js.delete_msg(b_queue, 1))
+            # Deletes and purges of anything, its own streams included.
+            for stream in (names.queue_stream(A), names.records_stream(A), b_queue,
+                           names.kv_stream(names.QUOTAS_BUCKET), names.USAGE_STREAM):  # fmt: skip
                 await _refused(js.purge_stream(stream))
                 await _refused(js.delete_stream(stream))
-            await _refused(js.delete_consumer(names.JOBS_STREAM, names.jobs_consumer(A)))
-            # Writes it must never make: quotas, usage, B's queue and records, held signals.
+            await _refused(js.delete_consumer(names.queue_stream(A), names.jobs_consumer(A)))
+            # Writes it must never make: quotas, usage, B's queue and records, held signals,
+            # a gateway admission of its own endpoint.
             for subject in (
                 quota_subject,
                 names.usage_subject(A, "anyone"),
-                names.jobs_subject(B),
+                names.jobs_subject(B, "normal", "b"),
                 b_record,
                 names.held_key(A, "gw-1"),
+                names.admission_subject(A, "forged", names.ADMITTED_BY_GATEWAY),
             ):
                 await _refused(js.publish(subject, b"forged"))
             await a_pod.nc.publish(names.cancel_subject(B, b_job.id), b"")
@@ -342,7 +348,7 @@ def test_an_endpoints_credential_reaches_nothing_else(chart_nats):
             assert await signals.read_held(admin.js, A) == 0
             usage = await admin.js.stream_info(names.USAGE_STREAM)
             assert usage.state.messages == usage_before
-            for stream in (names.JOBS_STREAM, names.USAGE_STREAM):
+            for stream in (names.queue_stream(A), names.records_stream(A), names.USAGE_STREAM):
                 await admin.js.stream_info(stream)  # still there
         finally:
             for connection in (a_pod, gateway, admin, operator):
@@ -350,14 +356,17 @@ def test_an_endpoints_credential_reaches_nothing_else(chart_nats):
 
     asyncio.run(scenario())
     refused = "\n".join(server.violations())
-    for what in ("$JS.API.DIRECT.GET.KV_LLMEP_JOB_STATE", "$JS.API.CONSUMER.MSG.NEXT.LLMEP_JOBS",
+    for what in (f"$JS.API.DIRECT.GET.{names.records_stream(B)}",
+                 f"$JS.API.CONSUMER.MSG.NEXT.{names.queue_stream(B)}",
                  "$JS.API.STREAM.PURGE", "$JS.API.STREAM.DELETE", "$KV.LLMEP_QUOTAS",
-                 "llmep.usage.", "_INBOX.>", "Subscription Violation"):  # fmt: skip
+                 "llmep.usage.", ".adm.gw.forged", "_INBOX.>", "Subscription Violation"):  # fmt: skip
         assert what in refused, f"{what} was not refused:\n{refused}"
 
 
-async def _pull_one(js, durable: str):
-    sub = await js.pull_subscribe_bind(durable=durable, stream=names.JOBS_STREAM)
+async def _pull_one(js, endpoint: EndpointRef, durable: str, stream: str | None = None):
+    sub = await js.pull_subscribe_bind(
+        durable=durable, stream=stream or names.queue_stream(endpoint)
+    )
     try:
         return await sub.fetch(1, timeout=REFUSED)
     finally:
@@ -370,14 +379,17 @@ def test_the_gateways_credential_cannot_delete_or_purge(chart_nats):
 
     async def scenario() -> None:
         operator = await _connect(server.url, _creds(chart_nats, "operator"), "operator")
+        await ensure_endpoint_queue(operator.js, A, QueueLayout())
         gateway = await _connect(server.url, gateway_creds, "gateway", timeout=REFUSED)
         try:
             streams = [s.config.name for s in await _streams(operator)]
-            assert names.JOBS_STREAM in streams and names.USAGE_STREAM in streams
+            assert names.records_stream(A) in streams and names.USAGE_STREAM in streams
             for stream in streams:
                 await _refused(gateway.js.purge_stream(stream))
                 await _refused(gateway.js.delete_stream(stream))
-            await _refused(gateway.js.delete_consumer(names.JOBS_STREAM, names.jobs_consumer(A)))
+            await _refused(
+                gateway.js.delete_consumer(names.queue_stream(A), names.jobs_consumer(A))
+            )
             assert sorted(s.config.name for s in await _streams(operator)) == sorted(streams)
         finally:
             await gateway.close()
@@ -388,53 +400,66 @@ def test_the_gateways_credential_cannot_delete_or_purge(chart_nats):
     assert "$JS.API.STREAM.PURGE" in violations and "$JS.API.STREAM.DELETE" in violations
 
 
-def test_only_the_operator_sets_the_per_owner_cap_and_nothing_else(chart_nats):
-    """The per-owner cap on queued jobs is the jobs stream's per-subject limit: the operator's
-    credential sets it (its setting, on the existing stream); no other stream update is
-    allowed to it, and neither the gateway's nor a pod's credential may change the cap."""
+def test_only_the_operator_sets_the_bounds_and_deletes_only_an_endpoints_streams(chart_nats):
+    """The bounds of every stream (``max_bytes``, message size, the per-owner cap) are the
+    operator's settings, set on existing streams too; neither the gateway's nor a pod's
+    credential may change any stream. The operator deletes a deleted endpoint's two streams,
+    never a shared one."""
     from dataclasses import replace
 
-    from llmendpoints_common.queue.topology import ensure_streams
+    from llmendpoints_common.queue.topology import delete_endpoint_streams, ensure_streams
 
     server = chart_nats[0]
     gateway_creds = Path(_gateway_creds_file(chart_nats)).read_text()
+    E = EndpointRef("team-e", "bounded")
 
     async def scenario() -> None:
         operator = await _connect(server.url, _creds(chart_nats, "operator"), "operator")
-        gateway = await _connect(server.url, gateway_creds, "gateway", timeout=REFUSED)
-        pod = await _connect(server.url, _creds(chart_nats, "runtime", A), "pod", REFUSED)
         quick_operator = await _connect(
             server.url, _creds(chart_nats, "operator"), "operator-2", REFUSED
         )
+        gateway = await _connect(server.url, gateway_creds, "gateway", timeout=REFUSED)
+        pod = await _connect(server.url, _creds(chart_nats, "runtime", E), "pod", REFUSED)
         try:
-            before = (await operator.js.stream_info(names.JOBS_STREAM)).config
-            await ensure_streams(operator.js, QueueLayout(max_queued_per_owner=7), reconcile=True)
-            capped = (await operator.js.stream_info(names.JOBS_STREAM)).config
-            assert capped.max_msgs_per_subject == 7
-            assert replace(capped, max_msgs_per_subject=before.max_msgs_per_subject) == before
+            await ensure_endpoint_queue(operator.js, E, QueueLayout())
+            layout = QueueLayout(max_queued_per_owner=7, endpoint_max_bytes=8 * 1024 * 1024,
+                                 usage_max_bytes=512 * 1024 * 1024)  # fmt: skip
+            await ensure_streams(operator.js, layout, reconcile=True)
+            await ensure_endpoint_queue(operator.js, E, layout, reconcile=True)
+            queue = (await operator.js.stream_info(names.queue_stream(E))).config
+            assert queue.max_msgs_per_subject == 7
+            records = (await operator.js.stream_info(names.records_stream(E))).config
+            assert records.max_bytes == 8 * 1024 * 1024
             usage = (await operator.js.stream_info(names.USAGE_STREAM)).config
-            for other in (quick_operator, gateway, pod):
-                await _refused(other.js.update_stream(replace(usage, max_age=1.0)))
+            assert usage.max_bytes == 512 * 1024 * 1024
             for other in (gateway, pod):
-                await _refused(other.js.update_stream(replace(capped, max_msgs_per_subject=-1)))
-            assert (await operator.js.stream_info(names.JOBS_STREAM)).config == capped
+                await _refused(other.js.update_stream(replace(usage, max_bytes=-1)))
+                await _refused(other.js.update_stream(replace(queue, max_msgs_per_subject=-1)))
+            # The operator deletes no shared stream, and a deleted endpoint's own.
+            await _refused(quick_operator.js.delete_stream(names.USAGE_STREAM))
+            assert await delete_endpoint_streams(operator.js, E)
             # Put back what the module's other tests expect.
             await ensure_streams(operator.js, QueueLayout(), reconcile=True)
         finally:
-            await quick_operator.close()
             await pod.close()
             await gateway.close()
+            await quick_operator.close()
             await operator.close()
 
     asyncio.run(scenario())
-    assert f"$JS.API.STREAM.UPDATE.{names.USAGE_STREAM}" in "\n".join(server.violations())
+    violations = "\n".join(server.violations())
+    assert f"$JS.API.STREAM.UPDATE.{names.USAGE_STREAM}" in violations
+    assert f"$JS.API.STREAM.DELETE.{names.USAGE_STREAM}" in violations
 
 
 async def _streams(connection: QueueConnection):
     # The operator may not list streams; it reads the ones it created, one by one.
     from llmendpoints_common.queue.roles import STREAMS
 
-    return [await connection.js.stream_info(name) for name in STREAMS]
+    found = [await connection.js.stream_info(name) for name in STREAMS]
+    for stream in (names.queue_stream(A), names.records_stream(A)):
+        found.append(await connection.js.stream_info(stream))
+    return found
 
 
 def test_a_raw_nats_client_without_creds_is_refused(chart_nats):
@@ -483,7 +508,7 @@ def test_the_chart_lets_the_gateway_keep_and_drive_batches_and_pods_run_them(cha
 
     async def scenario() -> None:
         operator = await _connect(server.url, _creds(chart_nats, "operator"), "operator")
-        await ensure_consumers(operator.js, C, QueueLayout())
+        await ensure_endpoint_queue(operator.js, C, QueueLayout())
         gateway = await _connect(server.url, gateway_creds, "gateway")
         pod = await _connect(server.url, _creds(chart_nats, "runtime", C), "pod-c", timeout=REFUSED)  # fmt: skip
         store = NatsBatchStore(gateway.js)
@@ -593,7 +618,7 @@ def test_a_pod_takes_jobs_while_an_older_operator_has_not_made_its_batch_lane(ch
 
     async def scenario() -> None:
         operator = await _connect(server.url, _creds(chart_nats, "operator"), "operator")
-        await ensure_consumers(operator.js, D, QueueLayout(), priorities=("normal", "low"))
+        await ensure_endpoint_queue(operator.js, D, QueueLayout(), priorities=("normal", "low"))
         pod = await _connect(server.url, _creds(chart_nats, "runtime", D), "pod-d")
         service = QueueJobService(pod, D)
 
