@@ -479,6 +479,17 @@ def test_a_raw_nats_client_without_creds_is_refused(chart_nats):
             await nats.connect(server.url, user_credentials=RawCredentials(other),
                                allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)  # fmt: skip
         assert "authorization" in str(untrusted.value).lower()
+        # This installation's own credential, minted before the queue's second layout (its
+        # permissions reached other roles' consumers): revoked by the account.
+        from llmendpoints_common.queue.trust import REVOKED_BEFORE
+
+        for role, endpoint in (("runtime", A), ("gateway", None)):
+            stale = mint(_signer(chart_nats), role, endpoint, issued_at=REVOKED_BEFORE - 86_400)
+            with pytest.raises(Exception) as revoked:
+                await nats.connect(server.url, user_credentials=RawCredentials(stale),
+                                   allow_reconnect=False, max_reconnect_attempts=0,
+                                   connect_timeout=2)  # fmt: skip
+            assert "authorization" in str(revoked.value).lower()
 
     asyncio.run(scenario())
 
