@@ -68,7 +68,8 @@ MiB = 1024 * 1024
 # A job's message in its endpoint's queue is its id (at most 128 characters), the subject
 # and a de-duplication header: 1 KiB holds it with room to spare.
 JOB_MESSAGE_MAX_BYTES = 1024
-# What a usage meter's pull may carry at most, beyond one message of the server's max_payload.
+# The gateway's usage consumer: a record write unacknowledged this long (its gateway replica
+# died) goes to another replica; at most this many in flight.
 USAGE_ACK_WAIT_SECONDS = 30.0
 USAGE_MAX_ACK_PENDING = 1000
 

@@ -463,6 +463,11 @@ class QueueWorker:
                 await message.ack()  # cancelled meanwhile
                 return
             except (nats.errors.Error, OSError) as exc:
+                if _storage_full(exc) and status is not JobStatus.FAILED:
+                    # Its output does not fit in what is left of its endpoint's queue: the job
+                    # ends FAILED saying so, rather than running again to the same end.
+                    status, output, error = JobStatus.FAILED, None, _queue_full_error()
+                    continue
                 if time.monotonic() > deadline:
                     log.error(
                         "job %s: outcome not stored (%s); it runs again elsewhere", record.id, exc
@@ -522,6 +527,22 @@ class QueueWorker:
             await attempt.task
 
 
+def _storage_full(exc: BaseException) -> bool:
+    """JetStream refused a write: the endpoint's records stream is at its bound."""
+    return isinstance(exc, JetStreamError) and "maximum bytes" in (exc.description or "")
+
+
+def _queue_full_error() -> dict[str, Any]:
+    return {
+        "message": "the job's output did not fit in its endpoint's queue (its records, results "
+        "and stream output take all the storage it is given, "
+        "LLMEP_OPERATOR_JOBS_QUEUE_ENDPOINT_MAX_BYTES); retry when results have expired or "
+        "been read",
+        "type": "ServiceUnavailableError",
+        "code": "queue_full",
+    }
+
+
 def _timeout_error(record: JobRecord, budget: float, cut_by_ttl: bool) -> dict[str, Any]:
     if cut_by_ttl:
         ttl_ms = round((record.ttl_seconds or 0) * 1000)
@@ -570,8 +591,10 @@ class _ChunkPublisher:
                     await self._js.publish(subject, data, headers=headers, msg_ttl=self._ttl)
                     break
                 except JetStreamError as exc:
-                    if "maximum bytes" not in (exc.description or ""):
-                        raise
+                    if not _storage_full(exc):
+                        log.warning("job %s: chunk not stored yet (%s)", self._record.id, exc)
+                        await asyncio.sleep(0.5)
+                        continue
                     # The endpoint's queue is full: the rest of this attempt's stream output
                     # is not kept (its result still is, if it fits); retrying would never end.
                     log.warning(
