@@ -96,7 +96,7 @@ class OperatorSettings(BaseSettings):
         None,
         description="Folder holding the queue account's keys (files `account` and "
         "`account-signing`; the chart mounts them): the operator mints with them a NATS "
-        "credential per endpoint (Secret <endpoint>-queue-creds, allowed only that endpoint's "
+        "credential per endpoint (Secret <endpoint>-queue-creds-v2, allowed only that endpoint's "
         "subjects, records and consumers) and its own. Unset: one password in the URL for "
         "everyone (weaker; docs/security.md).",
     )

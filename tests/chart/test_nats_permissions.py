@@ -2,7 +2,7 @@
 init container's trust and routes files: nats_chart_kit), with each role's real credential:
 
 - the gateway's (its init container's own command) limits, meters and serves jobs;
-- an endpoint's (what the operator mints into <endpoint>-queue-creds) runs that endpoint's
+- an endpoint's (what the operator mints into <endpoint>-queue-creds-v2) runs that endpoint's
   queue end to end -- the real QueueJobService, QueueWorker, depth and /health -- once the
   operator's credential has created the streams and the endpoint's consumers;
 - and refuses, on the server, everything else: another endpoint's records, jobs, chunks,

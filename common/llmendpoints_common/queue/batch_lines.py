@@ -1,4 +1,4 @@
-"""A batch's requests as jobs of the shared queue's batch lane (``llmep.jobs.<ep>.batch``).
+"""A batch's requests as jobs of the shared queue's batch lane (``llmep.ep.<ep>.jobs.batch.*``).
 
 Request ``i`` of batch ``b`` is the job ``line_job_id(b, i)`` of the batch's endpoint: a job
 record like any other (the same workers run it, the same ``/status`` shows it to its owner)
