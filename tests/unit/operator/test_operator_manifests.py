@@ -426,7 +426,9 @@ def test_pods_get_their_endpoint_id_and_the_shared_queue() -> None:
     deployment = manifests.build_deployment(ep, queued, replicas=1)
     env = {v["name"]: v.get("value", v.get("valueFrom")) for v in _container(deployment)["env"]}
     # The password URL reaches the pod from the endpoint's Secret, never as a plain value.
-    assert env["JOBS_QUEUE_URL"] == {"secretKeyRef": {"name": "chat-a-queue-creds-v2", "key": "url"}}
+    assert env["JOBS_QUEUE_URL"] == {
+        "secretKeyRef": {"name": "chat-a-queue-creds-v2", "key": "url"}
+    }
     assert "llmep:secret" not in json.dumps(deployment)
     assert env["ENDPOINT_ID"] == "chat-a"
     assert env["ENDPOINT_NAMESPACE"] == ep.namespace
