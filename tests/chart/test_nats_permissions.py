@@ -788,11 +788,11 @@ def test_a_pods_credential_pulls_and_changes_no_consumer_but_its_own(chart_nats,
             # the gateway's meter puts them back when it starts, saying so.
             x_records, y_records = names.records_stream(X), names.records_stream(Y)
             await admin.js.add_consumer(
-                x_records, replace(usage_consumer_config(X), max_ack_pending=1)
+                x_records, replace(usage_consumer_config(X, 1), max_ack_pending=1)
             )
             await admin.js.delete_consumer(y_records, names.USAGE_CONSUMER)
             await admin.js.add_consumer(
-                y_records, replace(usage_consumer_config(Y), deliver_subject="llmep.elsewhere")
+                y_records, replace(usage_consumer_config(Y, 1), deliver_subject="llmep.elsewhere")
             )
             queue_conn = SharedQueue(server.url, "g", gateway_creds)
             await queue_conn.start()

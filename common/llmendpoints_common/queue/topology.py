@@ -316,10 +316,11 @@ def consumer_config(
     )
 
 
-def usage_consumer_config(endpoint: EndpointRef | str, replicas: int = 1) -> js_api.ConsumerConfig:
+def usage_consumer_config(endpoint: EndpointRef | str, replicas: int = 0) -> js_api.ConsumerConfig:
     """The gateway's usage meter on the endpoint's records: every record write from the first
     (created with the stream, so nothing is missed before a gateway starts), acknowledged one
-    by one, shared by every gateway replica (each write is handled by one)."""
+    by one, shared by every gateway replica (each write is handled by one). ``replicas`` 0:
+    as many as its stream."""
     return js_api.ConsumerConfig(
         name=names.USAGE_CONSUMER,
         durable_name=names.USAGE_CONSUMER,
@@ -368,7 +369,7 @@ def consumer_drift(
 
 
 async def ensure_usage_consumer(
-    js: JetStreamContext, endpoint: EndpointRef | str, replicas: int = 1
+    js: JetStreamContext, endpoint: EndpointRef | str, replicas: int = 0
 ) -> str | None:
     """The usage meter's consumer on the endpoint's records, as ``usage_consumer_config``
     says: created when missing, repaired when someone changed it. Returns what was repaired
@@ -381,6 +382,7 @@ async def ensure_usage_consumer(
         await _add_consumer(js, stream, wanted)
         return None
     fixed, updatable = consumer_drift(info.config, wanted)
+    wanted = replace(wanted, num_replicas=info.config.num_replicas)  # what it was made with
     if fixed:
         # Not updatable in place: made again. Records written up to now are delivered again;
         # the meter bills no write older than BILLED_WRITES_WITHIN_SECONDS, and the usage
@@ -389,7 +391,7 @@ async def ensure_usage_consumer(
         await _add_consumer(js, stream, wanted)
         return f"made again ({', '.join(fixed + updatable)} differed)"
     if updatable:
-        await js.add_consumer(stream, replace(wanted, num_replicas=info.config.num_replicas))
+        await js.add_consumer(stream, wanted)
         return f"updated ({', '.join(updatable)} differed)"
     return None
 
