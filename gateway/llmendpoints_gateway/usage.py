@@ -359,11 +359,10 @@ class JobUsageMeter:
             prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens,
         )
-        if not verdict.billable:
+        if not verdict.billable or admitted is None:
             if verdict.reason is not None:
                 self._refuse(ref, job_id, verdict.reason)
             return
-        assert admitted is not None
         entry, count = self.on_usage(record, verdict, usage, written_at)
         ack = await js.publish(
             names.usage_subject(entry.endpoint, entry.key),

@@ -68,9 +68,11 @@ from llmendpoints_common.queue.connect import connect, limits_of
 from llmendpoints_common.queue.depth import endpoint_depth
 from llmendpoints_common.queue.natsjwt import Permissions, UserLimits
 from llmendpoints_common.queue.state import (
-    WRONG_LAST_SEQUENCE as _WRONG_LAST_SEQUENCE,
+    WRONG_LAST_SEQUENCE,
+    JobStates,
+    StaleRevision,
+    purge_marker,
 )
-from llmendpoints_common.queue.state import JobStates, StaleRevision, purge_marker
 from llmendpoints_common.queue.topology import QueueLayout, ensure_endpoint_streams, ensure_streams
 
 log = logging.getLogger(__name__)
@@ -429,7 +431,7 @@ class QueueJobService:
                 )
                 return None
             except APIError as exc:
-                if exc.err_code != _WRONG_LAST_SEQUENCE:
+                if exc.err_code != WRONG_LAST_SEQUENCE:
                     raise
             try:
                 raw = await self.js.get_msg(
