@@ -64,7 +64,7 @@ _USAGE = names.USAGE_CONSUMER
 RUNTIME_MAX_PAYLOAD = 32 * 1024 * 1024
 RUNTIME_MAX_SUBSCRIPTIONS = 10_000
 GATEWAY_MAX_SUBSCRIPTIONS = 100_000
-OPERATOR_MAX_SUBSCRIPTIONS = 1_000
+OPERATOR_MAX_SUBSCRIPTIONS = 10_000
 
 # What no role but admin may ever do, denied explicitly as well: an allow-list edited too
 # broadly later still cannot reach them.
