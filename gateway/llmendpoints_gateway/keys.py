@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+from llmendpoints_common.jobs.admission import ENDPOINT_KEY_PREFIX
 from llmendpoints_common.jobs.service import key_owner
 from llmendpoints_edge.keys import WatchedFile, parse_key_list
 
@@ -145,6 +146,13 @@ def _key_entry(entry: Any, where: str, *, require_name: bool = False) -> tuple[b
         name = hashed_name(secret or "")
     if not isinstance(name, str) or not name:
         raise KeyFileError(f"{where}.name: a non-empty string is required")
+    if name.startswith(ENDPOINT_KEY_PREFIX):
+        # What a job accepted at an endpoint's own pod is billed to (jobs/admission.py): a
+        # gateway key of that name would be billed for them.
+        raise KeyFileError(
+            f"{where}.name: {name!r} starts with {ENDPOINT_KEY_PREFIX!r}, which names the "
+            "endpoints' own keys in usage records; choose another name"
+        )
     endpoints = entry.get("endpoints")
     if endpoints is not None and not (
         isinstance(endpoints, list) and all(isinstance(e, str) for e in endpoints)

@@ -35,6 +35,7 @@ from typing import Any
 
 import kopf
 import prometheus_client
+from llmendpoints_common.identity import EndpointRef
 from llmendpoints_common.model_names import Claim, creation_time, served_model_name
 
 from llmendpoints_operator import groups, kube, manifests, status
@@ -335,6 +336,28 @@ async def model_name_claim_seen(
     of this one publishes its own status)."""
     served = _declared_name(type, name, body)
     await _running(memo).reconciler.model_claims_changed((namespace, name), served, logger)
+
+
+def _is_deletion(type: str | None, **_: Any) -> bool:
+    return type == "DELETED"
+
+
+@kopf.on.event(*LLMEP, when=_is_deletion)
+async def endpoint_deleted(
+    namespace: str, name: str, logger: logging.Logger, memo: kopf.Memo, **_: Any
+) -> None:
+    """A deleted endpoint's own queue goes with it: its jobs, and the storage NATS reserved for
+    it (every endpoint's streams reserve their bound; queue/topology.py)."""
+    queue = _running(memo).jobs_queue
+    if queue is None:
+        return
+    try:
+        removed = await asyncio.wait_for(queue.drop_endpoint(EndpointRef(namespace, name)), 10.0)
+    except Exception as exc:  # NATS down: an admin removes them (docs/install.md)
+        logger.warning("The queue streams of %s/%s were not deleted: %s", namespace, name, exc)
+        return
+    if removed:
+        logger.info("Deleted the queue streams of %s/%s", namespace, name)
 
 
 # --- the InferencePool API appearing ----------------------------------------------------------

@@ -52,7 +52,7 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 API_KEYS_DIR = "/etc/llmendpoints/api-keys"
 API_KEYS_FILE = "api-keys"
 ADAPTERS_DIR = "/etc/llmendpoints/adapters"
-# The endpoint's own NATS credential for the shared job queue (Secret <endpoint>-queue-creds):
+# The endpoint's own NATS credential for the shared job queue (Secret <endpoint>-queue-creds-v2):
 # a creds file when the operator mints per-endpoint credentials, else the password URL.
 QUEUE_CREDS_DIR = "/etc/llmendpoints/queue"
 QUEUE_CREDS_FILE = "queue.creds"
@@ -96,8 +96,15 @@ def admin_key_secret_name(endpoint_name: str) -> str:
     return f"{endpoint_name}-admin-key"
 
 
+# The credential's permissions' generation: a Secret is created once and never updated (the
+# operator may not), so permissions that change get a new Secret name -- minted anew, and the
+# pods rolled onto it -- while the NATS servers refuse credentials minted before
+# (queue/trust.py REVOKED_BEFORE). 2: each endpoint's own streams (issue 28).
+QUEUE_CREDS_GENERATION = 2
+
+
 def queue_creds_secret_name(endpoint_name: str) -> str:
-    return f"{endpoint_name}-queue-creds"
+    return f"{endpoint_name}-queue-creds-v{QUEUE_CREDS_GENERATION}"
 
 
 def selector_labels(endpoint_name: str) -> dict[str, str]:

@@ -501,16 +501,21 @@ class Reconciler:
         )
 
     async def _ensure_queue_consumers(self, ep: Endpoint, logger: logging.Logger) -> None:
-        """The endpoint's worker consumers in the shared queue (the pods' credential may not
-        create them). Best effort: NATS down does not fail the reconcile; the autoscaler's next
-        read of the endpoint, or the next resync, creates them."""
+        """The endpoint's own queue -- its two streams, with this operator's bounds, its worker
+        consumers and the gateway's usage consumer (the pods' credential may create none).
+        Best effort: NATS down, or its storage fully reserved, does not fail the reconcile; the
+        autoscaler's next read of the endpoint, or the next resync, creates them."""
         if self._jobs_queue is None:
             return
         ref = EndpointRef(ep.namespace, ep.name)
         try:
             await asyncio.wait_for(self._jobs_queue.ensure_endpoint(ref), 5.0)
         except Exception as exc:
-            logger.warning("Queue consumers of %s not created yet: %s", ref.id, exc or type(exc))
+            logger.warning(
+                "The queue of %s (its streams and consumers) is not made yet: %s",
+                ref.id,
+                exc or type(exc),
+            )
 
     async def _reconcile_inference_pool(
         self, ep: Endpoint, owner: Mapping[str, Any], client: KubeApi, logger: logging.Logger

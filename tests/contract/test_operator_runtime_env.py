@@ -176,21 +176,21 @@ def _minted(endpoint: str) -> str:
 def test_the_queue_identity_and_the_endpoints_own_credential_reach_the_runtime(
     tmp_path: pathlib.Path,
 ) -> None:
-    creds = {("demo-queue-creds", "queue.creds"): _minted("team/demo")}
+    creds = {("demo-queue-creds-v2", "queue.creds"): _minted("team/demo")}
     env = _pod_environment({"model": {"name": "org/model"}}, tmp_path, QUEUE_KEYS, creds)
     settings = config.load_config(env).settings
     assert (settings.endpoint_namespace, settings.endpoint_id) == ("team", "demo")
     assert settings.jobs_queue_url.get_secret_value() == QUEUE_KEYS.jobs_queue_url
     assert (
         pathlib.Path(settings.jobs_queue_creds_file).read_text()
-        == creds[("demo-queue-creds", "queue.creds")]
+        == creds[("demo-queue-creds-v2", "queue.creds")]
     )
 
 
 def test_a_planted_credential_of_another_endpoint_stops_the_pod(tmp_path: pathlib.Path) -> None:
-    """A Secret named <endpoint>-queue-creds that someone made before the operator could, with
+    """A Secret named <endpoint>-queue-creds-v2 that someone made before the operator could, with
     a credential minted for another endpoint (theirs): the pod refuses to start with it."""
-    planted = {("demo-queue-creds", "queue.creds"): _minted("other-team/demo")}
+    planted = {("demo-queue-creds-v2", "queue.creds"): _minted("other-team/demo")}
     env = _pod_environment({"model": {"name": "org/model"}}, tmp_path, QUEUE_KEYS, planted)
     with pytest.raises(config.ConfigError) as caught:
         config.load_config(env)
@@ -202,7 +202,7 @@ def test_a_password_url_reaches_the_pod_from_the_endpoints_secret(tmp_path: path
     url = "nats://llmep:secret@nats.infra:4222"
     queued = OperatorSettings(jobs_queue_url=url)
     env = _pod_environment(
-        {"model": {"name": "org/model"}}, tmp_path, queued, {("demo-queue-creds", "url"): url}
+        {"model": {"name": "org/model"}}, tmp_path, queued, {("demo-queue-creds-v2", "url"): url}
     )
     settings = config.load_config(env).settings
     assert settings.jobs_queue_url.get_secret_value() == url

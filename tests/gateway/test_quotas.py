@@ -672,13 +672,12 @@ def _consumer_drained(queue_url: str) -> bool:
 
     import nats
     from llmendpoints_common.queue import names
-    from llmendpoints_gateway.usage import JOB_USAGE_CONSUMER
 
     async def read() -> bool:
         nc = await nats.connect(queue_url)
         try:
             info = await nc.jetstream().consumer_info(
-                names.kv_stream(names.JOB_STATE_BUCKET), JOB_USAGE_CONSUMER
+                names.records_stream("default/demo"), names.USAGE_CONSUMER
             )
             return info.num_pending == 0 and info.num_ack_pending == 0
         finally:

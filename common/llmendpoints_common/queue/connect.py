@@ -40,6 +40,17 @@ def permissions_of(creds_text: str) -> natsjwt.Permissions:
     return natsjwt.Permissions.from_claims(natsjwt.decode(token))
 
 
+def limits_of(
+    creds_file: str | Path | None = None, *, creds: str | None = None
+) -> natsjwt.UserLimits:
+    """The bounds a creds file's user JWT carries (none for a password user)."""
+    text = read_creds(creds_file) if creds_file is not None else creds
+    if text is None:
+        return natsjwt.UserLimits()
+    token, _ = natsjwt.parse_creds(text)
+    return natsjwt.UserLimits.from_claims(natsjwt.decode(token))
+
+
 def inbox_of(permissions: natsjwt.Permissions) -> str:
     """The reply inbox prefix a user may subscribe to (``_INBOX`` when any)."""
     for subject in permissions.sub_allow:

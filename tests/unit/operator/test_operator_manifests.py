@@ -437,13 +437,15 @@ def test_pods_get_their_endpoint_id_and_the_shared_queue() -> None:
     deployment = manifests.build_deployment(ep, queued, replicas=1)
     env = {v["name"]: v.get("value", v.get("valueFrom")) for v in _container(deployment)["env"]}
     # The password URL reaches the pod from the endpoint's Secret, never as a plain value.
-    assert env["JOBS_QUEUE_URL"] == {"secretKeyRef": {"name": "chat-a-queue-creds", "key": "url"}}
+    assert env["JOBS_QUEUE_URL"] == {
+        "secretKeyRef": {"name": "chat-a-queue-creds-v2", "key": "url"}
+    }
     assert "llmep:secret" not in json.dumps(deployment)
     assert env["ENDPOINT_ID"] == "chat-a"
     assert env["ENDPOINT_NAMESPACE"] == ep.namespace
     assert env["LLMEP_JOBS_QUEUE_REPLICAS"] == "3"
     secret = manifests.build_queue_creds_secret(ep, url=queued.jobs_queue_url)
-    assert secret["metadata"]["name"] == "chat-a-queue-creds"
+    assert secret["metadata"]["name"] == "chat-a-queue-creds-v2"
     assert base64.b64decode(secret["data"]["url"]).decode() == queued.jobs_queue_url
     assert secret["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "llmendpoints-operator"
 
@@ -460,7 +462,7 @@ def test_pods_mount_their_own_queue_creds_with_per_endpoint_credentials() -> Non
     assert env["JOBS_QUEUE_CREDS_FILE"] == "/etc/llmendpoints/queue/queue.creds"
     (volume,) = [v for v in pod["volumes"] if v["name"] == "queue-creds"]
     assert volume["secret"] == {
-        "secretName": "chat-a-queue-creds",
+        "secretName": "chat-a-queue-creds-v2",
         "items": [{"key": "queue.creds", "path": "queue.creds"}],
     }
     assert {"name": "queue-creds", "mountPath": "/etc/llmendpoints/queue", "readOnly": True} in (
