@@ -17,6 +17,7 @@ import os
 import socket
 
 from llmendpoints_common.gateway_token import read_secret
+from llmendpoints_edge.memory import HeapTrimmer
 from llmendpoints_edge.server import serve as serve_edge
 
 from llmendpoints_gateway.access import Access
@@ -161,4 +162,6 @@ def serve(settings: GatewaySettings, worker: WorkerSlot | None = None) -> None:
         access_log=False,  # the gateway writes its own access line with routing fields
         backlog=4096,
         sockets=[socket.socket(fileno=worker.listen_fd)] if worker else None,
+        # Bodies of 10 MB by the dozen come and go here: their memory goes back when they do.
+        trimmer=HeapTrimmer(),
     )
