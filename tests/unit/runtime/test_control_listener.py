@@ -1,10 +1,12 @@
-"""The control port (LLMEP_CONTROL_PORT): probes and /metrics answered by a thread of their own,
-on a real socket, while the event loop of this process is kept busy."""
+"""The control port (LLMEP_CONTROL_PORT): probes and /metrics answered by a process of their own
+(control_listener.start, what the runtime runs) on a real socket, while this process's event
+loop is kept busy and while clients misbehave: trickling, silent, more than it keeps open."""
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -15,12 +17,15 @@ from pathlib import Path
 import pytest
 from llmendpoints_runtime import control_listener
 from llmendpoints_runtime.control_listener import (
+    HEADER_DEADLINE_SECONDS,
+    MAX_CONNECTIONS,
     MAX_HEAD_BYTES,
     ControlListener,
     ControlSurface,
     answer,
 )
 from llmendpoints_runtime.health import Health
+from prober import probe_once
 
 
 def surface(health: Health, metrics: bytes = b"llmendpoints_queue_depth 3.0\n") -> ControlSurface:
@@ -257,3 +262,95 @@ def test_the_child_dies_with_its_parent():
 
     wait_for(gone, "the control port's process to end with its parent")
     assert not Path(directory).exists()  # nothing left behind in /dev/shm
+
+
+# -- clients that misbehave, against the child process -------------------------------------------
+
+
+class Attacker:
+    """``count`` connections kept open against the port, each reopened the moment the server
+    closes it; each sends the start of a request line and then ``every`` seconds one more header
+    byte (None: nothing ever)."""
+
+    def __init__(self, port: int, count: int, every: float | None) -> None:
+        self.port, self.every = port, every
+        self.stop = threading.Event()
+        self.closed_by_server = 0
+        self._threads = [threading.Thread(target=self._one, daemon=True) for _ in range(count)]
+
+    def __enter__(self) -> Attacker:
+        for thread in self._threads:
+            thread.start()
+        time.sleep(1.0)  # all of them connected
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.stop.set()
+        for thread in self._threads:
+            thread.join(10)
+
+    def _one(self) -> None:
+        while not self.stop.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=10) as sock:
+                    if self.every is not None:
+                        sock.sendall(b"GET /health HTTP/1.1\r\nX-Slow: ")
+                    while not self.stop.is_set():
+                        readable, _, _ = select.select([sock], [], [], self.every or 0.5)
+                        if readable:  # the server answered (408) or closed it: open another
+                            self.closed_by_server += 1
+                            break
+                        if self.every is not None:
+                            sock.sendall(b"x")
+            except OSError:
+                time.sleep(0.01)
+
+
+def kubelet_probes(port: int, count: int = 20) -> list[dict]:
+    """``count`` probes of /health a kubelet would send (a fresh connection each, the request
+    written as it connects), each allowed 10 s: twice the pod spec's timeoutSeconds."""
+    probes = []
+    for _ in range(count):
+        probes.append(probe_once("127.0.0.1", port, "/health", timeout=10))
+        time.sleep(0.25)
+    return probes
+
+
+def test_sixteen_trickling_connections_do_not_stop_the_kubelets_probe(control_port):
+    """16 connections sending a header byte every 4 s, reopened as soon as they are closed.
+    Before: they held every connection the port served (each read waited 5 s for the next
+    byte) and /health went unanswered 20 times out of 20 -- a kubelet would restart a healthy
+    pod. Now each must finish its head within HEADER_DEADLINE_SECONDS of its accept."""
+    running, _, _ = control_port
+    with Attacker(running.port, 16, every=4.0) as attacker:
+        probes = kubelet_probes(running.port)
+    assert [p.get("status") for p in probes] == [200] * 20, probes
+    assert attacker.closed_by_server >= 16  # each was cut at its deadline, not served
+
+
+def test_more_silent_connections_than_it_keeps_do_not_stop_the_probe(control_port):
+    """Three times MAX_CONNECTIONS connections that send nothing, each reopened when closed:
+    a new connection closes the oldest, and a probe, whose request comes with its connection,
+    is answered as it is accepted."""
+    running, _, _ = control_port
+    with Attacker(running.port, 3 * MAX_CONNECTIONS, every=None):
+        probes = kubelet_probes(running.port)
+    assert [p.get("status") for p in probes] == [200] * 20, probes
+
+
+def test_headers_that_trickle_past_the_deadline_get_408_and_a_close(listener):
+    """A byte every 0.3 s forever: never idle long, yet closed with 408 at the deadline (the
+    old per-read timeout let it live as long as it kept sending)."""
+    running, _ = listener
+    with socket.create_connection(("127.0.0.1", running.port), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nX-Slow: ")
+        answer = b""
+        for _ in range(int(4 * HEADER_DEADLINE_SECONDS / 0.3) + 20):
+            readable, _, _ = select.select([sock], [], [], 0.3)
+            if readable:
+                answer = sock.recv(65536)
+                break
+            sock.sendall(b"x")
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert running.open_connections == 0
+    assert request(running.port, get("/health"))[0] == 200
