@@ -141,7 +141,9 @@ def build(settings: GatewaySettings, worker: WorkerSlot | None = None) -> Gatewa
         sock = socket.socket(fileno=worker.metrics_fd)
         parts.append(MetricsServer(metrics, "127.0.0.1", sock.getsockname()[1], sock))
     elif settings.metrics_port:
-        parts.append(MetricsServer(metrics, settings.host, settings.metrics_port))
+        parts.append(
+            MetricsServer(metrics, settings.metrics_host or settings.host, settings.metrics_port)
+        )
     gateway.started.extend(part.start for part in parts)
     gateway.stopped.extend(part.stop for part in reversed(parts))
     return gateway

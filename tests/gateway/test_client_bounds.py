@@ -267,3 +267,24 @@ def test_max_tokens_above_the_keys_minute_is_refused_at_once(gateway, standin):
         model="one", messages=[{"role": "user", "content": "hi"}], max_tokens=500
     )
     assert fits.choices[0].message.content
+
+
+# ------------------------------------------------------------------ where /metrics listens
+
+
+def test_metrics_listen_on_the_address_given_and_nowhere_else(logs, standin):
+    """GATEWAY_METRICS_HOST (the chart gives the pod's IP): /metrics there, not on every
+    interface. 127.0.0.2 stands for the pod's IP (loopback: nothing leaves the machine)."""
+    endpoints = write_endpoints(
+        logs / "metrics-host.yaml", [{"name": "one", "models": ["one"], "backends": [standin.url]}]
+    )
+    with running_gateway(
+        logs,
+        GATEWAY_ENDPOINTS_FILE=str(endpoints),
+        API_KEYS=ALICE,
+        GATEWAY_METRICS_HOST="127.0.0.2",
+    ) as gw:
+        port = gw.metrics_port
+        assert httpx.get(f"http://127.0.0.2:{port}/metrics", timeout=10).status_code == 200
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)

@@ -354,3 +354,17 @@ def test_headers_that_trickle_past_the_deadline_get_408_and_a_close(listener):
     assert answer.startswith(b"HTTP/1.1 408 "), answer
     assert running.open_connections == 0
     assert request(running.port, get("/health"))[0] == 200
+
+
+def test_it_listens_on_the_address_given_only():
+    """The runtime gives it LLMEP_CONTROL_HOST (the operator: the pod's IP). 127.0.0.2 stands
+    for the pod's IP: answered there, refused on the pod's other addresses."""
+    health = Health()
+    health.engine_ready()
+    running = control_listener.start(surface(health), "127.0.0.2", 0)
+    try:
+        assert probe_once("127.0.0.2", running.port, "/health", timeout=10)["status"] == 200
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", running.port), timeout=10).close()
+    finally:
+        running.close()
