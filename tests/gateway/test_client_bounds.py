@@ -8,8 +8,6 @@ The pure halves: tests/gateway/test_stream_meter.py (the SSE reader), test_quota
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
 from collections import Counter
 from pathlib import Path
@@ -20,7 +18,15 @@ import pytest
 import yaml
 from proc_kit import cpu_seconds, rss_mib, wait_until
 
-from .harness import Process, metric_sum, running_gateway, running_standins, write_endpoints
+from .harness import (
+    Process,
+    chat_body,
+    hang_up_round,
+    metric_sum,
+    running_gateway,
+    running_standins,
+    write_endpoints,
+)
 
 CHAT = "/v1/chat/completions"
 ALICE, SMALL = "sk-alice-0123456789", "sk-small-0123456789"
@@ -92,45 +98,14 @@ def _tokens(gw: Process, key: str, kind: str) -> float:
 # ------------------------------------------------------------------ memory
 
 
-def _chat_body(size: int) -> bytes:
-    """A chat request of exactly ``size`` bytes whose answer (~200 KB) outlasts what its
-    client reads."""
-    request = {"model": "one", "standin_pad": 200_000, "messages": [{"role": "user"}]}
-    filler = size - len(json.dumps({**request, "messages": [{"role": "user", "content": ""}]}))
-    request["messages"][0]["content"] = "x" * filler
-    body = json.dumps(request).encode()
-    assert len(body) == size
-    return body
-
-
-async def _send_and_hang_up(port: int, head: bytes, body: bytes) -> bytes:
-    """The whole request, then only the answer's status line: the client closes with the rest
-    unread (the kernel resets the connection)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(head)
-    writer.write(body)
-    await writer.drain()
-    status = await reader.readline()
-    writer.transport.abort()
-    return status.split(b" ")[1] if status else b"closed"
-
-
-async def _round(port: int, body: bytes, clients: int) -> list[bytes]:
-    head = (
-        f"POST {CHAT} HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {ALICE}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    ).encode()
-    return await asyncio.gather(*(_send_and_hang_up(port, head, body) for _ in range(clients)))
-
-
 def test_large_requests_whose_clients_hang_up_leave_no_memory_behind(gateway):
     """9 rounds of 40 x 10 MB requests whose clients hang up before reading the whole answer:
     the gateway's RSS comes back within 100 MiB of where it began. Before: every body stayed
     referenced for the keep-alive timeout (75 s) by the timer uvicorn left armed after the
     reset, and glibc kept the freed heap: 117 -> 2,204 MiB after 9 rounds (bench/RESULTS.md)."""
     pid = gateway.process.pid
-    body = _chat_body(10_000_000)
-    asyncio.run(_round(gateway.port, _chat_body(100_000), 2))  # the path's first allocations
+    body = chat_body(10_000_000)
+    hang_up_round(gateway.port, ALICE, chat_body(100_000), 2)  # the path's first allocations
     began = rss_mib(pid)
     answered = _answered(gateway)
     after_rounds: list[float] = []
@@ -139,7 +114,7 @@ def test_large_requests_whose_clients_hang_up_leave_no_memory_behind(gateway):
         # Mostly 200; on a starved machine some are 503 (the stand-in, busy parsing 400 MB,
         # misses a readiness probe, and 40 bodies are more than GATEWAY_HOLD_MAX_BYTES holds).
         # Either way each request ends, and its body must go with it.
-        statuses.update(asyncio.run(_round(gateway.port, body, 40)))
+        statuses.update(hang_up_round(gateway.port, ALICE, body, 40))
         after_rounds.append(round(rss_mib(pid)))
     wait_until(lambda: _answered(gateway) >= answered + 360, 60, "every request ended")
     # Freed memory goes back at most a second after the last body went (edge/memory.py).
