@@ -60,9 +60,11 @@ MAX_HEAD_BYTES = 8 * 1024
 # Prometheus's, arrives with the connection); the answer must be written within the second.
 HEADER_DEADLINE_SECONDS = 2.0
 ANSWER_DEADLINE_SECONDS = 10.0
-# Connections open at once; one more closes the oldest.
-MAX_CONNECTIONS = 64
-ACCEPTS_PER_PASS = 16
+# Connections open at once; one more closes the oldest still sending its head. Each costs a
+# socket and a few hundred bytes; with the head deadline, pushing a probe out takes this many
+# connections opened within 2 s.
+MAX_CONNECTIONS = 256
+ACCEPTS_PER_PASS = MAX_CONNECTIONS // 2
 LOOK_SECONDS = 0.5  # the loop wakes at least this often (close(), the parent's death)
 PUBLISH_INTERVAL_SECONDS = 0.1
 METRICS_EVERY = 5  # publications: /metrics text is rendered every 0.5 s
@@ -171,16 +173,18 @@ class ControlListener:
 
     - The request head must be complete HEADER_DEADLINE_SECONDS after the connection was
       accepted, however it trickles in (408, closed); it must end within MAX_HEAD_BYTES (431).
-    - At most MAX_CONNECTIONS are open; one more closes the oldest. A kubelet, or a Prometheus,
-      sends its request as it connects and is answered in the same pass of the loop, so clients
-      that connect and then send nothing, or a byte now and then, cannot keep it out: before
-      these bounds 16 connections sending a byte every 4 s took every slot, and /health went
-      unanswered 20 times out of 20.
+    - At most MAX_CONNECTIONS are open; one more closes the oldest still sending its head. A
+      kubelet, or a Prometheus, sends its request as it connects; what open connections sent
+      is read before new ones are accepted, so clients that connect and then send nothing, or
+      a byte now and then, cannot keep it out: before these bounds 16 connections sending a
+      byte every 4 s took every slot, and /health went unanswered 20 times out of 20.
     """
 
     def __init__(self, surface: ControlSurface, host: str, port: int) -> None:
         self.surface = surface
-        self._sock = socket.create_server((host, port), family=_family(host), backlog=128)
+        # A deep backlog: under a flood a probe's connection waits its turn in it rather than
+        # having its SYN dropped (and retried a second later).
+        self._sock = socket.create_server((host, port), family=_family(host), backlog=1024)
         self._sock.setblocking(False)
         self.port = self._sock.getsockname()[1]
         self._selector = selectors.DefaultSelector()
@@ -209,13 +213,18 @@ class ControlListener:
                     events = self._selector.select(self._wait(time.monotonic()))
                 except (OSError, ValueError):
                     return  # closed under us
-                for key, mask in events:
-                    if key.data is None:
-                        self._accept()
+                accept = False
+                for key, mask in events:  # the connections open first, then new ones:
+                    if key.data is None:  # a probe that has sent its request is answered
+                        accept = True  # before newcomers can push it out
+                    elif key.data.sock not in self._open:
+                        continue  # dropped meanwhile
                     elif mask & selectors.EVENT_READ:
                         self._read(key.data)
                     else:
                         self._write(key.data)
+                if accept:
+                    self._accept()
                 self._expire(time.monotonic())
         finally:
             for conn in list(self._open.values()):
@@ -227,8 +236,8 @@ class ControlListener:
         return min(LOOK_SECONDS, max(0.0, soonest - now))
 
     def _accept(self) -> None:
-        # A few a pass: a flood waiting in the backlog cannot push out, in the same pass, a
-        # connection accepted before it (the rest wait for the next pass, milliseconds later).
+        # At most half the cap a pass: a flood waiting in the backlog cannot push out, in the
+        # same pass, a connection accepted before it (the rest wait for the next pass).
         for _ in range(ACCEPTS_PER_PASS):
             try:
                 sock, _ = self._sock.accept()
@@ -237,13 +246,19 @@ class ControlListener:
             except OSError:
                 return  # closed, or out of descriptors: the next pass tries again
             if len(self._open) >= MAX_CONNECTIONS:
-                self._drop(next(iter(self._open.values())))  # the oldest goes
+                self._drop(self._oldest())
             sock.setblocking(False)
             conn = _Connection(sock, time.monotonic() + HEADER_DEADLINE_SECONDS)
             self._open[sock] = conn
             self._selector.register(sock, selectors.EVENT_READ, conn)
             # A probe's request is usually in by now: answered before anything else happens.
             self._read(conn)
+
+    def _oldest(self) -> _Connection:
+        """Who goes for a newcomer: the oldest still waiting for its head (the one that has
+        had longest to send it), else the oldest of all."""
+        waiting = (c for c in self._open.values() if c.out is None)
+        return next(waiting, None) or next(iter(self._open.values()))
 
     def _read(self, conn: _Connection) -> None:
         try:

@@ -20,7 +20,7 @@ import contextlib
 import json
 import os
 import re
-import select
+import selectors
 import socket
 import sys
 import threading
@@ -80,40 +80,55 @@ def probe_once(host: str, port: int, path: str, timeout: float) -> dict:
 class SlowClients:
     """``count`` connections kept open against the port, each reopened the moment the server
     closes it; each sends the start of a request line and then ``every`` seconds one more header
-    byte (None: nothing ever)."""
+    byte (None: nothing ever). One thread drives them all (a selector), so hundreds cost the
+    machine little besides the reconnections."""
 
     def __init__(self, port: int, count: int, every: float | None) -> None:
-        self.port, self.every = port, every
+        self.port, self.count, self.every = port, count, every
         self.stop = threading.Event()
         self.closed_by_server = 0
-        self._threads = [threading.Thread(target=self._one, daemon=True) for _ in range(count)]
+        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> SlowClients:
-        for thread in self._threads:
-            thread.start()
+        self._thread.start()
         time.sleep(1.0)  # all of them connected
         return self
 
     def __exit__(self, *_exc) -> None:
         self.stop.set()
-        for thread in self._threads:
-            thread.join(10)
+        self._thread.join(30)
 
-    def _one(self) -> None:
-        while not self.stop.is_set():
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=10) as sock:
-                    if self.every is not None:
-                        sock.sendall(b"GET /health HTTP/1.1\r\nX-Slow: ")
-                    while not self.stop.is_set():
-                        readable, _, _ = select.select([sock], [], [], self.every or 0.5)
-                        if readable:  # the server answered (408) or closed it: open another
-                            self.closed_by_server += 1
-                            break
-                        if self.every is not None:
-                            sock.sendall(b"x")
-            except OSError:
-                time.sleep(0.01)
+    def _open(self, selector: selectors.BaseSelector) -> None:
+        try:
+            sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+            if self.every is not None:
+                sock.sendall(b"GET /health HTTP/1.1\r\nX-Slow: ")
+        except OSError:
+            time.sleep(0.01)
+            return
+        sock.setblocking(False)
+        selector.register(sock, selectors.EVENT_READ)
+
+    def _run(self) -> None:
+        selector = selectors.DefaultSelector()
+        next_byte = time.monotonic() + (self.every or 0)
+        try:
+            while not self.stop.is_set():
+                while len(selector.get_map()) < self.count and not self.stop.is_set():
+                    self._open(selector)
+                for key, _ in selector.select(0.2):  # the server answered (408) or closed it
+                    selector.unregister(key.fileobj)
+                    key.fileobj.close()
+                    self.closed_by_server += 1
+                if self.every is not None and time.monotonic() >= next_byte:
+                    next_byte += self.every
+                    for key in list(selector.get_map().values()):
+                        with contextlib.suppress(OSError):
+                            key.fileobj.send(b"x")
+        finally:
+            for key in list(selector.get_map().values()):
+                key.fileobj.close()
+            selector.close()
 
 
 def kubelet_probes(port: int, count: int = 20) -> list[dict]:
