@@ -46,7 +46,7 @@ MAX_EVENT_BYTES = 64 * 1024
 
 # A step of generated text: a non-empty string under one of these keys (the role-only first
 # delta, finish events and empty tool-call arguments carry "").
-_STEP_TEXT = re.compile(rb'"(?:content|text|delta|reasoning|reasoning_content)"\s*:\s*"(?!")')
+_STEP_TEXT = re.compile(rb'"(?:content|text|delta|reasoning(?:_content)?)"\s*:\s*"(?!")')
 # A chat tool call's name or arguments piece (looked for only in events with "tool_calls").
 _TOOL_TEXT = re.compile(rb'"(?:name|arguments)"\s*:\s*"((?:[^"\\]|\\.)*)"')
 # A stream's last event: chat and completions end with ``[DONE]``, /v1/responses with a
@@ -57,12 +57,18 @@ _LAST_EVENT = re.compile(
 )
 
 
+def _may_end(data: bytes) -> bool:
+    """What _LAST_EVENT needs, found by substring (an order of magnitude cheaper than the
+    regex, which most events, a token each, need not be searched with)."""
+    return b"[DONE]" in data or b"event:" in data
+
+
 class _Oversized:
     """What is kept of an event past MAX_EVENT_BYTES while it passes: its head's verdicts and
     its last TAIL_BYTES (as pieces, dropped from the front: no copy per read)."""
 
     def __init__(self, head: bytes) -> None:
-        self.last = _LAST_EVENT.match(head) is not None
+        self.last = _may_end(head) and _LAST_EVENT.match(head) is not None
         self.text = _STEP_TEXT.search(head) is not None
         self.newline = False
         self._tail: list[bytes] = []
@@ -195,7 +201,7 @@ class StreamUsage:
                 if piece:
                     self.tool_pieces += 1
                     self.tool_chars += len(piece) - piece.count(b"\\")  # \" is one
-        if not self.ended and _LAST_EVENT.search(block) is not None:
+        if not self.ended and _may_end(block) and _LAST_EVENT.search(block) is not None:
             self.ended = True
         if b'"usage"' not in block:
             return block
