@@ -189,7 +189,7 @@ def secret_api_key(obj: Mapping[str, Any]) -> tuple[bytes, Key]:
     for field_name in _SECRET_LIMITS:
         if field_name in data:
             raw = data[field_name]
-            limits[field_name] = int(raw) if raw.isdigit() else raw
+            limits[field_name] = int(raw) if raw.isascii() and raw.isdigit() else raw
     if limits:
         entry["limits"] = limits
     if "admin" in data:

@@ -7,15 +7,20 @@ Shared by tests/gateway/test_batch_load.py (the goals as assertions) and bench/b
 - ``stream_prober.py`` streams chat completions back to back through the gateway (from the
   stand-in backend: an event every ``STREAM_INTERVAL`` s) and records every gap, in another;
 - a thread here samples the RSS of the gateway's processes (the whole tree: supervisor, workers,
-  batch driver host) and how long they waited for a CPU (their threads' schedstat).
+  batch driver host) every 100 ms, and every 20 ms how long each one's main thread -- a serving
+  worker's event loop -- has waited for a CPU (schedstat).
 
 Both probers record how long they themselves waited for a CPU during each probe or gap, and the
-summary subtracts it: what is left is the time the gateway (or the stand-in) took. A failure
-then says who was slow: the gateway, its CPU wait, or the machine.
+summary subtracts it (``*_ms``): what is left is the time the gateway (or the stand-in) took.
+It also subtracts how long the serving worker's loop waited for a CPU in that span
+(``*_net_ms``): what is left then is time the loop was running or blocked on its own -- what an
+upload or a validation holding it would show -- not time a loaded machine kept it off the CPU.
+A failure says who was slow: the gateway's own work, its CPU wait, or the prober.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import statistics
@@ -109,14 +114,22 @@ def _tree(pid: int) -> list[psutil.Process]:
     return [root, *root.children(recursive=True)]
 
 
-def _cpu_wait_ms(proc: psutil.Process) -> float:
-    """How long ``proc``'s threads have been runnable but not running (schedstat field 2)."""
+def _cpu_wait_ms(pid: int, thread: int | None = None) -> float:
+    """How long ``pid``'s threads (or its ``thread``) have been runnable but not running
+    (schedstat field 2)."""
     total = 0.0
+    tasks = Path(f"/proc/{pid}/task")
     with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{proc.pid}/task").iterdir():
+        for task in [tasks / str(thread)] if thread else tasks.iterdir():
             with contextlib.suppress(OSError, IndexError, ValueError):
                 total += int((task / "schedstat").read_text().split()[1]) / 1e6
     return total
+
+
+def _serving(procs: list[psutil.Process]) -> list[int]:
+    """The pids that answer requests: the workers, or the one process when there are none."""
+    workers = [p.pid for p in procs if "--worker" in p.cmdline()]
+    return workers or [procs[0].pid]
 
 
 @dataclass
@@ -132,6 +145,8 @@ class Watching:
     gaps: list[dict] = field(default_factory=list)
     prober_waits: dict[str, float] = field(default_factory=dict)
     stream_errors: list[dict] = field(default_factory=list)
+    # (wall time, {serving pid: its main thread's CPU wait in ms}) every 20 ms
+    loop_waits: list[tuple[float, dict[int, float]]] = field(default_factory=list)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[Watching]:
@@ -181,17 +196,39 @@ class Watching:
             self.phases[name] = (began, time.time())
 
     def _sample(self, stop: threading.Event) -> None:
-        while not stop.wait(0.1):
+        procs: list[psutil.Process] = []
+        serving: list[int] = []
+        looked = rss_at = 0.0
+        while not stop.wait(0.02):
+            now = time.time()
             with contextlib.suppress(psutil.Error):
-                procs = _tree(self.pid)
-                self.samples.append(
-                    {
-                        "t": time.time(),
-                        "rss": {p.pid: p.memory_info().rss for p in procs},
-                        "names": {p.pid: " ".join(p.cmdline()[2:5]) for p in procs},
-                        "cpu_wait_ms": sum(_cpu_wait_ms(p) for p in procs),
-                    }
-                )
+                if now - looked >= 1.0:  # a restarted worker is a new process
+                    procs, looked = _tree(self.pid), now
+                    serving = _serving(procs)
+                self.loop_waits.append((now, {pid: _cpu_wait_ms(pid, pid) for pid in serving}))
+                if now - rss_at >= 0.1:
+                    rss_at = now
+                    self.samples.append(
+                        {
+                            "t": now,
+                            "rss": {p.pid: p.memory_info().rss for p in procs},
+                            "names": {p.pid: " ".join(p.cmdline()[2:5]) for p in procs},
+                            "cpu_wait_ms": sum(_cpu_wait_ms(p.pid) for p in procs),
+                        }
+                    )
+
+    def loop_wait_ms(self, start: float, end: float) -> float:
+        """How long the serving loop waited for a CPU between ``start`` and ``end`` (wall
+        times), from the samples around them (the least of the workers': which one served a
+        probe is not known)."""
+        times = [t for t, _ in self.loop_waits]
+        i = max(0, bisect.bisect_right(times, start) - 1)
+        j = min(len(times) - 1, bisect.bisect_left(times, end))
+        if j <= i:
+            return 0.0
+        before, after = self.loop_waits[i][1], self.loop_waits[j][1]
+        deltas = [after[pid] - before[pid] for pid in after if pid in before]
+        return max(0.0, min(deltas)) if deltas else 0.0
 
     # ---- what it found -----------------------------------------------------------------------
 
@@ -208,21 +245,31 @@ class Watching:
         base_gaps = self._within(self.gaps, (baseline,))
         gaps = self._within(self.gaps, during)
 
-        def net(record: dict, key: str) -> float:
+        def own(record: dict, key: str) -> float:
             return record.get(key, 0.0) - record.get("wait_ms", 0.0)
 
-        base_gap = statistics.median(net(g, "gap_ms") for g in base_gaps) if base_gaps else 0.0
+        def net(record: dict, key: str, ended: float) -> float:
+            span = record[key] / 1000
+            return own(record, key) - self.loop_wait_ms(ended - span, ended)
+
+        model_own = [own(m, "total_ms") for m in models]
+        model_net = [net(m, "total_ms", m["t"] + m.get("total_ms", 0) / 1000) for m in models]
+        gap_own = [own(g, "gap_ms") for g in gaps]
+        gap_net = [net(g, "gap_ms", g["t"]) for g in gaps]
+        base_gap = statistics.median(own(g, "gap_ms") for g in base_gaps) if base_gaps else 0.0
         waits = [s["cpu_wait_ms"] for s in busy]
         return {
             "models_probes": len(models),
             "models_failed": [m for m in models if m.get("status") != 200],
-            "models_max_ms": max((net(m, "total_ms") for m in models), default=0.0),
-            "models_p99_ms": _quantile([net(m, "total_ms") for m in models], 0.99),
+            "models_max_ms": max(model_own, default=0.0),
+            "models_max_net_ms": max(model_net, default=0.0),
+            "models_p99_ms": _quantile(model_own, 0.99),
             "models_prober_wait_max_ms": max((m.get("wait_ms", 0.0) for m in models), default=0),
             "stream_events": len(gaps),
             "stream_baseline_gap_ms": base_gap,
-            "stream_max_gap_ms": max((net(g, "gap_ms") for g in gaps), default=0.0),
-            "stream_p99_gap_ms": _quantile([net(g, "gap_ms") for g in gaps], 0.99),
+            "stream_max_gap_ms": max(gap_own, default=0.0),
+            "stream_max_gap_net_ms": max(gap_net, default=0.0),
+            "stream_p99_gap_ms": _quantile(gap_own, 0.99),
             "stream_errors": self._within(self.stream_errors, during),
             "rss_baseline_mib": statistics.median(base_rss) / MiB if base_rss else 0.0,
             "rss_peak_mib": sum(peak["rss"].values()) / MiB if peak else 0.0,

@@ -55,10 +55,9 @@ to one). Namespaces have neither.
 
 from __future__ import annotations
 
-import hashlib
 import re
 
-from llmendpoints_common.identity import EndpointRef, as_ref
+from llmendpoints_common.identity import EndpointRef, as_ref, tenant_token
 
 JOBS_STREAM = "LLMEP_JOBS"
 JOB_STATE_BUCKET = "LLMEP_JOB_STATE"
@@ -211,12 +210,6 @@ def idempotency_key(endpoint: EndpointRef | str, digest: str) -> str:
     if not re.fullmatch(r"[0-9a-f]{16,64}", digest):
         raise ValueError("idempotency digest must be 16-64 lowercase hex digits")
     return f"{tokens(endpoint)}.{digest}"
-
-
-def tenant_token(name: str) -> str:
-    """An API key's name (any text) as one key segment / subject token: a digest of it, so
-    names with dots, spaces or wildcards map one to one onto safe tokens."""
-    return hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:24]
 
 
 def quota_key(name: str) -> str:
