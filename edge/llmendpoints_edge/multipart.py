@@ -226,7 +226,10 @@ class MultipartReader:
         timeout_setting: str = "REQUEST_READ_TIMEOUT_SECONDS",
         file_field: str = "file",
     ) -> None:
-        boundary = boundary_of(scope)
+        try:
+            boundary = boundary_of(scope)
+        except APIError as exc:
+            raise closing(exc) from None  # the body is never read
         raw = header(scope, b"content-length")
         self.declared = int(raw) if raw is not None and raw.isdigit() else None
         if self.declared is not None and self.declared > limit + OVERHEAD:

@@ -1,7 +1,8 @@
 """The batch APIs' verbs over HTTP-shaped input, written once for both front doors (as the job
 API's ``JobVerbs``): ``BatchCall -> BatchReply``, no web framework.
 
-- OpenAI (``/v1/...``): ``POST /files`` (the multipart upload, read by the front door),
+- OpenAI (``/v1/...``): ``POST /files`` (the multipart upload as events from the front door's
+  reader, stored as it arrives, after the key's room for it is reserved: room.py),
   ``GET /files``, ``GET /files/{id}``, ``GET /files/{id}/content``, ``DELETE /files/{id}``;
   ``POST /batches``, ``GET /batches``, ``GET /batches/{id}``, ``POST /batches/{id}/cancel``.
 - RunPod (``/v2/{endpoint}/batch...``): see ``runpod.py``.
@@ -9,7 +10,8 @@ API's ``JobVerbs``): ``BatchCall -> BatchReply``, no web framework.
 Files and batches belong to the caller's key: another key's id is answered like an id that
 does not exist (404), and a listing shows the caller's own only. What a key may hold is
 bounded (files, bytes, batches not ended, tokens those batches queue): beyond, 429 saying which
-bound and its setting.
+bound and its setting. A file's content is answered as a ``FileContent``: the front door sends
+it a chunk at a time as it is read from the store.
 """
 
 from __future__ import annotations

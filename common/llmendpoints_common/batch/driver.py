@@ -1,10 +1,15 @@
 """What moves a batch along: validate its input, hand its requests to the batch lane a window at
 a time, follow them, write the output and error files, end it.
 
-Every process that serves the batch API runs a ``BatchDrivers`` host. Each tick it lists the
+A ``BatchDrivers`` host runs once per gateway pod, in a process of its own that serves nothing
+(the gateway's batch_host.py), and in a runtime pod without the queue. Each tick it lists the
 batches not ended and drives those it holds the lease of (a compare-and-set on the batch's
 record; a host that dies lets its leases run out and another takes over). So a batch is driven
 by one host at a time, and by some host as long as one runs.
+
+An input file is validated as it streams from the store, a chunk at a time, the parsing in a
+worker thread (``_read_input``): a 200 MB file costs the host one chunk and one line of memory,
+and its event loop -- on one pod, the loop that serves vLLM's routes -- is never held by it.
 
 What makes it safe to stop a driver anywhere (a SIGKILLed gateway, a NATS restart):
 

@@ -25,7 +25,7 @@ from llmendpoints_edge.body import ClientGone, read_before
 from llmendpoints_edge.multipart import MultipartReader
 
 from llmendpoints_runtime.auth import caller
-from llmendpoints_runtime.errors import ErrorBody
+from llmendpoints_runtime.errors import error_responses
 from llmendpoints_runtime.middleware import is_upload_path
 
 BATCH_TAG = "Batch API (OpenAI files and batches, RunPod batch jobs)"
@@ -33,7 +33,6 @@ BATCH_TAG = "Batch API (OpenAI files and batches, RunPod batch jobs)"
 # What each error status of the batch routes means (their /openapi.json entries).
 _WHEN = {
     400: "A field or the body is invalid (`param` names it)",
-    401: "Missing or wrong API key (when keys are configured)",
     404: "No such file or batch for this key (another key's ids are not found either)",
     408: "The upload did not arrive within LLMEP_BATCH_UPLOAD_TIMEOUT_SECONDS",
     409: "The batch's state does not allow this",
@@ -47,7 +46,7 @@ _WHEN = {
 
 def batch_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """``responses=`` for a batch route: the error statuses it answers, with their body."""
-    return {status: {"model": ErrorBody, "description": _WHEN[status]} for status in statuses}
+    return error_responses(*statuses, when=_WHEN)
 
 
 def answer(reply: BatchReply) -> Response:

@@ -105,7 +105,10 @@ def build_job_router(
         )
         return JSONResponse(reply.body, status_code=reply.status, headers=dict(reply.headers))
 
-    submit_errors = error_responses(400, 401, 413, 429, 503, job=True)
+    submit_errors = error_responses(
+        400, 401, 404, 413, 429, 503, job=True,
+        when={404: "`input.model` names no model this endpoint serves"},
+    )  # fmt: skip
     request_body = {"requestBody": _request_body(JobRequest)}
 
     @router.post("/run", responses=submit_errors, openapi_extra=request_body)
