@@ -83,16 +83,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"llmendpoints-gateway: {where}: {error['msg']}", file=sys.stderr)
         return 2
     configure(settings.log_format, settings.log_level)
+    return _serve(args, settings)
+
+
+def _serve(args: argparse.Namespace, settings: GatewaySettings) -> int:
+    """This process's part of the pod: the batch driver host, a worker of several, the
+    supervisor of them, or the one process that serves."""
     if getattr(args, "batch_drivers", False):
         die_with_supervisor(int(args.supervisor_pid))
         from llmendpoints_gateway.server import serve_batch_host
 
         return serve_batch_host(settings)
     worker = None
-    if not getattr(args, "worker", None):
-        count, host = worker_count(settings), wants_batch_host(settings)
-        if count > 1 or host:
-            return Supervisor(settings, count, batch_host=host).run()
     if getattr(args, "worker", None):
         index, _, count = args.worker.partition("/")
         worker = WorkerSlot(
@@ -100,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             int(args.supervisor_pid), int(args.drain_fd),
         )  # fmt: skip
         die_with_supervisor(worker.supervisor_pid)
+    elif (count := worker_count(settings)) > 1 or wants_batch_host(settings):
+        return Supervisor(settings, count, batch_host=wants_batch_host(settings)).run()
     from llmendpoints_gateway.server import serve
 
     serve(settings, worker)

@@ -238,3 +238,65 @@ def test_a_runpod_request_id_with_a_digit_that_is_not_ascii_is_a_400(gateway):
         listing = http.get(f"/batch/{batch['id']}/requests", params={"limit": "\u00b2"})
         assert listing.status_code == 400 and listing.json()["error"]["param"] == "limit"
         http.post(f"/batch/{batch['id']}/cancel")
+
+
+def _driver_hosts(gateway) -> list[psutil.Process]:
+    children = psutil.Process(gateway.process.pid).children()
+    return [p for p in children if "--batch-drivers" in p.cmdline()]
+
+
+def _create_batch(gateway, key: str) -> str:
+    uploaded = httpx.post(
+        gateway.url + "/v1/files",
+        headers=_auth(key),
+        data={"purpose": "batch"},
+        files={"file": ("f.jsonl", _line(0))},
+    )
+    assert uploaded.status_code == 200, uploaded.text
+    created = httpx.post(
+        gateway.url + "/v1/batches",
+        headers=_auth(key),
+        json={
+            "input_file_id": uploaded.json()["id"],
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        },
+    )
+    assert created.status_code == 200, created.text
+    return created.json()["id"]
+
+
+def _status(gateway, key: str, batch_id: str) -> str:
+    return httpx.get(gateway.url + f"/v1/batches/{batch_id}", headers=_auth(key)).json()["status"]
+
+
+def test_only_the_driver_host_drives_batches_and_the_supervisor_brings_it_back(gateway):
+    """The pod is a supervisor, its serving worker and one batch driver host; with the host
+    stopped no batch moves (the worker drives none), and a host that dies is started again."""
+    children = psutil.Process(gateway.process.pid).children()
+    assert sum("--worker" in p.cmdline() for p in children) == 1
+    (host,) = _driver_hosts(gateway)
+    host.suspend()
+    try:
+        batch_id = _create_batch(gateway, "sk-t1")
+        time.sleep(3)  # six of a driver's ticks
+        assert _status(gateway, "sk-t1", batch_id) == "validating"
+    finally:
+        host.resume()
+    deadline = time.monotonic() + 60
+    while _status(gateway, "sk-t1", batch_id) == "validating":
+        assert time.monotonic() < deadline, "the driver host never took the batch up"
+        time.sleep(0.2)
+    assert _status(gateway, "sk-t1", batch_id) == "in_progress"
+    host.kill()
+    deadline = time.monotonic() + 60
+    while not [p for p in _driver_hosts(gateway) if p.pid != host.pid]:
+        assert time.monotonic() < deadline, "the supervisor did not start a new driver host"
+        time.sleep(0.2)
+    second = _create_batch(gateway, "sk-t1")
+    deadline = time.monotonic() + 60
+    while _status(gateway, "sk-t1", second) == "validating":
+        assert time.monotonic() < deadline, "the new driver host never took the batch up"
+        time.sleep(0.2)
+    for batch in (batch_id, second):
+        httpx.post(gateway.url + f"/v1/batches/{batch}/cancel", headers=_auth("sk-t1"))

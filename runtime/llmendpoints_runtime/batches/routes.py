@@ -14,6 +14,7 @@ store, which the gateway reaches and a pod's credential does not; every route th
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -64,6 +65,30 @@ async def _body(request: Request) -> bytes:
     return body if body is not None else await request.body()
 
 
+def upload_route(api: BatchAPI, settings: BatchEnv) -> Callable[[Request], Awaitable[Response]]:
+    """``POST /v1/files``: the upload read as it arrives and stored a piece at a time."""
+
+    async def create_file(request: Request) -> Response:
+        reader = MultipartReader(
+            request.scope,
+            request.receive,
+            limit=settings.batch_max_file_bytes,
+            setting="LLMEP_BATCH_MAX_FILE_BYTES",
+            timeout=settings.batch_upload_timeout_seconds,
+            timeout_setting="LLMEP_BATCH_UPLOAD_TIMEOUT_SECONDS",
+        )
+        name, _ = caller(request.scope)
+        try:
+            reply = await api.openai(BatchCall("POST", "files", name, upload=reader.upload()))
+        except ClientGone:
+            return Response(status_code=499)
+        if not reader.complete:  # answered before the whole body was read (a 429 first)
+            reply.headers["connection"] = "close"
+        return answer(reply)
+
+    return create_file
+
+
 def build_batch_routers(
     api: BatchAPI, settings: BatchEnv, *, endpoint: str, endpoint_name: str
 ) -> list[APIRouter]:
@@ -80,25 +105,13 @@ def build_batch_routers(
         )  # fmt: skip
         return answer(await api.openai(call))
 
-    @router.post("/v1/files", responses=batch_errors(400, 401, 408, 413, 415, 429, 507))
-    async def create_file(request: Request) -> Response:
-        reader = MultipartReader(
-            request.scope,
-            request.receive,
-            limit=settings.batch_max_file_bytes,
-            setting="LLMEP_BATCH_MAX_FILE_BYTES",
-            timeout=settings.batch_upload_timeout_seconds,
-            timeout_setting="LLMEP_BATCH_UPLOAD_TIMEOUT_SECONDS",
-        )
-        name, _ = caller(request.scope)
-        call = BatchCall("POST", "files", name, upload=reader.upload())
-        try:
-            reply = await api.openai(call)
-        except ClientGone:
-            return Response(status_code=499)
-        if not reader.complete:  # answered before the whole body was read (a 429 first)
-            reply.headers["connection"] = "close"
-        return answer(reply)
+    router.add_api_route(
+        "/v1/files",
+        upload_route(api, settings),
+        methods=["POST"],
+        responses=batch_errors(400, 401, 408, 413, 415, 429, 507),
+        name="create_file",
+    )
 
     @router.get("/v1/files", responses=errors)
     async def list_files(request: Request) -> Response:
@@ -134,8 +147,6 @@ def build_batch_routers(
 
     runpod = APIRouter(prefix="/v2/{endpoint_id}", tags=[BATCH_TAG])
 
-    @runpod.api_route("/batch", methods=["GET", "POST"], responses=errors)
-    @runpod.api_route("/batch/{path:path}", methods=["GET", "POST", "PUT", "DELETE"], responses=errors)  # fmt: skip
     async def runpod_batch(request: Request, endpoint_id: str, path: str = "") -> Response:
         name, _ = caller(request.scope)
         body = await _body(request) if request.method in ("POST", "PUT") else b""
@@ -148,6 +159,13 @@ def build_batch_routers(
         )
         return answer(await api.runpod(call, endpoint, endpoint_id or endpoint_name))
 
+    # One route per method: each its own OpenAPI operation (and operation id).
+    for path, methods in (("/batch", "GET POST"), ("/batch/{path:path}", "GET POST PUT DELETE")):
+        for method in methods.split():
+            runpod.add_api_route(
+                path, runpod_batch, methods=[method], responses=errors,
+                name=f"runpod_batch{'_path' if '{' in path else ''}_{method.lower()}",
+            )  # fmt: skip
     return [router, runpod]
 
 
