@@ -463,11 +463,9 @@ def test_the_chart_lets_the_gateway_keep_and_drive_batches_and_pods_run_them(cha
     scaling signal -- while an endpoint's pods take the batch lane with their own credential
     and the operator reads the signal with its own. No violation anywhere; a pod's credential
     reaches neither the batch records nor the files."""
-    import io
-    from types import SimpleNamespace
-
     from llmendpoints_common.batch.api import BatchAPI, BatchCall
     from llmendpoints_common.batch.driver import BatchDrivers
+    from llmendpoints_common.batch.files import FileEnd, FileStart, FormField, Upload
     from llmendpoints_common.batch.limits import BatchLimits
     from llmendpoints_common.batch.record import BatchRecord
     from llmendpoints_common.batch.signal import BatchSignal
@@ -486,7 +484,7 @@ def test_the_chart_lets_the_gateway_keep_and_drive_batches_and_pods_run_them(cha
         await ensure_consumers(operator.js, C, QueueLayout())
         gateway = await _connect(server.url, gateway_creds, "gateway")
         pod = await _connect(server.url, _creds(chart_nats, "runtime", C), "pod-c", timeout=REFUSED)  # fmt: skip
-        store = NatsBatchStore(gateway.js)
+        store = NatsBatchStore(gateway)
         lines = QueueLines(gateway)
 
         async def resolve(owner: str, model: str) -> str:
@@ -525,8 +523,12 @@ def test_the_chart_lets_the_gateway_keep_and_drive_batches_and_pods_run_them(cha
                 + b"\n"
                 for i in range(10)
             )
-            form = SimpleNamespace(fields={"purpose": "batch"}, file=io.BytesIO(data), filename="in.jsonl", size=len(data))  # fmt: skip
-            file = await api.create_file(form, "team")
+
+            async def events():  # the upload as the gateway's multipart reader gives it
+                for event in (FormField("purpose", "batch"), FileStart("file", "in.jsonl"), data, FileEnd()):  # fmt: skip
+                    yield event
+
+            file = await api.create_file(Upload(events(), len(data)), "team")
             created = await api.create_batch(
                 json.dumps({"input_file_id": file["id"], "endpoint": "/v1/chat/completions",
                             "completion_window": "24h"}).encode(), "team",
@@ -546,8 +548,8 @@ def test_the_chart_lets_the_gateway_keep_and_drive_batches_and_pods_run_them(cha
                 await asyncio.sleep(0.1)
             assert shown["request_counts"]["completed"] == 10
             reply = await api.openai(BatchCall("GET", f"files/{shown['output_file_id']}/content", "team"))  # fmt: skip
-            assert len(reply.content.read().splitlines()) == 10
-            reply.content.close()
+            content = b"".join([chunk async for chunk in reply.content.chunks()])
+            assert len(content.splitlines()) == 10
             # A file is removed without a purge, and is gone.
             deleted = await api.openai(BatchCall("DELETE", f"files/{file['id']}", "team"))
             assert deleted.body["deleted"] is True
