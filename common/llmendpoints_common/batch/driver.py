@@ -374,7 +374,7 @@ class BatchDrivers:
             return await self._end(validation_failed(record, [error], now=self.clock()), revision)
         parts = _Parts(self.store, record)
         try:
-            check, revision = await self._read_input(record, revision, content, parts)
+            check, record, revision = await self._read_input(record, revision, content, parts)
             return await self._validated(record, revision, check, parts)
         except StoreFull as exc:
             await self.store.drop_parts(parts.record())
@@ -386,10 +386,10 @@ class BatchDrivers:
 
     async def _read_input(
         self, record: BatchRecord, revision: int, content: FileContent, parts: _Parts
-    ) -> tuple[jsonl.Validator, int]:
+    ) -> tuple[jsonl.Validator, BatchRecord, int]:
         """Feed the file to a validator a chunk at a time -- the parsing in a worker thread,
         so the loop that runs this driver (and, on one pod, serves) is never held by it --
-        keeping this host's lease meanwhile. The validator and the record's revision."""
+        keeping this host's lease meanwhile. The validator, the record and its revision."""
         assert record.openai_endpoint is not None
         check = jsonl.Validator(record.openai_endpoint, self.limits)
         endpoint = record.openai_endpoint
@@ -403,10 +403,11 @@ class BatchDrivers:
                     record, holder=self.holder, now=renewed, seconds=self.lease_seconds
                 )
                 revision = await self.store.write_batch(leased, revision)
+                record = leased
         for line in _part_lines(check, None, endpoint):
             await parts.add(line)
         await parts.flush()
-        return check, revision
+        return check, record, revision
 
     async def _validated(
         self, record: BatchRecord, revision: int, check: jsonl.Validator, parts: _Parts

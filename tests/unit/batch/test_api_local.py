@@ -428,3 +428,43 @@ async def test_an_upload_refused_or_cut_stores_nothing_and_lets_its_room_go(setu
         )
     )
     assert fine.status == 200 and fine.body["bytes"] == len(data)
+
+
+async def test_a_long_validation_keeps_its_lease_and_stores_its_input_in_parts(tmp_path):
+    """The input streams from the store a chunk at a time; while it is read the driver keeps
+    renewing its lease (another host would take a batch whose lease ran out), and the requests
+    are stored as parts as they pass."""
+    now = [1000.0]
+
+    def clock() -> float:
+        now[0] += 0.2  # every look at the clock: a long read
+        return now[0]
+
+    store = LocalBatchStore(tmp_path, max_bytes=100_000_000, clock=clock)
+
+    async def resolve(owner, model):
+        return "default/local"
+
+    drivers = BatchDrivers(
+        store, Runner(), holder="pod", limits=LIMITS, resolve=resolve, clock=clock,
+        lease_seconds=2.0,
+    )  # fmt: skip
+    api = BatchAPI(store, Runner(), LIMITS, clock=clock)
+    lines = [{**chat(i), "body": {**chat(i)["body"], "pad": "x" * 1000}} for i in range(3000)]
+    file = await api.create_file(upload(lines), "alice")
+    assert file["bytes"] > 3 * 1024 * 1024  # several of the store's 1 MiB chunks
+    created = await api.create_batch(create_body(file["id"]), "alice")
+    leases = []
+    write = store.write_batch
+
+    async def watched(record, revision):
+        leases.append(record.lease_until)
+        return await write(record, revision)
+
+    store.write_batch = watched
+    await drivers.step("alice", created.id)
+    record, _ = await store.batch("alice", created.id)
+    assert record.status.value == "in_progress" and record.total == 3000
+    # Taken, renewed while the file was read, and the renewed lease kept by the last write.
+    assert len(leases) >= 3 and leases[-1] == leases[-2] > leases[0]
+    assert sum(record.parts) == 3000 and len(record.parts) == 3  # PART_LINES each
