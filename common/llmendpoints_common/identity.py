@@ -7,11 +7,15 @@ canonical text form is ``"<namespace>/<name>"`` (``EndpointRef.id``), as ``kubec
 - namespace: an RFC 1123 label (``[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?``): no dots, no ``_``;
 - name: a Kubernetes object name (``[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?``).
 
+A tenant (an API key's name) is identified the same way everywhere too: ``tenant_token``, the
+token its queue subjects, record keys, object names and local folders carry.
+
 Pure: no I/O.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -75,3 +79,10 @@ def parse(text: str) -> EndpointRef:
 def as_ref(endpoint: EndpointRef | str) -> EndpointRef:
     """An EndpointRef, or its ``"ns/name"`` text (a bare name is refused: which namespace?)."""
     return endpoint if isinstance(endpoint, EndpointRef) else EndpointRef.parse(endpoint)
+
+
+def tenant_token(name: str) -> str:
+    """An API key's name (a tenant: any text) as one key segment, subject token or path segment:
+    a digest of it, so names with dots, spaces, slashes or wildcards map one to one onto safe
+    tokens."""
+    return hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:24]

@@ -1,9 +1,11 @@
 """A ``multipart/form-data`` upload read as it arrives, within a deadline and a bound.
 
 The body reader (``body.py``) keeps a whole body in memory within ``MAX_REQUEST_BODY_BYTES``;
-an upload to ``/v1/files`` may be 200 MB. This reader streams the one file part into a spooled
-temporary file (memory up to ``SPOOL_BYTES``, disk beyond) and keeps the small text fields
-(``purpose``, ``expires_after[seconds]``) in memory:
+an upload to ``/v1/files`` may be 200 MB. This reader holds none of the file: it turns the body
+into events as it arrives (``llmendpoints_common.batch.files``: ``FormField`` for each small text
+field, ``FileStart``, the file's bytes, ``FileEnd``), and its consumer stores each piece before
+the next is read -- TCP's own flow control holds the client back meanwhile. So an upload costs
+the server what one piece costs, whatever the file's size:
 
 - 408, connection closed: the upload has not fully arrived ``timeout`` seconds after the
   headers;
@@ -20,10 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import re
-import tempfile
-from dataclasses import dataclass, field
-from typing import IO
+from collections.abc import AsyncIterator
 
+from llmendpoints_common.batch.files import FileEnd, FileStart, FormEvent, FormField, Upload
 from llmendpoints_common.errors import (
     APIError,
     BadRequestError,
@@ -32,9 +33,8 @@ from llmendpoints_common.errors import (
 )
 
 from llmendpoints_edge.asgi import Receive, Scope, header
-from llmendpoints_edge.body import chunks_of, closing
+from llmendpoints_edge.body import ClientGone, closing
 
-SPOOL_BYTES = 8 * 1024 * 1024
 FIELD_LIMIT = 64 * 1024
 HEADERS_LIMIT = 16 * 1024
 MAX_FIELDS = 32
@@ -42,21 +42,6 @@ MAX_FIELDS = 32
 OVERHEAD = MAX_FIELDS * (FIELD_LIMIT // 8) + HEADERS_LIMIT
 
 _PARAM = re.compile(r';\s*([A-Za-z0-9_*-]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^;]*)')
-
-
-@dataclass
-class Upload:
-    """The form: its text fields, and its file (read from the start; the caller closes it)."""
-
-    fields: dict[str, str] = field(default_factory=dict)
-    file: IO[bytes] | None = None
-    file_field: str | None = None
-    filename: str | None = None
-    size: int = 0
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
 
 
 def content_params(value: str) -> tuple[str, dict[str, str]]:
@@ -87,7 +72,8 @@ def boundary_of(scope: Scope) -> bytes:
 
 
 class _Parser:
-    """The multipart state machine, fed chunks as they arrive (pure but for the spool)."""
+    """The multipart state machine, fed chunks as they arrive; each feed returns the events
+    those bytes complete (pure)."""
 
     def __init__(self, boundary: bytes, *, limit: int, setting: str, file_field: str) -> None:
         self.first = b"--" + boundary
@@ -95,56 +81,74 @@ class _Parser:
         self.limit = limit
         self.setting = setting
         self.file_field = file_field
-        self.upload = Upload()
         self.buffer = b""
         self.state = "preamble"  # -> headers -> body -> after -> ... -> done
         self.name: str | None = None
-        self.text: bytearray | None = None
+        self.text: bytearray | None = None  # the text field being read (None: the file)
+        self.fields = 0
+        self.file_seen = False
+        self.file_size = 0
+        self._events: list[FormEvent] = []
 
-    def feed(self, chunk: bytes) -> None:
+    def feed(self, chunk: bytes) -> list[FormEvent]:
         self.buffer += chunk
-        while True:
-            if self.state == "preamble":
-                at = self.buffer.find(self.first)
-                if at < 0:
-                    self.buffer = self.buffer[-len(self.first) :]
-                    return
-                self.buffer = self.buffer[at + len(self.first) :]
-                self.state = "after"
-            elif self.state == "after":
-                if len(self.buffer) < 2:
-                    return
-                if self.buffer[:2] == b"--":
-                    self.state = "done"
-                    return
-                if self.buffer[:2] != b"\r\n":
-                    raise BadRequestError("malformed multipart body (no line end after a boundary)")
-                self.buffer = self.buffer[2:]
-                self.state = "headers"
-            elif self.state == "headers":
-                end = self.buffer.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(self.buffer) > HEADERS_LIMIT:
-                        raise BadRequestError("a multipart part's headers are too large")
-                    return
-                self._start_part(self.buffer[:end])
-                self.buffer = self.buffer[end + 4 :]
-                self.state = "body"
-            elif self.state == "body":
-                at = self.buffer.find(self.delimiter)
-                if at < 0:
-                    keep = len(self.delimiter) - 1
-                    if len(self.buffer) > keep:
-                        self._data(self.buffer[:-keep])
-                        self.buffer = self.buffer[-keep:]
-                    return
-                self._data(self.buffer[:at])
-                self._end_part()
-                self.buffer = self.buffer[at + len(self.delimiter) :]
-                self.state = "after"
-            else:  # done: an epilogue is ignored
-                self.buffer = b""
-                return
+        self._events = []
+        while self._step():
+            pass
+        return self._events
+
+    def _step(self) -> bool:
+        """One move of the state machine; False when it needs more bytes."""
+        if self.state == "preamble":
+            at = self.buffer.find(self.first)
+            if at < 0:
+                self.buffer = self.buffer[-len(self.first) :]
+                return False
+            self.buffer = self.buffer[at + len(self.first) :]
+            self.state = "after"
+        elif self.state == "after":
+            return self._after_boundary()
+        elif self.state == "headers":
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self.buffer) > HEADERS_LIMIT:
+                    raise BadRequestError("a multipart part's headers are too large")
+                return False
+            self._start_part(self.buffer[:end])
+            self.buffer = self.buffer[end + 4 :]
+            self.state = "body"
+        elif self.state == "body":
+            return self._body()
+        else:  # done: an epilogue is ignored
+            self.buffer = b""
+            return False
+        return True
+
+    def _after_boundary(self) -> bool:
+        if len(self.buffer) < 2:
+            return False
+        if self.buffer[:2] == b"--":
+            self.state = "done"
+            return False
+        if self.buffer[:2] != b"\r\n":
+            raise BadRequestError("malformed multipart body (no line end after a boundary)")
+        self.buffer = self.buffer[2:]
+        self.state = "headers"
+        return True
+
+    def _body(self) -> bool:
+        at = self.buffer.find(self.delimiter)
+        if at < 0:
+            keep = len(self.delimiter) - 1
+            if len(self.buffer) > keep:
+                self._data(self.buffer[:-keep])
+                self.buffer = self.buffer[-keep:]
+            return False
+        self._data(self.buffer[:at])
+        self._end_part()
+        self.buffer = self.buffer[at + len(self.delimiter) :]
+        self.state = "after"
+        return True
 
     def _start_part(self, raw: bytes) -> None:
         headers: dict[str, str] = {}
@@ -157,20 +161,20 @@ class _Parser:
             raise BadRequestError("malformed multipart part (no form-data name)")
         self.name = name
         if "filename" in params or name == self.file_field:
-            if self.upload.file is not None:
+            if self.file_seen:
                 raise BadRequestError(f"{name}: only one file per upload", param=name)
             if name != self.file_field:
                 raise BadRequestError(
                     f"{name}: unexpected file field (send the file as {self.file_field!r})",
                     param=name,
                 )
-            self.upload.file = tempfile.SpooledTemporaryFile(SPOOL_BYTES)  # noqa: SIM115
-            self.upload.file_field = name
-            self.upload.filename = params.get("filename")
+            self.file_seen = True
             self.text = None
+            self._events.append(FileStart(name, params.get("filename")))
         else:
-            if len(self.upload.fields) >= MAX_FIELDS:
+            if self.fields >= MAX_FIELDS:
                 raise BadRequestError(f"more than {MAX_FIELDS} form fields")
+            self.fields += 1
             self.text = bytearray()
 
     def _data(self, data: bytes) -> None:
@@ -183,78 +187,108 @@ class _Parser:
                     f"{self.name}: a form field of at most {FIELD_LIMIT} bytes", param=self.name
                 )
             return
-        assert self.upload.file is not None
-        self.upload.size += len(data)
-        if self.upload.size > self.limit:
+        self.file_size += len(data)
+        if self.file_size > self.limit:
             raise closing(
                 ContentTooLargeError(
                     f"the file is larger than {self.limit} bytes ({self.setting})",
                     param=self.file_field,
                 )
             )
-        self.upload.file.write(data)
+        self._events.append(data)
 
     def _end_part(self) -> None:
         if self.text is not None and self.name is not None:
             try:
-                self.upload.fields[self.name] = self.text.decode("utf-8")
+                self._events.append(FormField(self.name, self.text.decode("utf-8")))
             except UnicodeDecodeError:
                 raise BadRequestError(f"{self.name}: not UTF-8 text", param=self.name) from None
+        elif self.text is None:
+            self._events.append(FileEnd())
         self.text = None
         self.name = None
 
 
-async def read_multipart(
-    scope: Scope,
-    receive: Receive,
-    *,
-    limit: int,
-    setting: str,
-    timeout: float,
-    timeout_setting: str = "REQUEST_READ_TIMEOUT_SECONDS",
-    file_field: str = "file",
-) -> Upload:
-    """The upload, its file at most ``limit`` bytes; raises 400 / 408 / 413 / 415 (see the
-    module), ClientGone if the client left."""
-    boundary = boundary_of(scope)
-    declared = header(scope, b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit + OVERHEAD:
-        raise closing(
-            ContentTooLargeError(
-                f"the upload is {declared.decode()} bytes; files are at most {limit} bytes "
-                f"({setting})",
-                param=file_field,
+class MultipartReader:
+    """An upload's body as events (``upload()``), read only as its consumer asks for them;
+    ``complete`` once the whole body was read (else the answer must close the connection).
+    The content type (415, 400) and a declared length over the bound (413) are checked when
+    it is made, before any of the body is read."""
+
+    def __init__(
+        self,
+        scope: Scope,
+        receive: Receive,
+        *,
+        limit: int,
+        setting: str,
+        timeout: float,
+        timeout_setting: str = "REQUEST_READ_TIMEOUT_SECONDS",
+        file_field: str = "file",
+    ) -> None:
+        try:
+            boundary = boundary_of(scope)
+        except APIError as exc:
+            raise closing(exc) from None  # the body is never read
+        raw = header(scope, b"content-length")
+        self.declared = int(raw) if raw is not None and raw.isdigit() else None
+        if self.declared is not None and self.declared > limit + OVERHEAD:
+            raise closing(
+                ContentTooLargeError(
+                    f"the upload is {self.declared} bytes; files are at most {limit} bytes "
+                    f"({setting})",
+                    param=file_field,
+                )
             )
-        )
-    parser = _Parser(boundary, limit=limit, setting=setting, file_field=file_field)
-    received = 0
-    try:
-        async with asyncio.timeout(timeout):
-            async for chunk in chunks_of(receive):
-                received += len(chunk)
-                if received > limit + OVERHEAD:
-                    raise closing(
-                        ContentTooLargeError(
-                            f"the upload is larger than {limit} bytes ({setting})",
-                            param=file_field,
-                        )
+        self._receive = receive
+        self._parser = _Parser(boundary, limit=limit, setting=setting, file_field=file_field)
+        self._limit = limit
+        self._setting = setting
+        self._timeout = timeout
+        self._timeout_setting = timeout_setting
+        self.complete = False
+
+    def upload(self) -> Upload:
+        return Upload(self._events(), self.declared)
+
+    async def _events(self) -> AsyncIterator[FormEvent]:
+        parser = self._parser
+        deadline = asyncio.get_running_loop().time() + self._timeout
+        received = 0
+        more = True
+        while more:
+            message = await self._next(deadline)
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            chunk = message.get("body", b"")
+            more = message.get("more_body", False)
+            received += len(chunk)
+            if received > self._limit + OVERHEAD:
+                raise closing(
+                    ContentTooLargeError(
+                        f"the upload is larger than {self._limit} bytes ({self._setting})",
+                        param=parser.file_field,
                     )
-                parser.feed(chunk)
-    except TimeoutError:
-        parser.upload.close()
-        raise closing(
-            RequestTimeoutError(
-                f"the upload did not arrive within {timeout:g} s ({timeout_setting})"
+                )
+            for event in parser.feed(chunk):
+                yield event
+        self.complete = True
+        if parser.state != "done":
+            raise BadRequestError("the multipart body ends before its closing boundary")
+        if not parser.file_seen:
+            raise BadRequestError(
+                f"{parser.file_field}: required (the file part)", param=parser.file_field
             )
-        ) from None
-    except BaseException:
-        parser.upload.close()
-        raise
-    upload = parser.upload
-    if parser.state != "done":
-        upload.close()
-        raise BadRequestError("the multipart body ends before its closing boundary")
-    if upload.file is None:
-        raise BadRequestError(f"{file_field}: required (the file part)", param=file_field)
-    upload.file.seek(0)
-    return upload
+
+    async def _next(self, deadline: float) -> dict:
+        """The next message of the body, within the upload's deadline (408 past it)."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self._receive()
+        except TimeoutError:
+            raise closing(
+                RequestTimeoutError(
+                    f"the upload did not arrive within {self._timeout:g} s "
+                    f"({self._timeout_setting})"
+                )
+            ) from None

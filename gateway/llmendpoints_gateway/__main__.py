@@ -21,7 +21,13 @@ from pydantic import ValidationError
 from llmendpoints_gateway import __version__
 from llmendpoints_gateway.config import GatewaySettings
 from llmendpoints_gateway.metering import summarize, usage_csv
-from llmendpoints_gateway.workers import Supervisor, WorkerSlot, die_with_supervisor, worker_count
+from llmendpoints_gateway.workers import (
+    Supervisor,
+    WorkerSlot,
+    die_with_supervisor,
+    wants_batch_host,
+    worker_count,
+)
 
 # server.py (the whole gateway: discovery, NATS, the Kubernetes client) and usage.py are imported
 # where they are used: a supervisor of worker processes runs none of it (~100 MB less).
@@ -48,9 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         epilog=_settings_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    # A worker of several (GATEWAY_WORKERS > 1), as its supervisor starts it (workers.py).
+    # A worker of several, or the pod's batch driver host, as the supervisor starts them
+    # (workers.py).
     for option in ("--worker", "--listen-fd", "--metrics-fd", "--supervisor-pid", "--drain-fd"):
         serve_cmd.add_argument(option, help=argparse.SUPPRESS)
+    serve_cmd.add_argument("--batch-drivers", action="store_true", help=argparse.SUPPRESS)
     usage = commands.add_parser(
         "usage",
         help="export usage per key, endpoint and model from the shared queue (JOBS_QUEUE_URL)",
@@ -74,9 +82,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"llmendpoints-gateway: {where}: {error['msg']}", file=sys.stderr)
         return 2
     configure(settings.log_format, settings.log_level)
+    return _serve(args, settings)
+
+
+def _serve(args: argparse.Namespace, settings: GatewaySettings) -> int:
+    """This process's part of the pod: the batch driver host, a worker of several, the
+    supervisor of them, or the one process that serves."""
+    if getattr(args, "batch_drivers", False):
+        die_with_supervisor(int(args.supervisor_pid))
+        from llmendpoints_gateway.server import serve_batch_host
+
+        return serve_batch_host(settings)
     worker = None
-    if not getattr(args, "worker", None) and (count := worker_count(settings)) > 1:
-        return Supervisor(settings, count).run()
     if getattr(args, "worker", None):
         index, _, count = args.worker.partition("/")
         worker = WorkerSlot(
@@ -84,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             int(args.supervisor_pid), int(args.drain_fd),
         )  # fmt: skip
         die_with_supervisor(worker.supervisor_pid)
+    elif (count := worker_count(settings)) > 1 or wants_batch_host(settings):
+        return Supervisor(settings, count, batch_host=wants_batch_host(settings)).run()
     from llmendpoints_gateway.server import serve
 
     serve(settings, worker)

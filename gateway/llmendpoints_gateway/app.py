@@ -7,17 +7,20 @@ keep-alive pool talks to the replicas.
 
 This module is the shell: the edge's rules first (``llmendpoints_edge``: the path normalised,
 the request id, the caller's key from the headers, the body read once within its deadline and
-limits), then the route decides which layer answers -- probes here, ``/v1/...`` the OpenAI
-routes (openai.py), ``/v2/{endpoint}/...`` the job API (jobs.py) -- and when the request ends,
-metering (usage.py) and the access line. Each layer calls the next; none calls back here.
+limits), then the route table (``_route_table``: method + path pattern -> handler, and what the
+caller must show first) decides which layer answers -- probes here, ``/v1/...`` the OpenAI
+routes (openai.py) and the Batch API (batches.py), ``/v2/{endpoint}/...`` the job API (jobs.py)
+-- and when the request ends, metering (usage.py) and the access line. Each layer calls the
+next; none calls back here.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from llmendpoints_common.errors import APIError, InternalServerError, NotFoundError
 from llmendpoints_edge import paths
@@ -39,50 +42,111 @@ from llmendpoints_gateway.access import Access
 from llmendpoints_gateway.batches import BatchGateway
 from llmendpoints_gateway.config import GatewaySettings
 from llmendpoints_gateway.jobs import JobGateway
+from llmendpoints_gateway.keys import Key
 from llmendpoints_gateway.limiter import Limiter
 from llmendpoints_gateway.metrics import GatewayMetrics
 from llmendpoints_gateway.openai import OpenAIRoutes
-from llmendpoints_gateway.registry import Registry
+from llmendpoints_gateway.registry import Endpoint, Registry
 from llmendpoints_gateway.request import CLIENT_GONE, RequestLog
+from llmendpoints_gateway.route_table import Guard, Route, RouteTable
 from llmendpoints_gateway.upstream import UpstreamPool
 from llmendpoints_gateway.usage import Metering
 
 logger = logging.getLogger("llmendpoints.gateway")
 access_log = logging.getLogger("llmendpoints.gateway.access")
 
-Hook = Callable[[], Awaitable[None]]
+GET = frozenset({"GET"})
+
+
+class Part(Protocol):
+    """A part of the gateway with a life of its own (the queue, discovery, the limiter...):
+    started at the gateway's start-up, in the order given, stopped in the reverse order."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 @dataclass
+class Call:
+    """One request on its way to its route's handler."""
+
+    scope: Scope
+    receive: Receive
+    send: Send
+    state: RequestLog
+    params: Mapping[str, str]
+    key: Key | None = None
+    ep: Endpoint | None = None
+
+
 class Gateway:
-    """The parts a request passes through; discovery, the queue and its users are started and
-    stopped by the lifespan hooks, in the order the composition root (server.py) gives."""
+    """The parts a request passes through, given when it is built (server.py, the composition
+    root, builds them in dependency order); ``parts`` are started and stopped by the lifespan."""
 
-    settings: GatewaySettings
-    access: Access
-    registry: Registry
-    metrics: GatewayMetrics
-    limiter: Limiter
-    metering: Metering
-    jobs: JobGateway | None = None  # the job API, with JOBS_QUEUE_URL
-    batches: BatchGateway | None = None  # the batch APIs, with JOBS_QUEUE_URL
-    started: list[Hook] = field(default_factory=list)
-    stopped: list[Hook] = field(default_factory=list)
-    draining: bool = False
-    active: int = 0  # requests being answered (held, proxied or local)
-
-    token_secret: bytes | None = None  # GATEWAY_TOKEN_SECRET_FILE's: the pods' credentials
-
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        access: Access,
+        registry: Registry,
+        metrics: GatewayMetrics,
+        limiter: Limiter,
+        metering: Metering,
+        *,
+        jobs: JobGateway | None = None,  # the job API, with JOBS_QUEUE_URL
+        batches: BatchGateway | None = None,  # the batch APIs, with JOBS_QUEUE_URL
+        parts: Sequence[Part] = (),
+        token_secret: bytes | None = None,  # GATEWAY_TOKEN_SECRET_FILE's: the pods' credentials
+    ) -> None:
+        self.settings = settings
+        self.access = access
+        self.registry = registry
+        self.metrics = metrics
+        self.limiter = limiter
+        self.metering = metering
+        self.jobs = jobs
+        self.batches = batches
+        self.parts = tuple(parts)
+        self.draining = False
+        self.active = 0  # requests being answered (held, proxied or local)
         self.openai = OpenAIRoutes(
-            self.registry,
-            self.access,
-            self.limiter,
-            self.metrics,
-            UpstreamPool(self.settings.upstream_connect_timeout_seconds),
-            self.settings.hold_timeout_seconds,
-            token_secret=self.token_secret,
-            default_max_tokens=self.settings.default_token_reservation,
+            registry,
+            access,
+            limiter,
+            metrics,
+            UpstreamPool(settings.upstream_connect_timeout_seconds),
+            settings.hold_timeout_seconds,
+            token_secret=token_secret,
+            default_max_tokens=settings.default_token_reservation,
+        )
+        self.routes = self._route_table()
+
+    def _route_table(self) -> RouteTable[Call]:
+        """Every route of the gateway, first match wins (method + path -> handler)."""
+        public, endpoint = Guard.PUBLIC, Guard.ENDPOINT
+        return RouteTable(
+            [
+                Route("/health", self._health, guard=public),
+                Route("/healthz", self._health, guard=public),
+                Route("/ready", self._ready, guard=public),
+                # OpenAI's Batch API (batches.py), the model list, then every other OpenAI
+                # route, proxied to the endpoint serving the body's model (openai.py).
+                Route("/v1/files", self._openai_batches),
+                Route("/v1/files/{rest:path}", self._openai_batches),
+                Route("/v1/batches", self._openai_batches),
+                Route("/v1/batches/{rest:path}", self._openai_batches),
+                Route("/v1/models", self._models, GET),
+                Route("/v1/models/{model:path}", self._model, GET),
+                Route("/v1/{rest:path}", self._proxy),
+                # One endpoint's: its OpenAI routes, RunPod's batch jobs, the job API (jobs.py).
+                Route("/v2/{endpoint}/openai/v1/models", self._models, GET, endpoint),
+                Route("/v2/{endpoint}/openai/v1/models/{model:path}", self._model, GET, endpoint),
+                Route("/v2/{endpoint}/openai/v1/{rest:path}", self._proxy, guard=endpoint),
+                Route("/v2/{endpoint}/batch", self._runpod_batches, guard=endpoint),
+                Route("/v2/{endpoint}/batch/{rest:path}", self._runpod_batches, guard=endpoint),
+                Route("/v2/{endpoint}", self._jobs, guard=endpoint),
+                Route("/v2/{endpoint}/{rest:path}", self._jobs, guard=endpoint),
+            ]
         )
 
     # ---------------------------------------------------------------- ASGI
@@ -98,19 +162,19 @@ class Gateway:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 try:
-                    for hook in self.started:
-                        await hook()
+                    for part in self.parts:
+                        await part.start()
                 except Exception as exc:
                     logger.exception("start-up failed")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                for hook in self.stopped:
+                for part in reversed(self.parts):
                     try:
-                        await hook()
+                        await part.stop()
                     except Exception:
-                        logger.exception("shutdown hook failed")
+                        logger.exception("shutdown of %s failed", type(part).__name__)
                 await self.openai.pool.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
@@ -123,7 +187,6 @@ class Gateway:
         return (
             self.active
             + (self.jobs.pending_webhooks if self.jobs is not None else 0)
-            + (self.batches.pending_webhooks if self.batches is not None else 0)
             + self.limiter.pending
         )
 
@@ -184,62 +247,78 @@ class Gateway:
     async def _route(self, scope: Scope, receive: Receive, send: Send, state: RequestLog) -> None:
         path: str = scope["path"]
         method: str = scope["method"]
-        if path in ("/health", "/healthz"):
-            return await send_json(send, 200, {"status": "ok"})
-        if path == "/ready":
-            if self.draining:
-                return await send_json(send, 503, {"status": "draining"})
-            return await send_json(send, 200, {"status": "ready"})
-        if not path.startswith(("/v1/", "/v2/")):
+        found = self.routes.match(method, path)
+        if found is None:
             raise NotFoundError(f"{method} {path} is not a route of this gateway")
-
-        key = self.access.identify(scope, state)
-        if key is not None and key.limits.any:
-            send = self.limiter.reporting(key, send, state)
-        self.access.require(key, state)  # from the headers, before any of the body
-        if path.startswith("/v1/"):
-            if batch_routes.is_openai_batch_path(path):  # OpenAI's Batch API: batches.py
-                if self.batches is None:
-                    raise batch_routes.unavailable(path)
-                return await self.batches.openai(scope, receive, send, state, key, path)
-            if path == "/v1/models" and method == "GET":
-                return await self.openai.list_models(send, key, None, state)
-            if path.startswith("/v1/models/") and method == "GET":
-                return await self.openai.one_model(
-                    path[len("/v1/models/") :], send, key, None, state
-                )
-            body = await self._body(scope, receive, runsync=False, parse=True)
-            return await self.openai.proxy(scope, body, receive, send, state, key, None, path)
-        if path.startswith("/v2/"):
-            name, _, rest = path[len("/v2/") :].partition("/")
+        route, params = found
+        call = Call(scope, receive, send, state, params)
+        if route.guard is not Guard.PUBLIC:
+            call.key = self.access.identify(scope, state)
+            if call.key is not None and call.key.limits.any:
+                call.send = self.limiter.reporting(call.key, send, state)
+            self.access.require(call.key, state)  # from the headers, before any of the body
+        if route.guard is Guard.ENDPOINT:
+            name = params["endpoint"]
             missing = NotFoundError(f"endpoint {name!r} does not exist", param="endpoint")
-            ep = self.registry.get(name)
-            if ep is None:
+            call.ep = self.registry.get(name)
+            if call.ep is None:
                 raise missing
-            self.access.check(key, ep, state, hidden=missing)
-            if rest.startswith("openai/v1/"):
-                upstream = rest[len("openai") :]
-                if upstream == "/v1/models" and method == "GET":
-                    return await self.openai.list_models(send, key, ep, state)
-                if upstream.startswith("/v1/models/") and method == "GET":
-                    model = upstream[len("/v1/models/") :]
-                    return await self.openai.one_model(model, send, key, ep, state)
-                body = await self._body(scope, receive, runsync=False, parse=True)
-                return await self.openai.proxy(scope, body, receive, send, state, key, ep, upstream)
-            if batch_routes.is_runpod_batch_path(rest):  # RunPod's batch jobs: batches.py
-                if self.batches is None:
-                    raise batch_routes.unavailable(path)
-                return await self.batches.runpod(scope, receive, send, state, key, ep, rest)
-            if self.jobs is None:
-                raise NotFoundError(
-                    f"{method} {path}: the job API needs the shared job queue "
-                    "(JOBS_QUEUE_URL), which this gateway does not have",
-                    code="jobs_unavailable",
-                )
-            body = b""
-            if method == "POST":
-                body = await self._body(scope, receive, runsync=rest == "runsync")
-            return await self.jobs.answer(scope, body, send, state, key, ep, rest)
+            self.access.check(call.key, call.ep, state, hidden=missing)
+        await route.handler(call)
+
+    # ---------------------------------------------------------------- the routes' handlers
+
+    async def _health(self, call: Call) -> None:
+        await send_json(call.send, 200, {"status": "ok"})
+
+    async def _ready(self, call: Call) -> None:
+        if self.draining:
+            await send_json(call.send, 503, {"status": "draining"})
+        else:
+            await send_json(call.send, 200, {"status": "ready"})
+
+    async def _models(self, call: Call) -> None:
+        await self.openai.list_models(call.send, call.key, call.ep, call.state)
+
+    async def _model(self, call: Call) -> None:
+        await self.openai.one_model(call.params["model"], call.send, call.key, call.ep, call.state)
+
+    async def _proxy(self, call: Call) -> None:
+        body = await self._body(call.scope, call.receive, runsync=False, parse=True)
+        upstream = "/v1/" + call.params["rest"]
+        await self.openai.proxy(
+            call.scope, body, call.receive, call.send, call.state, call.key, call.ep, upstream
+        )
+
+    async def _openai_batches(self, call: Call) -> None:
+        path = call.scope["path"]
+        if self.batches is None:
+            raise batch_routes.unavailable(path)
+        await self.batches.openai(call.scope, call.receive, call.send, call.state, call.key, path)
+
+    async def _runpod_batches(self, call: Call) -> None:
+        if self.batches is None:
+            raise batch_routes.unavailable(call.scope["path"])
+        assert call.ep is not None
+        rest = "batch" + (f"/{call.params['rest']}" if "rest" in call.params else "")
+        await self.batches.runpod(
+            call.scope, call.receive, call.send, call.state, call.key, call.ep, rest
+        )
+
+    async def _jobs(self, call: Call) -> None:
+        method, path = call.scope["method"], call.scope["path"]
+        if self.jobs is None:
+            raise NotFoundError(
+                f"{method} {path}: the job API needs the shared job queue "
+                "(JOBS_QUEUE_URL), which this gateway does not have",
+                code="jobs_unavailable",
+            )
+        assert call.ep is not None
+        rest = call.params.get("rest", "")
+        body = b""
+        if method == "POST":
+            body = await self._body(call.scope, call.receive, runsync=rest == "runsync")
+        await self.jobs.answer(call.scope, body, call.send, call.state, call.key, call.ep, rest)
 
     async def _body(
         self, scope: Scope, receive: Receive, *, runsync: bool, parse: bool = False

@@ -189,9 +189,11 @@ def secret_api_key(obj: Mapping[str, Any]) -> tuple[bytes, Key]:
     if "endpoints" in data:
         entry["endpoints"] = [e.strip() for e in data["endpoints"].split(",") if e.strip()]
     # A number where it is one; anything else goes on as given, for _key_entry to refuse.
-    limits = {
-        f: int(data[f]) if data[f].isdigit() else data[f] for f in _SECRET_LIMITS if f in data
-    }
+    limits: dict[str, Any] = {}
+    for field_name in _SECRET_LIMITS:
+        if field_name in data:
+            raw = data[field_name]
+            limits[field_name] = int(raw) if raw.isascii() and raw.isdigit() else raw
     if limits:
         entry["limits"] = limits
     if "admin" in data:

@@ -22,6 +22,7 @@ it sent itself.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import struct
 from collections import OrderedDict
@@ -266,3 +267,27 @@ def decode_records(data: bytes) -> list[tuple[str, str, list[int]]]:
     except (struct.error, UnicodeDecodeError) as exc:
         raise ValueError(f"not routing records: {exc}") from exc
     return records
+
+
+MAX_PENDING_RECORDS = 10_000  # NATS away: the newest are kept
+
+
+class RouteLog:
+    """What this process routed, waiting to be told to the other gateway processes
+    (route_sharing.py publishes it): (endpoint id, replica, blocks) records, the newest
+    ``MAX_PENDING_RECORDS`` kept; ``wake`` is set when there is something to take."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[str, str, Sequence[int]]] = []
+        self.wake = asyncio.Event()
+
+    def add(self, endpoint: str, replica: str, blocks: Sequence[int]) -> None:
+        self.pending.append((endpoint, replica, blocks))
+        if len(self.pending) > MAX_PENDING_RECORDS:
+            del self.pending[: len(self.pending) - MAX_PENDING_RECORDS]
+        self.wake.set()
+
+    def take(self) -> list[tuple[str, str, Sequence[int]]]:
+        taken, self.pending = self.pending, []
+        self.wake.clear()
+        return taken

@@ -31,7 +31,7 @@ from llmendpoints_common.model_names import claim_order
 from llmendpoints_gateway.engine_load import EngineLoad, EngineLoadFeed, hit_rate
 from llmendpoints_gateway.holding import HoldBudget, HoldQueue, hold_timeout
 from llmendpoints_gateway.metrics import GatewayMetrics
-from llmendpoints_gateway.prefix_index import PrefixIndex, block_hashes, render_prompt
+from llmendpoints_gateway.prefix_index import PrefixIndex, RouteLog, block_hashes, render_prompt
 from llmendpoints_gateway.routing import Outcome, Router, Strategy, hash64, home_key
 from llmendpoints_gateway.scoring import DEFAULT_WEIGHTS, Candidate, Reason, Weights, choose
 
@@ -130,18 +130,30 @@ class Registry:
         hold_max_bytes: int = 1 << 62,
         weights: Weights = DEFAULT_WEIGHTS,
         count_engine_hits: bool = True,
+        engine_load_interval: float = 0.0,
+        share_routes: bool = False,
     ):
         self.metrics = metrics
         self.weights = weights
         # The engines' own prefix-cache counters are counted by one process of a pod only (the
         # other workers see the same engines: their metrics are summed).
         self.count_engine_hits = count_engine_hits
-        # Each ready replica's engine load (set by the composition root; None: not read, the
-        # scorer weighs this process's in-flight requests alone).
-        self.feed: EngineLoadFeed | None = None
-        # (endpoint id, replica, blocks) of every prefix-aware request routed: told to the other
-        # gateway processes (route_sharing.py), whose records come back through apply_shared.
-        self.on_record: Callable[[str, str, tuple[int, ...]], None] | None = None
+        # Each ready replica's engine load, read every ``engine_load_interval`` s (0: not read,
+        # the scorer weighs this process's in-flight requests alone); the composition root
+        # starts and stops it.
+        self.feed = (
+            EngineLoadFeed(
+                targets=self.engine_targets,
+                interval=engine_load_interval,
+                on_sample=self.engine_sampled,
+            )
+            if engine_load_interval > 0
+            else None
+        )
+        # With ``share_routes``: (endpoint id, replica, blocks) of every prefix-aware request
+        # routed, for the other gateway processes (route_sharing.py publishes it; theirs come
+        # back through apply_shared).
+        self.routed = RouteLog() if share_routes else None
         self.hold_queue_length = hold_queue_length
         self.hold_key_share = hold_key_share
         self.hold_budget = HoldBudget(hold_max_bytes)
@@ -442,8 +454,8 @@ class Registry:
         if blocks:
             ep.index.record(choice.replica, blocks)
             self.metrics.prefix_index(ep.id, chosen.matched, len(blocks))
-            if self.on_record is not None:
-                self.on_record(ep.id, choice.replica, blocks)
+            if self.routed is not None:
+                self.routed.add(ep.id, choice.replica, blocks)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("endpoint %s: %s", ep.id, choice.log_line())
         return choice.replica, _OUTCOME[choice.reason]

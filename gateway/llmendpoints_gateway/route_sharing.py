@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from llmendpoints_common.queue import names
 
 from llmendpoints_gateway.metrics import GatewayMetrics
-from llmendpoints_gateway.prefix_index import decode_records, encode_records
+from llmendpoints_gateway.prefix_index import RouteLog, decode_records, encode_records
 from llmendpoints_gateway.queue import SharedQueue
 from llmendpoints_gateway.signals import key_token
 
@@ -32,7 +32,6 @@ logger = logging.getLogger("llmendpoints.gateway.route_sharing")
 
 FLUSH_SECONDS = 0.02
 MAX_BATCH_BYTES = 512 * 1024
-MAX_PENDING_RECORDS = 10_000  # NATS away: the newest are kept
 
 
 class RouteSharing:
@@ -40,28 +39,19 @@ class RouteSharing:
         self,
         queue: SharedQueue,
         process_id: str,
+        outbox: RouteLog,
         apply: Callable[[str, str, list[int]], None],
         metrics: GatewayMetrics | None = None,
     ) -> None:
         self.queue = queue
         self.metrics = metrics
         self.subject = names.routes_subject(key_token(process_id))
+        self.outbox = outbox  # what this process routed (the registry's)
         self.apply = apply  # (endpoint id, replica, blocks): another process routed them
-        self._pending: list[tuple[str, str, Sequence[int]]] = []
-        self._size = 0
-        self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._subscription = None
         self.sent = 0  # records published
         self.received = 0  # records of other processes applied
-
-    def record(self, endpoint: str, replica: str, blocks: Sequence[int]) -> None:
-        """Registry callback: this process sent ``blocks`` of ``endpoint`` to ``replica``."""
-        self._pending.append((endpoint, replica, blocks))
-        self._size += 16 + len(endpoint) + len(replica) + 8 * len(blocks)
-        if len(self._pending) > MAX_PENDING_RECORDS:
-            del self._pending[: len(self._pending) - MAX_PENDING_RECORDS]
-        self._wake.set()
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._publish()), asyncio.create_task(self._listen())]
@@ -96,10 +86,9 @@ class RouteSharing:
 
     async def _publish(self) -> None:
         while True:
-            await self._wake.wait()
-            self._wake.clear()
+            await self.outbox.wake.wait()
             await asyncio.sleep(FLUSH_SECONDS)  # a batch: what was routed meanwhile
-            pending, self._pending, self._size = self._pending, [], 0
+            pending = self.outbox.take()
             if not self.queue.connected:
                 continue  # best effort: the index is only less exact
             nc = (await self.queue.wait()).nc

@@ -1,4 +1,5 @@
-"""GATEWAY_WORKERS > 1: a supervisor and N worker processes serving one port.
+"""A gateway pod of several processes: a supervisor, N worker processes serving one port
+(GATEWAY_WORKERS > 1), and, with batches on the shared queue, the pod's batch driver host.
 
 One Python process relays at most one core's worth of streams (the event loop is single
 threaded). With N workers the pod uses N cores: the supervisor opens N listening sockets on the
@@ -17,6 +18,14 @@ watches, or probes, on its own). /metrics: each worker serves its registry on a 
 the supervisor gives it; the supervisor serves their sum on GATEWAY_METRICS_PORT
 (metrics_merge.py).
 
+The batch driver host (batch_host.py): with JOBS_QUEUE_URL and LLMEP_BATCH_ENABLED, the
+supervisor also keeps one process that moves the pod's batches along (reads and validates their
+input files, hands their requests to the queue, writes their results) and serves nothing, so no
+serving worker ever parses a 200 MB input file. It runs even with one worker: the supervisor
+is then the pod's first process whatever GATEWAY_WORKERS says. Why a process of its own rather
+than one worker elected to drive: an elected worker would still relay streams on the loop that
+parses the files, and a worker restarted for any reason would take the pod's batches with it.
+
 Signals: SIGTERM (or SIGINT) to the supervisor is passed to every worker, which drains as a
 single gateway does (/ready 503, held requests answered, streams finished) -- and keeps
 accepting connections until the whole pod has nothing in flight (``DrainBoard``: each worker's
@@ -27,7 +36,8 @@ once). Workers run in their own process groups (a terminal's Ctrl-C reaches the 
 only, which passes it on once) and get SIGTERM if the supervisor dies (PR_SET_PDEATHSIG). A
 worker that exits on its own is restarted (after 0.5 s, doubling to 30 s while it keeps failing
 within 10 s of its start); five quick failures in a row stop the pod (exit 1: the kubelet
-restarts it, and says so).
+restarts it, and says so). The batch driver host is kept the same way; on SIGTERM it stops its
+drivers (their leases stay, for it or another pod to take up) and exits.
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ import signal
 import socket
 import struct
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +174,11 @@ def worker_count(settings: GatewaySettings) -> int:
     return pod_cpus()
 
 
+def wants_batch_host(settings: GatewaySettings) -> bool:
+    """Whether the pod runs a batch driver host: batches on, on the shared queue."""
+    return settings.batch_enabled and settings.queue_url is not None
+
+
 def die_with_supervisor(supervisor_pid: int) -> None:
     """In a worker: SIGTERM when the supervisor dies (Linux), and exit now if it already has."""
     with contextlib.suppress(OSError, AttributeError):
@@ -208,13 +223,24 @@ class SupervisorMetrics:
         return generate_latest(self.registry).decode()
 
 
+@dataclass(frozen=True)
+class _Child:
+    """A process the supervisor keeps running: a worker (``index``) or the batch driver host."""
+
+    name: str
+    argv: list[str]
+    fds: tuple[int, ...] = field(default=())
+    index: int | None = None
+
+
 class Supervisor:
-    def __init__(self, settings: GatewaySettings, count: int) -> None:
+    def __init__(self, settings: GatewaySettings, count: int, *, batch_host: bool = False) -> None:
         self.settings = settings
         self.count = count
+        self.batch_host = batch_host
         self.stopping = False
         self.exit_code = 0
-        self._procs: dict[int, asyncio.subprocess.Process] = {}
+        self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._listen: list[socket.socket] = []
         self._metrics: list[socket.socket] = []
         self._signals = 0
@@ -232,7 +258,10 @@ class Supervisor:
         self._metrics = [listening_socket("127.0.0.1", 0, 64) for _ in range(self.count)]
         self._board = DrainBoard.create(self.count)
         logger.info(
-            "gateway: %d worker processes on port %d (SO_REUSEPORT)", self.count, self.settings.port
+            "gateway: %d worker processes on port %d (SO_REUSEPORT)%s",
+            self.count,
+            self.settings.port,
+            " and a batch driver host" if self.batch_host else "",
         )
         return asyncio.run(self._main())
 
@@ -242,8 +271,11 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         runner = await self._serve_metrics()
+        children = [self._worker(i) for i in range(self.count)]
+        if self.batch_host:
+            children.append(self._driver_host())
         try:
-            await asyncio.gather(*(self._keep(i) for i in range(self.count)))
+            await asyncio.gather(*(self._keep(child) for child in children))
         finally:
             if runner is not None:
                 await runner.cleanup()
@@ -253,8 +285,8 @@ class Supervisor:
 
     # -- the workers --
 
-    def _argv(self, index: int) -> list[str]:
-        return [
+    def _worker(self, index: int) -> _Child:
+        argv = [
             sys.executable, "-m", "llmendpoints_gateway", "serve",
             "--worker", f"{index}/{self.count}",
             "--listen-fd", str(self._listen[index].fileno()),
@@ -262,46 +294,37 @@ class Supervisor:
             "--supervisor-pid", str(os.getpid()),
             "--drain-fd", str(self._board.fd),
         ]  # fmt: skip
+        fds = (self._listen[index].fileno(), self._metrics[index].fileno(), self._board.fd)
+        return _Child(f"worker {index}", argv, fds, index)
 
-    async def _keep(self, index: int) -> None:
-        """Run worker ``index`` until the pod stops; restart it when it exits on its own."""
+    def _driver_host(self) -> _Child:
+        argv = [
+            sys.executable, "-m", "llmendpoints_gateway", "serve",
+            "--batch-drivers", "--supervisor-pid", str(os.getpid()),
+        ]  # fmt: skip
+        return _Child("batch driver host", argv)
+
+    async def _keep(self, child: _Child) -> None:
+        """Run ``child`` until the pod stops; restart it when it exits on its own."""
         loop = asyncio.get_running_loop()
         quick = 0
         while not self.stopping:
             started = loop.time()
-            proc = await asyncio.create_subprocess_exec(
-                *self._argv(index),
-                pass_fds=(
-                    self._listen[index].fileno(),
-                    self._metrics[index].fileno(),
-                    self._board.fd,
-                ),
-                process_group=0,
-            )
-            self._procs[index] = proc
-            self.metrics.running.inc()
-            self._board.set(index, 1)  # busy until it says otherwise
-            logger.info("worker %d started (pid %d)", index, proc.pid)
-            if self.stopping:  # the signal came while it was being started
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-            code = await proc.wait()
-            self.metrics.running.dec()
-            del self._procs[index]
-            self._board.set(index, 0)  # gone: nothing of the pod's waits on it
+            code = await self._run(child)
             if self.stopping:
                 if code != 0:
-                    logger.warning("worker %d exited with status %d while stopping", index, code)
+                    logger.warning("%s exited with status %d while stopping", child.name, code)
                     self.exit_code = 1
-                # Connections that would wait for it in its socket's queue get refused now.
-                self._listen[index].close()
+                if child.index is not None:
+                    # Connections that would wait for it in its socket's queue get refused now.
+                    self._listen[child.index].close()
                 return
             quick = quick + 1 if loop.time() - started < QUICK_EXIT_SECONDS else 1
             if quick >= QUICK_EXITS_TO_GIVE_UP:
                 logger.error(
-                    "worker %d exited %d times in a row within %.0f s of starting (status %d): "
+                    "%s exited %d times in a row within %.0f s of starting (status %d): "
                     "stopping the gateway",
-                    index,
+                    child.name,
                     quick,
                     QUICK_EXIT_SECONDS,
                     code,
@@ -311,11 +334,31 @@ class Supervisor:
                 return
             delay = min(30.0, 0.5 * 2 ** (quick - 1))
             logger.warning(
-                "worker %d exited with status %d; restarting in %.1f s", index, code, delay
+                "%s exited with status %d; restarting in %.1f s", child.name, code, delay
             )
             self.metrics.restarts.inc()
             assert self._wake is not None
             await wait_until_set(self._wake, delay)
+
+    async def _run(self, child: _Child) -> int:
+        """Start ``child`` once and wait for it to exit; its status."""
+        proc = await asyncio.create_subprocess_exec(
+            *child.argv, pass_fds=child.fds, process_group=0
+        )
+        self._procs[child.name] = proc
+        if child.index is not None:
+            self.metrics.running.inc()
+            self._board.set(child.index, 1)  # busy until it says otherwise
+        logger.info("%s started (pid %d)", child.name, proc.pid)
+        if self.stopping:  # the signal came while it was being started
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        code = await proc.wait()
+        del self._procs[child.name]
+        if child.index is not None:
+            self.metrics.running.dec()
+            self._board.set(child.index, 0)  # gone: nothing of the pod's waits on it
+        return code
 
     def _on_signal(self, sig: int) -> None:
         self._signals += 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -71,10 +72,14 @@ _WHEN = {
 }
 
 
-def error_responses(*statuses: int, job: bool = False) -> dict[int | str, dict[str, Any]]:
-    """``responses=`` for a route: the error statuses it answers, with their body."""
+def error_responses(
+    *statuses: int, job: bool = False, when: Mapping[int, str] | None = None
+) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` for a route: the error statuses it answers, with their body (``when``:
+    what a status means on this route, where it is not the usual)."""
     model = JobErrorBody if job else ErrorBody
-    return {status: {"model": model, "description": _WHEN[status]} for status in statuses}
+    said = {**_WHEN, **(when or {})}
+    return {status: {"model": model, "description": said[status]} for status in statuses}
 
 
 def error_body(exc: APIError, request: Request | None = None) -> dict[str, Any]:

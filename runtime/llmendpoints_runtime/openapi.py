@@ -59,12 +59,26 @@ def openapi_builder(
         if theirs is None:
             return document_auth(merge_openapi(ours, None), unauthenticated, is_control)
         hidden = [r.path for r in app.routes if not getattr(r, "include_in_schema", True)]
+        left_out = [*hidden, *unserved_paths(theirs)]
         merged = document_auth(
-            merge_openapi(ours, theirs.openapi(), shadowed=hidden), unauthenticated, is_control
+            merge_openapi(ours, theirs.openapi(), shadowed=left_out), unauthenticated, is_control
         )
         return merged
 
     return openapi
+
+
+# vLLM routes every model gets but a model without the feature answers 501 ("The model does
+# not support the structured decision API"): path -> the attribute of vLLM's app state that is
+# None for such a model. Documented, such an operation could only ever fail; so it is left out
+# of this model's schema (it still answers its 501).
+UNSERVED_WITHOUT = {"/v1/systemone": "serving_structured_decisions"}
+
+
+def unserved_paths(vllm_app: FastAPI) -> list[str]:
+    """vLLM's paths the served model cannot serve (``UNSERVED_WITHOUT``)."""
+    state = vllm_app.state
+    return [path for path, name in UNSERVED_WITHOUT.items() if getattr(state, name, None) is None]
 
 
 def document_auth(

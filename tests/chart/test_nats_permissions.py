@@ -500,11 +500,9 @@ def test_the_chart_lets_the_gateway_keep_and_drive_batches_and_pods_run_them(cha
     scaling signal -- while an endpoint's pods take the batch lane with their own credential
     and the operator reads the signal with its own. No violation anywhere; a pod's credential
     reaches neither the batch records nor the files."""
-    import io
-    from types import SimpleNamespace
-
     from llmendpoints_common.batch.api import BatchAPI, BatchCall
     from llmendpoints_common.batch.driver import BatchDrivers
+    from llmendpoints_common.batch.files import FileEnd, FileStart, FormField, Upload
     from llmendpoints_common.batch.limits import BatchLimits
     from llmendpoints_common.batch.record import BatchRecord
     from llmendpoints_common.batch.signal import BatchSignal
@@ -523,7 +521,7 @@ def test_the_chart_lets_the_gateway_keep_and_drive_batches_and_pods_run_them(cha
         await ensure_endpoint_queue(operator.js, C, QueueLayout())
         gateway = await _connect(server.url, gateway_creds, "gateway")
         pod = await _connect(server.url, _creds(chart_nats, "runtime", C), "pod-c", timeout=REFUSED)  # fmt: skip
-        store = NatsBatchStore(gateway.js)
+        store = NatsBatchStore(gateway)
         lines = QueueLines(gateway)
 
         async def resolve(owner: str, model: str) -> str:
@@ -562,8 +560,12 @@ def test_the_chart_lets_the_gateway_keep_and_drive_batches_and_pods_run_them(cha
                 + b"\n"
                 for i in range(10)
             )
-            form = SimpleNamespace(fields={"purpose": "batch"}, file=io.BytesIO(data), filename="in.jsonl", size=len(data))  # fmt: skip
-            file = await api.create_file(form, "team")
+
+            async def events():  # the upload as the gateway's multipart reader gives it
+                for event in (FormField("purpose", "batch"), FileStart("file", "in.jsonl"), data, FileEnd()):  # fmt: skip
+                    yield event
+
+            file = await api.create_file(Upload(events(), len(data)), "team")
             created = await api.create_batch(
                 json.dumps({"input_file_id": file["id"], "endpoint": "/v1/chat/completions",
                             "completion_window": "24h"}).encode(), "team",
@@ -583,8 +585,8 @@ def test_the_chart_lets_the_gateway_keep_and_drive_batches_and_pods_run_them(cha
                 await asyncio.sleep(0.1)
             assert shown["request_counts"]["completed"] == 10
             reply = await api.openai(BatchCall("GET", f"files/{shown['output_file_id']}/content", "team"))  # fmt: skip
-            assert len(reply.content.read().splitlines()) == 10
-            reply.content.close()
+            content = b"".join([chunk async for chunk in reply.content.chunks()])
+            assert len(content.splitlines()) == 10
             # A file is removed without a purge, and is gone.
             deleted = await api.openai(BatchCall("DELETE", f"files/{file['id']}", "team"))
             assert deleted.body["deleted"] is True
@@ -662,6 +664,7 @@ def test_a_pod_takes_jobs_while_an_older_operator_has_not_made_its_batch_lane(ch
 def test_gateway_processes_share_routing_records_and_pods_cannot_forge_them(chart_nats):
     """Two gateway processes with the chart's gateway credential: what one routes, the other's
     prefix index learns (route_sharing.py). A runtime pod's credential may not publish one."""
+    from llmendpoints_gateway.prefix_index import RouteLog
     from llmendpoints_gateway.queue import SharedQueue
     from llmendpoints_gateway.route_sharing import RouteSharing
 
@@ -671,9 +674,10 @@ def test_gateway_processes_share_routing_records_and_pods_cannot_forge_them(char
     async def scenario() -> None:
         heard: list[tuple[str, str, list[int]]] = []
         queues = [SharedQueue(server.url, f"g{i}", gateway_creds) for i in range(2)]
+        outboxes = [RouteLog(), RouteLog()]
         sharing = [
-            RouteSharing(queues[0], "gw-0", lambda *r: heard.append(("gw-0", *r))),
-            RouteSharing(queues[1], "gw-1", lambda *r: heard.append(("gw-1", *r))),
+            RouteSharing(queues[0], "gw-0", outboxes[0], lambda *r: heard.append(("gw-0", *r))),
+            RouteSharing(queues[1], "gw-1", outboxes[1], lambda *r: heard.append(("gw-1", *r))),
         ]
         for part in (*queues, *sharing):
             await part.start()
@@ -683,7 +687,7 @@ def test_gateway_processes_share_routing_records_and_pods_cannot_forge_them(char
             while not all(s._subscription for s in sharing):
                 assert time.monotonic() < deadline, "not subscribed"
                 await asyncio.sleep(0.05)
-            sharing[0].record("team-a/chat", "http://10.0.0.1:8000", [1, 2, 3])
+            outboxes[0].add("team-a/chat", "http://10.0.0.1:8000", [1, 2, 3])
             while not heard:
                 assert time.monotonic() < deadline, "the other process heard nothing"
                 await asyncio.sleep(0.05)

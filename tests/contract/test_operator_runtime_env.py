@@ -1,7 +1,7 @@
 """The contract between operator and runtime: the pod the operator builds, as the runtime reads it.
 
 The operator's pod spec (env, volumes, mounts) is turned into the environment and files a
-container would see - this test plays the kubelet: it resolves secretKeyRef values and writes the
+container would see - this test plays the kubelet (tests/kubelet_kit.py): it resolves secretKeyRef values and writes the
 ConfigMap and Secret volumes under a temporary root, moving the mount paths there - and is then
 parsed by the runtime's own `load_config`, which checks every value with vLLM's argument parser.
 The two packages never import each other; only this test sees both.

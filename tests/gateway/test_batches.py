@@ -321,6 +321,8 @@ def test_cancel_finishes_running_requests_and_answers_the_rest_cancelled(gateway
     client = _sdk(gateway)
     lines = [_line(f"c-{i}", f"count {i}", max_tokens=64, ignore_eos=True) for i in range(60)]
     uploaded = _upload(client, lines)
+    # What runs in the engines below must be this batch's: an earlier test's requests first end.
+    _until(lambda: sum(_engine_running(p) for p in pods) == 0, "idle engines", 600)
     with proc_kit.engines_frozen(*(p.process.pid for p in pods)):
         batch = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"

@@ -7,21 +7,22 @@ lane and the worker's rules for it -- everything but vLLM.
   no normal or low-priority job waiting;
 - a driver that stops mid-batch (its host gone) is replaced by another that finishes it, with
   every request answered once;
-- files and batches belong to their owner; bounds per key answer 429.
+- files and batches belong to their owner; bounds per key answer 429, reserved before any byte
+  is stored (20 uploads at once against a bound of 5 store 5);
+- listings read the bucket without making a consumer: a thousand leave none behind.
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import time
-from types import SimpleNamespace
 
 import pytest
 import pytest_asyncio
 from llmendpoints_common.batch.api import BatchAPI, BatchCall
 from llmendpoints_common.batch.driver import BatchDrivers
+from llmendpoints_common.batch.files import FileEnd, FileStart, FormField, Upload
 from llmendpoints_common.batch.limits import BatchLimits
 from llmendpoints_common.errors import BadRequestError
 from llmendpoints_common.jobs.models import parse_job_request
@@ -71,13 +72,22 @@ class Engine:
         pass
 
 
-def upload(lines: list[dict | str]) -> SimpleNamespace:
+def upload(lines: list[dict | str], *, pause: float = 0.0) -> Upload:
+    """The upload as the gateway's multipart reader gives it: the purpose, the file in two
+    pieces (``pause`` seconds apart)."""
     data = b"".join(
         (line if isinstance(line, str) else json.dumps(line)).encode() + b"\n" for line in lines
     )
-    return SimpleNamespace(
-        fields={"purpose": "batch"}, file=io.BytesIO(data), filename="in.jsonl", size=len(data)
-    )
+
+    async def events():
+        yield FormField("purpose", "batch")
+        yield FileStart("file", "in.jsonl")
+        yield data[: len(data) // 2]
+        await asyncio.sleep(pause)
+        yield data[len(data) // 2 :]
+        yield FileEnd()
+
+    return Upload(events(), declared=len(data) + 300)
 
 
 def chat_line(i: int, **extra) -> dict:
@@ -111,7 +121,7 @@ async def connection(nats_server):
 
 
 def make_drivers(connection, holder: str, **kwargs) -> tuple[BatchDrivers, BatchAPI]:
-    store = NatsBatchStore(connection.js)
+    store = NatsBatchStore(connection)
     lines = QueueLines(connection)
 
     async def resolve(owner: str, model: str) -> str:
@@ -153,8 +163,9 @@ async def wait_batch(api: BatchAPI, owner: str, batch_id: str, statuses, timeout
 async def content(api: BatchAPI, owner: str, file_id: str) -> list[dict]:
     reply = await api.openai(BatchCall("GET", f"files/{file_id}/content", owner))
     assert reply.status == 200, reply.body
-    with reply.content as handle:
-        return [json.loads(line) for line in handle.read().splitlines()]
+    data = b"".join([chunk async for chunk in reply.content.chunks()])
+    assert len(data) == reply.content.size
+    return [json.loads(line) for line in data.splitlines()]
 
 
 async def test_a_batch_completes_with_every_request_answered_once(connection):
@@ -327,6 +338,43 @@ async def test_keys_are_bounded(connection):
     )
     assert refused.status == 429
     assert refused.body["error"]["code"] == "enqueued_token_limit_exceeded"
+
+
+async def test_20_uploads_at_once_against_a_bound_of_5_store_5(connection):
+    """The key's room is reserved by compare-and-set before any byte is stored."""
+    _, api = make_drivers(connection, "g1")
+    tight = BatchAPI(api.store, api.runner, BatchLimits(max_files_per_key=5, min_window_seconds=1))
+    replies = await asyncio.gather(
+        *(
+            tight.openai(
+                BatchCall("POST", "files", "ivy", upload=upload([chat_line(i)], pause=0.2))
+            )
+            for i in range(20)
+        )
+    )
+    assert sorted(r.status for r in replies) == [200] * 5 + [429] * 15
+    assert {r.body["error"]["code"] for r in replies if r.status == 429} == {"file_limit_exceeded"}
+    assert len(await api.store.files("ivy")) == 5
+    listed = await tight.openai(BatchCall("GET", "files", "ivy"))
+    assert sorted(f["id"] for f in listed.body["data"]) == sorted(
+        r.body["id"] for r in replies if r.status == 200
+    )
+
+
+async def test_a_thousand_listings_leave_no_consumer(connection):
+    """Listings are batched direct gets: no consumer is made (a watcher's stayed 5 minutes
+    each, and a thousand of them filled what the account allows)."""
+    _, api = make_drivers(connection, "g1")
+    for i in range(3):
+        await api.create_file(upload([chat_line(i)]), "jay")
+    stream = "KV_LLMEP_BATCHES"
+    before = (await connection.js.stream_info(stream)).state.consumer_count
+    for _ in range(1000):
+        listed = await api.openai(BatchCall("GET", "files", "jay"))
+        assert len(listed.body["data"]) == 3
+    await api.openai(BatchCall("GET", "batches", "jay"))
+    await api.store.active()
+    assert (await connection.js.stream_info(stream)).state.consumer_count == before == 0
 
 
 async def test_a_batch_beyond_the_per_owner_cap_waits_for_room_and_completes(tmp_path):

@@ -2,15 +2,16 @@
 in turn, each on a fresh connection, until its stdin closes, then writes what it saw as JSON.
 
     python tests/runtime/prober.py --port 8001 --paths /health,/ready?strict=1,/metrics \\
-        --interval 0.05 --out probes.json [--nice -10]
+        --interval 0.05 --out probes.json [--nice -10] [--header "authorization: Bearer sk-x"]
 
 Each record: wall time sent, path, connect and total milliseconds, status, body (JSON bodies
-parsed; for /metrics the autoscaling gauges only), or the error. The file also holds the time
-this process spent runnable but waiting for a CPU (its schedstat), so a reader can tell a slow
-server from a prober that was not running. Shared by tests/runtime/test_runtime_signals.py and
-bench/probes_under_load.py. As a module it also gives ``SlowClients`` (connections that trickle
-a request head, or send nothing, reopened as soon as they are closed) and ``kubelet_probes``,
-for the control port's tests and bench/abuse.py.
+parsed; for /metrics the autoscaling gauges only), or the error, and ``wait_ms``: how long this
+prober was runnable but waiting for a CPU during that probe (its schedstat), so a reader can
+tell a slow server from a prober that was not running. The file also holds that wait over the
+whole run. Shared by tests/runtime/test_runtime_signals.py and bench/probes_under_load.py. As a
+module it also gives ``SlowClients`` (connections that trickle a request head, or send nothing,
+reopened as soon as they are closed) and ``kubelet_probes``, for the control port's tests and
+bench/abuse.py.
 """
 
 from __future__ import annotations
@@ -44,16 +45,18 @@ def gauges(text: str) -> dict[str, float]:
     return values
 
 
-def probe_once(host: str, port: int, path: str, timeout: float) -> dict:
+def probe_once(
+    host: str, port: int, path: str, timeout: float, headers: tuple[str, ...] = ()
+) -> dict:
     began = time.monotonic()
+    waited = run_delay_ms()
     record: dict = {"t": time.time(), "path": path}
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
             record["connect_ms"] = (time.monotonic() - began) * 1000
             sock.settimeout(max(timeout - (time.monotonic() - began), 0.01))
-            sock.sendall(
-                f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
-            )
+            head = [f"GET {path} HTTP/1.1", f"Host: {host}", "Connection: close", *headers]
+            sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
             chunks = []
             while chunk := sock.recv(65536):
                 chunks.append(chunk)
@@ -74,6 +77,7 @@ def probe_once(host: str, port: int, path: str, timeout: float) -> dict:
     except (OSError, ValueError, IndexError) as exc:
         record["total_ms"] = (time.monotonic() - began) * 1000
         record["error"] = f"{type(exc).__name__}: {exc}"
+    record["wait_ms"] = run_delay_ms() - waited
     return record
 
 
@@ -157,6 +161,7 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=0.05)
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--header", action="append", default=[], help="'name: value', repeatable")
     parser.add_argument(
         "--nice",
         type=int,
@@ -174,7 +179,11 @@ def main() -> None:
     i = 0
     while not stop.is_set():
         began = time.monotonic()
-        records.append(probe_once(args.host, args.port, paths[i % len(paths)], args.timeout))
+        records.append(
+            probe_once(
+                args.host, args.port, paths[i % len(paths)], args.timeout, tuple(args.header)
+            )
+        )
         i += 1
         stop.wait(max(0.0, args.interval - (time.monotonic() - began)))
     args.out.write_text(

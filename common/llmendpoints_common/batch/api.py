@@ -1,7 +1,8 @@
 """The batch APIs' verbs over HTTP-shaped input, written once for both front doors (as the job
 API's ``JobVerbs``): ``BatchCall -> BatchReply``, no web framework.
 
-- OpenAI (``/v1/...``): ``POST /files`` (the multipart upload, read by the front door),
+- OpenAI (``/v1/...``): ``POST /files`` (the multipart upload as events from the front door's
+  reader, stored as it arrives, after the key's room for it is reserved: room.py),
   ``GET /files``, ``GET /files/{id}``, ``GET /files/{id}/content``, ``DELETE /files/{id}``;
   ``POST /batches``, ``GET /batches``, ``GET /batches/{id}``, ``POST /batches/{id}/cancel``.
 - RunPod (``/v2/{endpoint}/batch...``): see ``runpod.py``.
@@ -9,23 +10,28 @@ API's ``JobVerbs``): ``BatchCall -> BatchReply``, no web framework.
 Files and batches belong to the caller's key: another key's id is answered like an id that
 does not exist (404), and a listing shows the caller's own only. What a key may hold is
 bounded (files, bytes, batches not ended, tokens those batches queue): beyond, 429 saying which
-bound and its setting.
+bound and its setting. A file's content is answered as a ``FileContent``: the front door sends
+it a chunk at a time as it is read from the store.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import Any
 
 from llmendpoints_common.batch import jsonl, runpod
 from llmendpoints_common.batch.driver import LineRunner, part_bytes
 from llmendpoints_common.batch.files import (
+    FileContent,
     FileRecord,
+    FileStart,
+    FormField,
+    Upload,
     check_filename,
     check_purpose,
     check_ttl,
@@ -50,7 +56,15 @@ from llmendpoints_common.batch.record import (
     request_cancel,
     runpod_summary,
 )
-from llmendpoints_common.batch.store import BatchStore, StoreFull, stored_bytes, update_batch
+from llmendpoints_common.batch.room import SETTLED_SECONDS, Hold, Room
+from llmendpoints_common.batch.room import check as check_room
+from llmendpoints_common.batch.store import (
+    BatchStore,
+    ContentWriter,
+    StaleRevision,
+    StoreFull,
+    update_batch,
+)
 from llmendpoints_common.destinations import DestinationPolicy, DestinationRefused, check_url
 from llmendpoints_common.errors import (
     APIError,
@@ -76,16 +90,16 @@ class BatchCall:
     caller: str  # the API key's name: the owner of what it makes
     query: Mapping[str, str] = field(default_factory=dict)
     body: bytes = b""
-    # POST /v1/files: the form as the front door read it (``llmendpoints_edge.multipart``).
-    upload: Any = None
+    # POST /v1/files: the form as it arrives (``llmendpoints_edge.multipart``).
+    upload: Upload | None = None
 
 
 @dataclass
 class BatchReply:
     status: int
     body: Any = None
-    # A file's content (GET /v1/files/{id}/content), to be streamed and closed.
-    content: IO[bytes] | None = None
+    # A file's content (GET /v1/files/{id}/content), streamed from the store as it is sent.
+    content: FileContent | None = None
     headers: dict[str, str] = field(default_factory=dict)
 
 
@@ -106,7 +120,7 @@ def _list_page(
 ) -> dict[str, Any]:
     """OpenAI's list object over ``items`` (already in order): ``after`` an id, ``limit``."""
     raw = query.get("limit")
-    if raw is not None and (not raw.isdigit() or not 1 <= int(raw) <= most):
+    if raw is not None and (not _whole(raw) or not 1 <= int(raw) <= most):
         raise BadRequestError(f"limit: a whole number from 1 to {most}, got {raw!r}", param="limit")
     limit = int(raw) if raw is not None else default
     after = query.get("after")
@@ -163,12 +177,13 @@ class BatchAPI:
             case ["files", file_id], "DELETE":
                 if not await self.store.delete_file(owner, file_id):
                     raise _no_file(file_id)
+                await self._let_go(owner, file_id)
                 return BatchReply(200, {"id": file_id, "object": "file", "deleted": True})
             case ["files", file_id, "content"], "GET":
-                handle = await self.store.open_file(owner, file_id)
-                if handle is None:
+                content = await self.store.open_file(owner, file_id)
+                if content is None:
                     raise _no_file(file_id)
-                return BatchReply(200, content=handle)
+                return BatchReply(200, content=content)
             case ["batches"], "POST":
                 return BatchReply(200, openai_object(await self.create_batch(call.body, owner)))
             case ["batches"], "GET":
@@ -211,56 +226,118 @@ class BatchAPI:
         items = [f.to_openai() for f in files if purpose is None or f.purpose == purpose]
         return _list_page(items, query, default=10_000, most=10_000)
 
-    async def create_file(self, upload: Any, owner: str) -> dict[str, Any]:
-        """``POST /v1/files``: an input file stored for its key, within the key's bounds."""
-        if upload is None or upload.file is None:
-            raise BadRequestError("file: required (a multipart upload)", param="file")
-        fields = upload.fields
-        check_purpose(fields.get("purpose"))
-        filename = check_filename(upload.filename)
-        ttl = expires_after(
-            fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]"), self.limits
-        )
-        files = await self.store.files(owner)
-        batches = await self.store.batches(owner)
-        self._check_room(files, batches, upload.size, owner)
-        lines, tokens = await asyncio.to_thread(_count, upload.file, self.limits)
-        upload.file.seek(0)
-        now = self.clock()
-        record = FileRecord(
-            id=new_file_id(),
-            owner=owner,
-            filename=filename,
-            purpose="batch",
-            bytes=upload.size,
-            created_at=now,
-            expires_at=now + ttl,
-            lines=lines,
-            tokens=tokens,
-        )
+    async def create_file(self, upload: Upload, owner: str) -> dict[str, Any]:
+        """``POST /v1/files``: an input file stored for its key as it arrives. Room for it is
+        reserved first -- a file, and at most its declared size (else the largest a file may
+        be) -- so concurrent uploads cannot pass the key's bounds together, and nothing is
+        stored for an upload the key has no room for."""
+        limits = self.limits
+        size = limits.max_file_bytes
+        if upload.declared is not None:
+            size = min(upload.declared, size)
+        file_id = new_file_id()
+        until = self.clock() + limits.upload_timeout_seconds + SETTLED_SECONDS
+        await self._hold(owner, file_id, Hold(bytes=size, until=until), adding_file=True)
         try:
-            await self.store.put_file(record, upload.file)
-        except StoreFull as exc:
-            raise APIError(507, str(exc), code="storage_full") from None
+            record = await self._receive(upload, owner, file_id)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self._let_go(owner, file_id)
+            raise
+        # Stored: the hold shrinks to the file, and stays a minute (counted once with it).
+        settled = Hold(bytes=record.bytes, until=self.clock() + SETTLED_SECONDS)
+        await self._change_room(owner, lambda room, now: room.holding(file_id, settled, now))
         return record.to_openai()
 
-    def _check_room(
-        self, files: list[FileRecord], batches: list[BatchRecord], size: int, owner: str
+    async def _receive(self, upload: Upload, owner: str, file_id: str) -> FileRecord:
+        """The form's events as they come: fields kept, the file's bytes counted and stored."""
+        fields: dict[str, str] = {}
+        writer: ContentWriter | None = None
+        counted = jsonl.UploadCount(self.limits)
+        filename, ttl = "", 0
+        try:
+            async for event in upload.events:
+                if isinstance(event, FormField):
+                    _after_file(event.name, writer is not None)
+                    fields[event.name] = event.value
+                elif isinstance(event, FileStart):
+                    if "purpose" in fields:
+                        check_purpose(fields["purpose"])
+                    filename = check_filename(event.filename)
+                    ttl = expires_after(
+                        fields.get("expires_after[anchor]"),
+                        fields.get("expires_after[seconds]"),
+                        self.limits,
+                    )
+                    writer = await self.store.write_file(owner, file_id, ttl)
+                elif isinstance(event, bytes) and writer is not None:
+                    counted.feed(event)
+                    await writer.write(event)
+            if writer is None:
+                raise BadRequestError("file: required (a multipart upload)", param="file")
+            check_purpose(fields.get("purpose"))
+            counted.finish()
+            now = self.clock()
+            record = FileRecord(
+                id=file_id,
+                owner=owner,
+                filename=filename,
+                purpose="batch",
+                bytes=writer.size,
+                created_at=now,
+                expires_at=now + ttl,
+                lines=counted.lines,
+                tokens=counted.tokens,
+            )
+            await writer.commit(record)
+        except StoreFull as exc:
+            await _abort(writer)
+            raise APIError(507, str(exc), code="storage_full") from None
+        except BaseException:
+            await _abort(writer)
+            raise
+        return record
+
+    # ---- room reserved per key (room.py) -----------------------------------------------------
+
+    async def _hold(
+        self, owner: str, hold_id: str, hold: Hold, *, adding_file: bool = False
     ) -> None:
-        limits = self.limits
-        if len(files) + 1 > limits.max_files_per_key:
-            raise RateLimitError(
-                f"this key keeps {len(files)} files; at most {limits.max_files_per_key} "
-                "(LLMEP_BATCH_MAX_FILES_PER_KEY): delete some, or wait for them to expire",
-                code="file_limit_exceeded",
-            )
-        used = stored_bytes(files, batches)
-        if used + size > limits.max_bytes_per_key:
-            raise RateLimitError(
-                f"this key keeps {used} bytes of files and batch inputs; {size} more would "
-                f"pass its {limits.max_bytes_per_key} (LLMEP_BATCH_MAX_BYTES_PER_KEY)",
-                code="storage_limit_exceeded",
-            )
+        """Reserve ``hold`` for ``owner`` if the key's bounds have room for it (429 if not):
+        the key's room record read first, then what it stores, then the record written back
+        at the revision read -- a write that lost to another reservation reads again."""
+        while True:
+            room, revision = await self.store.room(owner)
+            files = await self.store.files(owner)
+            batches = await self.store.batches(owner)
+            now = self.clock()
+            check_room(
+                self.limits, files, batches, room, now,
+                adding_files=int(adding_file), adding_bytes=hold.bytes,
+            )  # fmt: skip
+            try:
+                await self.store.write_room(owner, room.holding(hold_id, hold, now), revision)
+            except StaleRevision:
+                continue
+            return
+
+    async def _let_go(self, owner: str, hold_id: str) -> None:
+        await self._change_room(owner, lambda room, now: room.without(hold_id, now), hold_id)
+
+    async def _change_room(
+        self, owner: str, change: Callable[[Room, float], Room], only_if: str | None = None
+    ) -> None:
+        """``change`` the key's room record until the write wins (no bound checked); with
+        ``only_if``, only when it holds that id."""
+        while True:
+            room, revision = await self.store.room(owner)
+            if only_if is not None and only_if not in room.holds:
+                return
+            try:
+                await self.store.write_room(owner, change(room, self.clock()), revision)
+            except StaleRevision:
+                continue
+            return
 
     async def create_batch(self, body: bytes, owner: str) -> BatchRecord:
         """``POST /v1/batches``: a batch of the caller's input file, ``validating`` until its
@@ -320,7 +397,7 @@ class BatchAPI:
         self.wake()
         return record
 
-    async def _check_queue(self, owner: str, tokens: int, *, endpoint: str | None = None) -> None:
+    async def _check_queue(self, owner: str, tokens: int) -> None:
         """The key's batches not ended, and the tokens they queue: 429 beyond either bound."""
         active = [b for b in await self.store.batches(owner) if b.active]
         limits = self.limits
@@ -427,7 +504,7 @@ class BatchAPI:
             case [batch_id, "finalize"], "POST":
                 record = await mine(batch_id)
                 if record.status is BatchStatus.DRAFT:
-                    await self._check_queue(owner, record.tokens, endpoint=endpoint)
+                    await self._check_queue(owner, record.tokens)
                 try:
                     result = await update_batch(
                         self.store, owner, batch_id, lambda r: finalize_draft(r, now=self.clock())
@@ -499,24 +576,25 @@ class BatchAPI:
         if not requests:
             return record
         data = part_bytes([{"request": r} for r in requests])
-        files = await self.store.files(record.owner)
-        batches = await self.store.batches(record.owner)
-        self._check_room(files, batches, len(data), record.owner)
         tokens = sum(_job_tokens(r, self.limits.default_max_tokens) for r in requests)
         part_id = uuid.uuid4().hex
+        hold = Hold(bytes=len(data), until=self.clock() + SETTLED_SECONDS, file=False)
+        await self._hold(record.owner, part_id, hold)
         try:
             await self.store.put_part(record, part_id, data)
-        except StoreFull as exc:
-            raise APIError(507, str(exc), code="storage_full") from None
-        try:
             result = await update_batch(
                 self.store,
                 record.owner,
                 record.id,
                 lambda r: add_part(r, part_id, len(requests), tokens, len(data)),
             )
+        except StoreFull as exc:
+            raise APIError(507, str(exc), code="storage_full") from None
         except Conflict as exc:
             raise ConflictError(str(exc), param="id") from None
+        finally:
+            with contextlib.suppress(Exception):
+                await self._let_go(record.owner, part_id)
         if result is None:
             raise _no_batch(record.id)
         return result[1]
@@ -569,24 +647,21 @@ def check_metadata(metadata: Any) -> dict[str, str] | None:
     return dict(metadata)
 
 
-def _count(handle: IO[bytes], limits: BatchLimits) -> tuple[int, int]:
-    """An input file's lines and a token estimate, read as uploaded (not validated: that is
-    the batch's validation; a line that is not JSON counts its bytes / 4)."""
-    lines = tokens = 0
-    for raw in handle:
-        if not raw.strip():
-            continue
-        lines += 1
-        try:
-            value = json.loads(raw)
-            body = value.get("body") if isinstance(value, dict) else None
-        except (ValueError, RecursionError):
-            body = None
-        if isinstance(body, dict):
-            tokens += jsonl.estimate_tokens(body, limits.default_max_tokens)
-        else:
-            tokens += len(raw) // 4
-    return lines, tokens
+def _after_file(name: str, file_seen: bool) -> None:
+    """``expires_after`` sets how long the file's bytes are kept, fixed as they are stored: it
+    must come before the file part (the openai SDK sends it there, as curl -F does in order)."""
+    if file_seen and name.startswith("expires_after"):
+        raise BadRequestError(
+            f"{name}: send it before the file part (it sets how long the file is kept, which "
+            "is fixed as its bytes are stored)",
+            param="expires_after",
+        )
+
+
+async def _abort(writer: ContentWriter | None) -> None:
+    if writer is not None:
+        with contextlib.suppress(Exception):
+            await writer.abort()
 
 
 def _job_tokens(request: dict[str, Any], default_max_tokens: int) -> int:
@@ -603,11 +678,25 @@ def _job_tokens(request: dict[str, Any], default_max_tokens: int) -> int:
 
 
 def _request_index(record: BatchRecord, request_id: str) -> int:
+    """Request ``<batch digits>-<n>``'s index ``n``: 404 for another batch's id, 400 for one
+    whose ``n`` is not a number in ASCII digits (``"²".isdigit()`` is true, ``int("²")`` fails)."""
     prefix = record.id.removeprefix("batch_") + "-"
     tail = request_id.removeprefix(prefix)
-    if tail == request_id or not tail.isdigit():
+    if tail == request_id:
         raise NotFoundError(f"batch {record.id} has no request {request_id!r}", param="requestId")
+    if not _whole(tail):
+        raise BadRequestError(
+            f"requestId: {request_id!r} is not a request id of batch {record.id} "
+            f"({prefix}<n>, n in the digits 0-9)",
+            param="requestId",
+        )
     return int(tail)
+
+
+def _whole(text: str) -> bool:
+    """A whole number in ASCII digits (``str.isdigit`` takes superscripts and other scripts'
+    digits, some of which ``int`` refuses)."""
+    return text.isascii() and text.isdigit()
 
 
 def _json(body: bytes) -> Any:

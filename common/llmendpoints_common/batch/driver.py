@@ -1,10 +1,15 @@
 """What moves a batch along: validate its input, hand its requests to the batch lane a window at
 a time, follow them, write the output and error files, end it.
 
-Every process that serves the batch API runs a ``BatchDrivers`` host. Each tick it lists the
+A ``BatchDrivers`` host runs once per gateway pod, in a process of its own that serves nothing
+(the gateway's batch_host.py), and in a runtime pod without the queue. Each tick it lists the
 batches not ended and drives those it holds the lease of (a compare-and-set on the batch's
 record; a host that dies lets its leases run out and another takes over). So a batch is driven
 by one host at a time, and by some host as long as one runs.
+
+An input file is validated as it streams from the store, a chunk at a time, the parsing in a
+worker thread (``_read_input``): a 200 MB file costs the host one chunk and one line of memory,
+and its event loop -- on one pod, the loop that serves vLLM's routes -- is never held by it.
 
 What makes it safe to stop a driver anywhere (a SIGKILLed gateway, a NATS restart):
 
@@ -28,7 +33,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -36,7 +40,7 @@ from typing import Any, Protocol
 
 from llmendpoints_common.batch import estimate as estimating
 from llmendpoints_common.batch import jsonl
-from llmendpoints_common.batch.files import FileRecord, new_file_id
+from llmendpoints_common.batch.files import FileContent, FileRecord, new_file_id
 from llmendpoints_common.batch.limits import BatchLimits
 from llmendpoints_common.batch.output import (
     NOT_QUEUED,
@@ -54,18 +58,18 @@ from llmendpoints_common.batch.record import (
     finished,
     line_job_id,
     progress,
-    request_cancel,
     storage_failed,
     take_lease,
     validated,
     validation_failed,
 )
 from llmendpoints_common.batch.store import (
+    PART_BYTES,
     PART_LINES,
     BatchStore,
+    ContentWriter,
     StaleRevision,
     StoreFull,
-    update_batch,
 )
 from llmendpoints_common.errors import RateLimitError
 from llmendpoints_common.jobs.models import JobStatus
@@ -115,12 +119,101 @@ class _Progress:
 
 
 def part_bytes(lines: list[dict[str, Any]]) -> bytes:
+    """Requests in a part's form: one compact JSON object per line."""
     return b"".join(json.dumps(line, separators=(",", ":")).encode() + b"\n" for line in lines)
 
 
 def openai_job(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
     """An OpenAI batch request as the job it runs as."""
     return {"input": {"openai_route": endpoint, "openai_input": body}}
+
+
+def _part_lines(check: jsonl.Validator, chunk: bytes | None, endpoint: str) -> list[bytes]:
+    """``chunk`` of an input file validated (None: the file's end); the stored form of its
+    valid requests while the file is valid so far (once it is not, nothing is stored)."""
+    requests = check.feed(chunk) if chunk is not None else check.finish()
+    if not check.ok:
+        return []
+    return [
+        json.dumps(
+            {"custom_id": r.custom_id, "request": openai_job(endpoint, r.body)},
+            separators=(",", ":"),
+        ).encode()
+        + b"\n"
+        for r in requests
+    ]
+
+
+class _Parts:
+    """A batch's requests stored as parts while its input is read: a part is written when it
+    holds PART_LINES requests or PART_BYTES (one part in memory at a time)."""
+
+    def __init__(self, store: BatchStore, record: BatchRecord) -> None:
+        self.store = store
+        self.batch = record
+        self.counts: list[int] = []
+        self.ids: list[str] = []
+        self.size = 0
+        self._lines: list[bytes] = []
+        self._bytes = 0
+
+    async def add(self, line: bytes) -> None:
+        self._lines.append(line)
+        self._bytes += len(line)
+        if len(self._lines) >= PART_LINES or self._bytes >= PART_BYTES:
+            await self.flush()
+
+    async def flush(self) -> None:
+        if not self._lines:
+            return
+        part_id = str(len(self.ids))
+        self.ids.append(part_id)  # before the write: a part half-written is dropped too
+        await self.store.put_part(self.batch, part_id, b"".join(self._lines))
+        self.counts.append(len(self._lines))
+        self.size += self._bytes
+        self._lines, self._bytes = [], 0
+
+    def record(self) -> BatchRecord:
+        """The batch as far as its parts go (what ``drop_parts`` removes)."""
+        return self.batch.model_copy(update={"part_ids": list(self.ids)})
+
+
+class _Outputs:
+    """A batch's output and error files being written (each kept only if it has a line)."""
+
+    def __init__(self, output: ContentWriter, errors: ContentWriter) -> None:
+        self.files = {True: output, False: errors}
+        self.lines = {True: 0, False: 0}
+
+    async def write(self, good: bool, line: bytes) -> None:
+        await self.files[good].write(line)
+        self.lines[good] += 1
+
+    async def commit(self, record: BatchRecord, file_id: str, *, now: float) -> str | None:
+        """The file's id once stored; None (and nothing stored) when it has no line."""
+        good = file_id == record.output_file_id
+        writer = self.files[good]
+        if not self.lines[good]:
+            await writer.abort()
+            return None
+        kind = "output" if good else "errors"
+        await writer.commit(
+            FileRecord(
+                id=file_id,
+                owner=record.owner,
+                filename=f"{record.id}_{kind}.jsonl",
+                purpose="batch_output",
+                bytes=writer.size,
+                created_at=now,
+                expires_at=now + record.output_ttl_seconds,
+            )
+        )
+        return file_id
+
+    async def abort(self) -> None:
+        for writer in self.files.values():
+            with contextlib.suppress(Exception):
+                await writer.abort()
 
 
 class BatchDrivers:
@@ -178,10 +271,6 @@ class BatchDrivers:
     def wake(self) -> None:
         """Something changed (a batch created, cancelled): tick now."""
         self._wake.set()
-
-    @property
-    def driving(self) -> int:
-        return len(self._progress)
 
     async def _run(self) -> None:
         while not self._stopping:
@@ -271,70 +360,83 @@ class BatchDrivers:
         return await self._run_lines(record, revision)
 
     async def _validate(self, record: BatchRecord, revision: int) -> BatchRecord:
-        """The input file, checked line by line; valid, its requests stored as parts."""
-        now = self.clock()
+        """The input file, checked line by line as it streams from the store, its requests
+        stored as parts as they pass (dropped again if the file turns out invalid)."""
         assert record.input_file_id is not None and record.openai_endpoint is not None
-        handle = await self.store.open_file(record.owner, record.input_file_id)
-        if handle is None:
+        content = await self.store.open_file(record.owner, record.input_file_id)
+        if content is None:
             error = {
                 "code": "invalid_input_file",
                 "message": f"input file {record.input_file_id} no longer exists",
                 "param": "input_file_id",
                 "line": None,
             }
-            return await self._end(validation_failed(record, [error], now=now), revision)
-        with handle:
-            data = handle.read(self.limits.max_file_bytes + 1)
-        found = jsonl.validate_file(data, record.openai_endpoint, self.limits)
+            return await self._end(validation_failed(record, [error], now=self.clock()), revision)
+        parts = _Parts(self.store, record)
+        try:
+            check, record, revision = await self._read_input(record, revision, content, parts)
+            return await self._validated(record, revision, check, parts)
+        except StoreFull as exc:
+            await self.store.drop_parts(parts.record())
+            return await self._end(storage_failed(record, str(exc), now=self.clock()), revision)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.store.drop_parts(parts.record())
+            raise
+
+    async def _read_input(
+        self, record: BatchRecord, revision: int, content: FileContent, parts: _Parts
+    ) -> tuple[jsonl.Validator, BatchRecord, int]:
+        """Feed the file to a validator a chunk at a time -- the parsing in a worker thread,
+        so the loop that runs this driver (and, on one pod, serves) is never held by it --
+        keeping this host's lease meanwhile. The validator, the record and its revision."""
+        assert record.openai_endpoint is not None
+        check = jsonl.Validator(record.openai_endpoint, self.limits)
+        endpoint = record.openai_endpoint
+        renewed = self.clock()
+        async for chunk in content.chunks():
+            for line in await asyncio.to_thread(_part_lines, check, chunk, endpoint):
+                await parts.add(line)
+            if self.clock() - renewed > self.lease_seconds / 4:
+                renewed = self.clock()
+                leased = take_lease(
+                    record, holder=self.holder, now=renewed, seconds=self.lease_seconds
+                )
+                revision = await self.store.write_batch(leased, revision)
+                record = leased
+        for line in _part_lines(check, None, endpoint):
+            await parts.add(line)
+        await parts.flush()
+        return check, record, revision
+
+    async def _validated(
+        self, record: BatchRecord, revision: int, check: jsonl.Validator, parts: _Parts
+    ) -> BatchRecord:
+        found, now = check.result, self.clock()
         if not found.ok:
-            return await self._end(
-                validation_failed(record, found.error_list(), now=now, model=found.model),
-                revision,
-            )
+            await self.store.drop_parts(parts.record())
+            failed = validation_failed(record, found.error_list(), now=now, model=found.model)
+            return await self._end(failed, revision)
         assert found.model is not None
         try:
             endpoint = await self.resolve(record.owner, found.model)
         except LookupError as exc:
+            await self.store.drop_parts(parts.record())
             error = {
                 "code": "model_not_found",
                 "message": str(exc.args[0] if exc.args else exc),
                 "param": "body.model",
                 "line": found.model_line,
             }
-            return await self._end(
-                validation_failed(record, [error], now=now, model=found.model), revision
-            )
-        parts: list[int] = []
-        part_ids: list[str] = []
-        size = 0
-        chunk: list[dict[str, Any]] = []
-        try:
-            for request in jsonl.requests(data):
-                chunk.append(
-                    {
-                        "custom_id": request.custom_id,
-                        "request": openai_job(record.openai_endpoint, request.body),
-                    }
-                )
-                if len(chunk) == PART_LINES:
-                    part_ids.append(str(len(parts)))
-                    size += await self._put_part(record, part_ids[-1], chunk)
-                    parts.append(len(chunk))
-                    chunk = []
-            if chunk:
-                part_ids.append(str(len(parts)))
-                size += await self._put_part(record, part_ids[-1], chunk)
-                parts.append(len(chunk))
-        except StoreFull as exc:
-            await self.store.drop_parts(record)
-            return await self._end(storage_failed(record, str(exc), now=self.clock()), revision)
+            failed = validation_failed(record, [error], now=now, model=found.model)
+            return await self._end(failed, revision)
         ready = validated(
             record,
-            now=self.clock(),
+            now=now,
             total=found.count,
-            parts=parts,
-            part_ids=part_ids,
-            parts_bytes=size,
+            parts=parts.counts,
+            part_ids=parts.ids,
+            parts_bytes=parts.size,
             model=found.model,
             endpoint=endpoint,
             tokens=found.tokens,
@@ -345,11 +447,6 @@ class BatchDrivers:
             found.model,
         )  # fmt: skip
         return ready
-
-    async def _put_part(self, record: BatchRecord, part_id: str, lines: list[dict]) -> int:
-        data = part_bytes(lines)
-        await self.store.put_part(record, part_id, data)
-        return len(data)
 
     async def _line(self, record: BatchRecord, index: int, state: _Progress) -> dict[str, Any]:
         """Stored request ``index``: ``{"custom_id"?, "request"}``."""
@@ -463,83 +560,60 @@ class BatchDrivers:
             )
             revision = await self.store.write_batch(record, revision)
         assert record.output_file_id is not None and record.error_file_id is not None
-        completed = failed = input_tokens = output_tokens = 0
-        removed = set(record.removed)
-        expires = now + record.output_ttl_seconds
-        with (
-            tempfile.SpooledTemporaryFile(8 * 1024 * 1024) as out,
-            tempfile.SpooledTemporaryFile(8 * 1024 * 1024) as err,
-        ):
-            out_lines = err_lines = 0
-            for index in range(sum(record.parts)):
-                if index in removed:
-                    continue
-                line = await self._line(record, index, state)
-                outcome = (
-                    await self.runner.outcome(record, index)
-                    if index < record.cursor
-                    else NOT_QUEUED
-                )
-                if outcome.succeeded:
-                    completed += 1
-                    used = usage_of(outcome.output)
-                    input_tokens += used[0]
-                    output_tokens += used[1]
-                else:
-                    failed += 1
-                if record.api != "openai":
-                    continue  # RunPod's results are read from the jobs (/requests)
-                good, entry = openai_line(
-                    line_job_id(record.id, index), line["custom_id"], outcome, record.ending
-                )
-                target = out if good else err
-                target.write(encode_line(entry))
-                if good:
-                    out_lines += 1
-                else:
-                    err_lines += 1
-            output_id = error_id = None
-            try:
-                if out_lines:
-                    output_id = await self._store_output(
-                        record, record.output_file_id, out, "output", expires
-                    )
-                if err_lines:
-                    error_id = await self._store_output(
-                        record, record.error_file_id, err, "errors", expires
-                    )
-            except StoreFull as exc:
-                return await self._end(storage_failed(record, str(exc), now=self.clock()), revision)
+        ttl = record.output_ttl_seconds
+        outputs = _Outputs(
+            await self.store.write_file(record.owner, record.output_file_id, ttl),
+            await self.store.write_file(record.owner, record.error_file_id, ttl),
+        )
+        try:
+            counts = await self._write_outputs(record, state, outputs)
+            output_id = await outputs.commit(record, record.output_file_id, now=self.clock())
+            error_id = await outputs.commit(record, record.error_file_id, now=self.clock())
+        except StoreFull as exc:
+            await outputs.abort()
+            return await self._end(storage_failed(record, str(exc), now=self.clock()), revision)
+        except BaseException:
+            await outputs.abort()
+            raise
         ended = finished(
             record,
             now=self.clock(),
-            completed=completed,
-            failed=failed,
-            input_tokens=input_tokens,
-            output_tokens=output_tokens,
+            completed=counts[0],
+            failed=counts[1],
+            input_tokens=counts[2],
+            output_tokens=counts[3],
             output_file_id=output_id,
             error_file_id=error_id,
         )
         return await self._end(ended, revision)
 
-    async def _store_output(
-        self, record: BatchRecord, file_id: str, content, kind: str, expires: float
-    ) -> str:
-        size = content.tell()
-        content.seek(0)
-        await self.store.put_file(
-            FileRecord(
-                id=file_id,
-                owner=record.owner,
-                filename=f"{record.id}_{kind}.jsonl",
-                purpose="batch_output",
-                bytes=size,
-                created_at=self.clock(),
-                expires_at=expires,
-            ),
-            content,
-        )
-        return file_id
+    async def _write_outputs(
+        self, record: BatchRecord, state: _Progress, outputs: _Outputs
+    ) -> tuple[int, int, int, int]:
+        """Each request's line into the output or the error file, in input order; (completed,
+        failed, input tokens, output tokens)."""
+        completed = failed = input_tokens = output_tokens = 0
+        removed = set(record.removed)
+        for index in range(sum(record.parts)):
+            if index in removed:
+                continue
+            line = await self._line(record, index, state)
+            outcome = (
+                await self.runner.outcome(record, index) if index < record.cursor else NOT_QUEUED
+            )
+            if outcome.succeeded:
+                completed += 1
+                used = usage_of(outcome.output)
+                input_tokens += used[0]
+                output_tokens += used[1]
+            else:
+                failed += 1
+            if record.api == "openai":  # RunPod's results are read from the jobs (/requests)
+                good, entry = openai_line(
+                    line_job_id(record.id, index), line["custom_id"], outcome, record.ending
+                )
+                await outputs.write(good, encode_line(entry))
+        return completed, failed, input_tokens, output_tokens
 
     async def _end(self, record: BatchRecord, revision: int) -> BatchRecord:
         """Store a batch's end (a CAS: a cancel that came meanwhile is decided on next tick)."""
@@ -557,8 +631,3 @@ class BatchDrivers:
             if self.on_end is not None:
                 self.on_end(record)
         return record
-
-
-async def cancel_batch(store: BatchStore, owner: str, batch_id: str, now: float):
-    """A client's cancel (the API's): the record says so; the driver does the rest."""
-    return await update_batch(store, owner, batch_id, lambda r: request_cancel(r, now=now))

@@ -1,14 +1,20 @@
-"""A stored file's record, and the upload's form fields, checked (pure).
+"""A stored file's record, the upload as it arrives, and its form fields, checked (pure).
 
 Files belong to the API key that uploaded them (or to the batch that wrote them, which belongs
 to its key): another key's file id is a file that does not exist. Ids are opaque
 (``file-<32 hex>``). Only ``purpose=batch`` is taken (the Batch API is the one reader of files
 here); a batch's results are ``batch_output`` files.
+
+An upload (``POST /v1/files``, multipart) reaches the verbs as events, in the order the client
+sent its parts (``Upload``): a front door's multipart reader yields them while the body arrives,
+so the file is stored as it comes and never held whole.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -17,6 +23,48 @@ from llmendpoints_common.batch.limits import BatchLimits
 from llmendpoints_common.errors import BadRequestError
 
 MAX_FILENAME_CHARS = 255
+
+
+@dataclass(frozen=True)
+class FormField:
+    """A text field of the form (``purpose``, ``expires_after[seconds]``)."""
+
+    name: str
+    value: str
+
+
+@dataclass(frozen=True)
+class FileStart:
+    """The file part begins; its bytes follow as ``bytes`` events, then ``FileEnd``."""
+
+    name: str
+    filename: str | None
+
+
+@dataclass(frozen=True)
+class FileEnd:
+    pass
+
+
+FormEvent = FormField | FileStart | bytes | FileEnd
+
+
+@dataclass
+class Upload:
+    """``POST /v1/files``'s body as it arrives: its events, and the body's declared length
+    (Content-Length: the most the file can be), if the client sent one."""
+
+    events: AsyncIterator[FormEvent]
+    declared: int | None = None
+
+
+@dataclass(frozen=True)
+class FileContent:
+    """A stored file to read: its size, and its bytes in pieces, read as they are asked for
+    (``chunks()``: a reader that stops early leaves the rest unread)."""
+
+    size: int
+    chunks: Callable[[], AsyncIterator[bytes]]
 
 
 def new_file_id() -> str:
@@ -107,7 +155,7 @@ def check_ttl(seconds: object, limits: BatchLimits, *, field: str) -> int:
     value: int | None = None
     if isinstance(seconds, int) and not isinstance(seconds, bool):
         value = seconds
-    elif isinstance(seconds, str) and seconds.strip().isdigit():
+    elif isinstance(seconds, str) and seconds.strip().isascii() and seconds.strip().isdigit():
         value = int(seconds)
     low, high = limits.min_file_ttl_seconds, limits.max_file_ttl_seconds
     if value is None or not low <= value <= high:

@@ -53,6 +53,8 @@ class BatchLimits:
     window_lines: int = 256
     # Tokens a line without max_tokens is counted for (enqueued-token limit).
     default_max_tokens: int = 1024
+    # An upload has this long to arrive (its room is held that long at most).
+    upload_timeout_seconds: float = 600.0
 
     def window_seconds(self, window: object) -> int:
         """``"24h"`` -> 86400; 400 naming ``completion_window`` for anything else."""
@@ -178,4 +180,5 @@ class BatchEnv(BaseSettings):
             max_active_batches_per_key=self.batch_max_active_per_key,
             max_enqueued_tokens_per_key=self.batch_max_enqueued_tokens,
             window_lines=self.batch_window_lines,
+            upload_timeout_seconds=self.batch_upload_timeout_seconds,
         )

@@ -188,7 +188,9 @@ def page(query: dict[str, str]) -> tuple[int, int]:
         raw = query.get(name)
         if raw is None:
             return default
-        if not raw.isdigit() or (high is not None and not 1 <= int(raw) <= high):
+        if not (raw.isascii() and raw.isdigit()) or (
+            high is not None and not 1 <= int(raw) <= high
+        ):
             bound = f" from 1 to {high}" if high is not None else ""
             raise BadRequestError(f"{name}: a whole number{bound}, got {raw!r}", param=name)
         return int(raw)

@@ -177,7 +177,7 @@ class JobVerbs:
     def _wait_ms(self, raw: str | None) -> int:
         if raw is None:
             return self.default_wait_ms
-        if not raw.isdigit():
+        if not (raw.isascii() and raw.isdigit()):
             raise BadRequestError(
                 f"wait: must be a whole number of milliseconds, got {raw!r}", param="wait"
             )

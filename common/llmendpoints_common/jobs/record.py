@@ -1,6 +1,7 @@
 """A job as the shared queue keeps it, and the pure rules for how its state may change.
 
-One record per job (the value of ``<ns>.<name>.<job id>`` in ``LLMEP_JOB_STATE``). Every writer
+One record per job (the value of ``rec.<job id>`` in the endpoint's ``LLMEP_RECORDS_<ns>_<name>``).
+Every writer
 -- the pod or gateway that accepted the job, the worker running it, whoever cancels, retries or
 reads its stream -- reads the record, applies one of the functions below, and writes the result
 back only if nobody wrote in between (compare-and-set on the key's revision). So each change is

@@ -8,8 +8,13 @@ cancelled and driven through any other, and a replica that dies loses nothing.
   batch not ended keeps its window plus its results' lifetime, as a bound);
 - ``active.<batch id>`` names the owner of every batch not ended (what the drivers list); it
   goes when the batch ends;
-- contents are objects (queue/objects.py) with the same expiry as their records; a batch's
-  stored input (its parts) goes when it ends, or with its window at the latest.
+- contents are objects (queue/objects.py) with the same expiry as their records, written as
+  their bytes arrive and read a chunk at a time; a batch's stored input (its parts) goes when
+  it ends, or with its window at the latest;
+- ``room.<owner token>``: what the owner holds for stores under way (batch/room.py), by
+  compare-and-set, expiring with its last hold;
+- listings (a key's files, its batches, the batches not ended) are batched direct gets
+  (queue/scan.py): no consumer is left behind.
 
 Keys and object names carry the owner's token (a digest of the key's name), so an id looked up
 under another owner is not there.
@@ -19,22 +24,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import json
-import tempfile
 import time
 import uuid
-from collections.abc import Callable
-from typing import IO
+from collections.abc import AsyncIterator, Callable
 
 import nats.errors
-from nats.js import JetStreamContext
-from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
-from llmendpoints_common.batch.files import FileRecord
+from llmendpoints_common.batch.files import FileContent, FileRecord
 from llmendpoints_common.batch.record import BatchRecord
+from llmendpoints_common.batch.room import Room
 from llmendpoints_common.batch.store import StaleRevision, StoreFull
-from llmendpoints_common.queue import names, objects
+from llmendpoints_common.identity import tenant_token
+from llmendpoints_common.queue import names, objects, scan
+from llmendpoints_common.queue.client import QueueConnection
 from llmendpoints_common.queue.state import purge_marker
 
 _WRONG_LAST_SEQUENCE = 10071
@@ -43,11 +47,59 @@ _FULL_CODES = {10047, 10054, 10023}
 _EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 # A batch record outlives its window by its results' lifetime; this bounds one that never ends.
 _SLACK_SECONDS = 86_400.0
+_ROOM_SLACK_SECONDS = 60.0
+
+
+def _full(exc: APIError) -> bool:
+    return exc.err_code in _FULL_CODES or "maximum bytes" in (exc.description or "")
+
+
+class _ObjectFile:
+    """A file's content on its way into the object store (the store's ``ContentWriter``)."""
+
+    def __init__(self, store: NatsBatchStore, writer: objects.ObjectWriter, ttl: float) -> None:
+        self.store = store
+        self.writer = writer
+        self.ttl = ttl
+
+    @property
+    def size(self) -> int:
+        return self.writer.size
+
+    async def write(self, data: bytes) -> None:
+        try:
+            await self.writer.write(data)
+        except APIError as exc:
+            raise _store_full(exc) if _full(exc) else exc from None
+
+    async def commit(self, record: FileRecord) -> None:
+        try:
+            await self.writer.close()
+            await self.store._write(
+                names.file_key(record.owner, record.id), record.encode(), revision=None,
+                ttl=self.ttl,
+            )  # fmt: skip
+        except APIError as exc:
+            await self.abort()
+            raise _store_full(exc) if _full(exc) else exc from None
+
+    async def abort(self) -> None:
+        with contextlib.suppress(nats.errors.Error, APIError):
+            await self.writer.abort()
+
+
+def _store_full(exc: APIError) -> StoreFull:
+    return StoreFull(
+        f"the file store is full ({exc.description}); delete files or wait for them to expire"
+    )
 
 
 class NatsBatchStore:
-    def __init__(self, js: JetStreamContext, *, clock: Callable[[], float] = time.time) -> None:
-        self.js = js
+    def __init__(
+        self, connection: QueueConnection, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.nc = connection.nc
+        self.js = connection.js
         self._clock = clock
         self._stream = names.kv_stream(names.BATCHES_BUCKET)
 
@@ -80,47 +132,33 @@ class NatsBatchStore:
         return ack.seq
 
     async def _latest(self, pattern: str) -> list[bytes]:
-        """The latest value of every key matching ``pattern`` (a watcher delivers each key's
-        last value, then None)."""
+        """The latest value of every key matching ``pattern`` (no consumer: queue/scan.py)."""
+        return list((await self._scan(pattern)).values())
+
+    async def _scan(self, pattern: str) -> dict[str, bytes]:
         try:
-            kv = await self.js.key_value(names.BATCHES_BUCKET)
-        except (BucketNotFoundError, NotFoundError):
-            return []
-        watcher = await kv.watch(pattern, ignore_deletes=True)
-        found = []
-        try:
-            async for entry in watcher:
-                if entry is None:
-                    break
-                if entry.value:
-                    found.append(entry.value)
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
-        return found
+            return await scan.latest(self.nc, self._stream, self._subject(pattern))
+        except scan.ScanError as exc:
+            if exc.no_stream:
+                return {}  # the bucket does not exist yet: nothing stored
+            raise
 
     # -- files ------------------------------------------------------------------------------
 
-    async def put_file(self, record: FileRecord, content: IO[bytes]) -> None:
-        ttl = record.expires_at - self._clock()
-        name = names.object_name(record.owner, record.id)
-        await self._put_object(name, content, ttl)
-        await self._write(
-            names.file_key(record.owner, record.id), record.encode(), revision=None, ttl=ttl
-        )
+    async def write_file(self, owner: str, file_id: str, ttl_seconds: float) -> _ObjectFile:
+        writer = objects.ObjectWriter(
+            self.js, names.object_name(owner, file_id), nuid=uuid.uuid4().hex,
+            ttl_seconds=ttl_seconds,
+        )  # fmt: skip
+        return _ObjectFile(self, writer, ttl_seconds)
 
-    async def _put_object(self, name: str, content: IO[bytes], ttl: float) -> int:
+    async def _put_object(self, name: str, data: bytes, ttl: float) -> int:
         try:
             return await objects.put_object(
-                self.js, name, content, nuid=uuid.uuid4().hex, ttl_seconds=ttl
+                self.js, name, data, nuid=uuid.uuid4().hex, ttl_seconds=ttl
             )
         except APIError as exc:
-            if exc.err_code in _FULL_CODES or "maximum bytes" in (exc.description or ""):
-                raise StoreFull(
-                    f"the file store is full ({exc.description}); delete files or wait for "
-                    "them to expire"
-                ) from None
-            raise
+            raise _store_full(exc) if _full(exc) else exc from None
 
     async def file(self, owner: str, file_id: str) -> FileRecord | None:
         try:
@@ -132,19 +170,17 @@ class NatsBatchStore:
             return None
         return FileRecord.decode(found[0]).visible(owner, self._clock())
 
-    async def open_file(self, owner: str, file_id: str) -> IO[bytes] | None:
+    async def open_file(self, owner: str, file_id: str) -> FileContent | None:
         if await self.file(owner, file_id) is None:
             return None
-        sink = tempfile.SpooledTemporaryFile(8 * 1024 * 1024)  # noqa: SIM115 (the caller's)
-        try:
-            if not await objects.read_object(self.js, names.object_name(owner, file_id), sink):
-                sink.close()
-                return None
-        except BaseException:
-            sink.close()
-            raise
-        sink.seek(0)
-        return sink
+        info = await objects.object_info(self.js, names.object_name(owner, file_id))
+        if info is None:
+            return None
+
+        def chunks() -> AsyncIterator[bytes]:
+            return objects.read_chunks(self.js, info)
+
+        return FileContent(int(info.get("size") or 0), chunks)
 
     async def delete_file(self, owner: str, file_id: str) -> bool:
         if await self.file(owner, file_id) is None:
@@ -157,7 +193,7 @@ class NatsBatchStore:
         now = self._clock()
         records = [
             FileRecord.decode(value)
-            for value in await self._latest(f"file.{names.tenant_token(owner)}.*")
+            for value in await self._latest(f"file.{tenant_token(owner)}.*")
         ]
         return sorted(
             (r for r in records if r.owner == owner and r.expires_at > now),
@@ -202,44 +238,39 @@ class NatsBatchStore:
     async def batches(self, owner: str) -> list[BatchRecord]:
         records = [
             BatchRecord.decode(value)
-            for value in await self._latest(f"batch.{names.tenant_token(owner)}.*")
+            for value in await self._latest(f"batch.{tenant_token(owner)}.*")
         ]
         return sorted((r for r in records if r.owner == owner), key=lambda r: (r.created_at, r.id))
 
     async def active(self) -> list[tuple[str, str]]:
-        found = []
-        kv = None
-        with contextlib.suppress(BucketNotFoundError, NotFoundError):
-            kv = await self.js.key_value(names.BATCHES_BUCKET)
-        if kv is None:
-            return []
-        watcher = await kv.watch("active.*", ignore_deletes=True)
-        try:
-            async for entry in watcher:
-                if entry is None:
-                    break
-                if entry.value:
-                    found.append((json.loads(entry.value), entry.key.split(".", 1)[1]))
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
-        return found
+        found = await self._scan("active.*")
+        return [(json.loads(value), subject.rsplit(".", 1)[1]) for subject, value in found.items()]
+
+    # -- what a key holds for stores under way -------------------------------------------------
+
+    async def room(self, owner: str) -> tuple[Room, int]:
+        found = await self._read(f"room.{tenant_token(owner)}")
+        if found is None:
+            return Room(), 0
+        return Room.decode(found[0]), found[1]
+
+    async def write_room(self, owner: str, room: Room, revision: int) -> int:
+        # A removed key's revision is its marker's: 0 asks for a key with no message at all.
+        ttl = max(room.until() - self._clock(), 0.0) + _ROOM_SLACK_SECONDS
+        return await self._write(
+            f"room.{tenant_token(owner)}", room.encode(), revision=revision, ttl=ttl
+        )
 
     # -- parts ------------------------------------------------------------------------------
 
     async def put_part(self, record: BatchRecord, part_id: str, data: bytes) -> None:
         ttl = record.expires_at + _SLACK_SECONDS - self._clock()
-        await self._put_object(
-            names.object_name(record.owner, record.id, part_id), io.BytesIO(data), ttl
-        )
+        await self._put_object(names.object_name(record.owner, record.id, part_id), data, ttl)
 
     async def part(self, record: BatchRecord, part_id: str) -> bytes | None:
-        sink = io.BytesIO()
-        if not await objects.read_object(
-            self.js, names.object_name(record.owner, record.id, part_id), sink
-        ):
-            return None
-        return sink.getvalue()
+        return await objects.read_object(
+            self.js, names.object_name(record.owner, record.id, part_id)
+        )
 
     async def drop_parts(self, record: BatchRecord) -> None:
         for part_id in record.part_ids:

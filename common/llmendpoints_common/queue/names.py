@@ -46,7 +46,8 @@ endpoint in the request's subject (the stream's name), which its credential is s
 - key-value bucket ``LLMEP_BATCHES`` (entries expire with what they describe): keys
   ``file.<tenant token>.<file id>`` (a file's record), ``batch.<tenant token>.<batch id>``
   (a batch's record), ``active.<batch id>`` (the owner of a batch not ended: what the batch
-  drivers list).
+  drivers list), ``room.<tenant token>`` (what the owner holds for stores under way:
+  batch/room.py).
 - object store ``LLMEP_FILES`` (stream ``OBJ_LLMEP_FILES``): files' contents, objects
   ``<tenant token>.<file id>``, and batches' stored inputs, ``<tenant token>.<batch id>.<part>``
   (queue/objects.py).
@@ -60,10 +61,9 @@ to one). Namespaces have neither.
 
 from __future__ import annotations
 
-import hashlib
 import re
 
-from llmendpoints_common.identity import EndpointRef, as_ref
+from llmendpoints_common.identity import EndpointRef, as_ref, tenant_token
 
 SIGNALS_BUCKET = "LLMEP_SIGNALS"
 QUOTAS_BUCKET = "LLMEP_QUOTAS"
@@ -290,12 +290,6 @@ def kv_subject(bucket: str, key: str) -> str:
     """The subject a key's values are published on (NATS's own convention): a core
     subscription to it sees every update of the key, which is how waiters learn a job ended."""
     return f"$KV.{bucket}.{key}"
-
-
-def tenant_token(name: str) -> str:
-    """An API key's name (any text) as one key segment / subject token: a digest of it, so
-    names with dots, spaces or wildcards map one to one onto safe tokens."""
-    return hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:24]
 
 
 def quota_key(name: str) -> str:

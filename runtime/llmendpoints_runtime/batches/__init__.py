@@ -2,8 +2,12 @@
 
 The verbs, the validation, the state machine and the driver are ``llmendpoints_common.batch``'s
 (the gateway runs the same on the shared queue); this package gives them a store on local disk
-(``LocalBatchStore`` under the model cache, bounded), a lane in this process
+(``store.LocalBatchStore`` under the model cache, bounded), a lane in this process
 (``local.LocalLines``) and FastAPI routes (``routes.py``). ``compose.py`` plugs the feature in.
+
+All of it runs in the API process, on the loop that serves vLLM's routes, so nothing here holds
+that loop: the store and the lane touch files in worker threads, and the driver parses an input
+file in a worker thread a piece at a time as it streams from disk.
 """
 
 from __future__ import annotations
@@ -11,20 +15,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
 
 from fastapi import APIRouter
 from llmendpoints_common.batch.api import BatchAPI
 from llmendpoints_common.batch.driver import BatchDrivers
 from llmendpoints_common.batch.record import BatchRecord, runpod_summary
-from llmendpoints_common.batch.store import LocalBatchStore
 from llmendpoints_common.destinations import DestinationPolicy
 from llmendpoints_common.webhooks import WebhookSender
 
 from llmendpoints_runtime.batches.local import LocalLines
 from llmendpoints_runtime.batches.routes import build_batch_routers
+from llmendpoints_runtime.batches.store import LocalBatchStore
+from llmendpoints_runtime.config import RuntimeSettings
 from llmendpoints_runtime.jobs.port import JobEngine
 from llmendpoints_runtime.jobs.settings import JobSettings
 
@@ -61,7 +65,7 @@ class BatchFeature:
         drivers, lines = self.drivers, self.lines
 
         @contextlib.asynccontextmanager
-        async def lifespan(_: Any) -> Any:
+        async def lifespan(_: object) -> AsyncIterator[None]:
             await lines.start()
             await drivers.start()
             try:
@@ -76,7 +80,7 @@ class BatchFeature:
 def build_batch_feature(
     engine: JobEngine,
     job_settings: JobSettings,
-    settings: Any,
+    settings: RuntimeSettings,
     *,
     root: str,
     endpoint: str,

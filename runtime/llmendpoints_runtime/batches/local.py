@@ -7,9 +7,10 @@ requests in this process, below everything else.
   inside the engine (``produce(..., priority=)``), exactly as a queue worker runs it.
 - Batches take turns: one request of each in turn, so a large batch does not hold a small one
   back.
-- How each request ended is appended to ``results/<batch id>.jsonl`` before the driver sees it,
-  so a restart keeps every answer given; requests queued or running when the pod stopped have
-  none, and the driver hands them over again.
+- How each request ended is appended to ``results/<batch id>.jsonl``, so a restart keeps every
+  answer given; requests queued or running when the pod stopped have none, and the driver hands
+  them over again. The file is read and appended to in worker threads: this lane runs on the
+  loop that serves vLLM's routes, which no file operation may hold.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class LocalLines:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._writes: set[asyncio.Task[None]] = set()  # answers on their way to disk
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -92,6 +94,8 @@ class LocalLines:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        if self._writes:
+            await asyncio.gather(*self._writes, return_exceptions=True)
 
     # ---- the driver's side -----------------------------------------------------------------
 
@@ -100,7 +104,7 @@ class LocalLines:
         if (
             job_id in self._queued_ids
             or job_id in self._running
-            or job_id in self._outcomes(batch.id)
+            or job_id in await self._outcomes(batch.id)
         ):
             return
         self._queued.setdefault(batch.id, deque()).append((index, request))
@@ -109,7 +113,7 @@ class LocalLines:
 
     async def outcome(self, batch: BatchRecord, index: int) -> LineOutcome:
         job_id = line_job_id(batch.id, index)
-        done = self._outcomes(batch.id).get(job_id)
+        done = (await self._outcomes(batch.id)).get(job_id)
         if done is not None:
             return done
         if job_id in self._running:
@@ -215,11 +219,14 @@ class LocalLines:
     def _path(self, batch_id: str) -> Path:
         return self._results / f"{batch_id}.jsonl"
 
-    def _outcomes(self, batch_id: str) -> dict[str, LineOutcome]:
+    async def _outcomes(self, batch_id: str) -> dict[str, LineOutcome]:
         known = self._done.get(batch_id)
-        if known is not None:
-            return known
-        known = self._done[batch_id] = {}
+        if known is None:
+            known = self._done[batch_id] = await asyncio.to_thread(self._read, batch_id)
+        return known
+
+    def _read(self, batch_id: str) -> dict[str, LineOutcome]:
+        known: dict[str, LineOutcome] = {}
         with contextlib.suppress(FileNotFoundError):
             for raw in self._path(batch_id).read_bytes().splitlines():
                 try:
@@ -236,6 +243,7 @@ class LocalLines:
         return known
 
     def _record(self, batch_id: str, job_id: str, outcome: LineOutcome) -> None:
+        """Known at once (the driver may ask next); on disk in a moment (a worker thread)."""
         assert outcome.status is not None
         line = {
             "id": job_id,
@@ -245,10 +253,19 @@ class LocalLines:
             "started_at": outcome.started_at,
             "finished_at": outcome.finished_at,
         }
+        known = self._done.get(batch_id)  # read when the request was submitted
+        if known is not None:
+            known[job_id] = outcome
+        write = asyncio.create_task(
+            asyncio.to_thread(self._append, batch_id, json.dumps(line).encode() + b"\n")
+        )
+        self._writes.add(write)
+        write.add_done_callback(self._writes.discard)
+
+    def _append(self, batch_id: str, line: bytes) -> None:
         self._results.mkdir(parents=True, exist_ok=True)
         with self._path(batch_id).open("ab") as out:
-            out.write(json.dumps(line).encode() + b"\n")
-        self._outcomes(batch_id)[job_id] = outcome
+            out.write(line)
 
     def forget(self, batch_id: str) -> None:
         """A batch ended and its results were written: its answers need not stay in memory

@@ -74,6 +74,10 @@ def check_input(engine: JobEngine, job_request: JobRequest) -> None:
         check_model(job_input, engine.served_models())
 
 
+# What /run's and /runsync's statuses mean where they differ from the other job routes'.
+_SUBMIT_WHEN = {404: "`input.model` names no model this endpoint serves"}
+
+
 def build_job_router(
     verbs: JobVerbs,
     *,
@@ -105,7 +109,7 @@ def build_job_router(
         )
         return JSONResponse(reply.body, status_code=reply.status, headers=dict(reply.headers))
 
-    submit_errors = error_responses(400, 401, 413, 429, 503, job=True)
+    submit_errors = error_responses(400, 401, 404, 413, 429, 503, job=True, when=_SUBMIT_WHEN)
     request_body = {"requestBody": _request_body(JobRequest)}
 
     @router.post("/run", responses=submit_errors, openapi_extra=request_body)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from llmendpoints_common.destinations import DestinationPolicy
 from llmendpoints_common.jobs.api import JobVerbs
 from llmendpoints_common.webhooks import WebhookSender
@@ -43,10 +43,16 @@ class JobFeature:
         return job_routers(self.verbs, openai_target)
 
 
+def endpoint_in_path(endpoint_id: str) -> str:
+    """The endpoint RunPod's URL names: accepted and ignored (one pod serves one endpoint);
+    a dependency of the ``/v2/{endpoint_id}`` routes so /openapi.json declares the parameter."""
+    return endpoint_id
+
+
 def job_routers(verbs: JobVerbs, openai_target: Callable[[Request], ASGIApp]) -> list[APIRouter]:
     """At the root, and under ``/v2/{endpoint_id}`` with the ``/openai/v1/...`` alias
     (``openai_target``: the app that serves ``/v1/...``)."""
-    v2 = APIRouter(prefix="/v2/{endpoint_id}")
+    v2 = APIRouter(prefix="/v2/{endpoint_id}", dependencies=[Depends(endpoint_in_path)])
     v2.include_router(build_job_router(verbs, openai_target=openai_target))
     return [build_job_router(verbs, include_health=False), v2]
 

@@ -4,18 +4,18 @@ routes, owners, bounds, errors -- the same code the gateway runs over NATS
 
 from __future__ import annotations
 
-import io
 import json
-from types import SimpleNamespace
 
 import pytest
 from llmendpoints_common.batch.api import BatchAPI, BatchCall
 from llmendpoints_common.batch.driver import BatchDrivers
+from llmendpoints_common.batch.files import FileEnd, FileStart, FormField, Upload
 from llmendpoints_common.batch.limits import BatchLimits
 from llmendpoints_common.batch.output import NOT_QUEUED, LineOutcome
 from llmendpoints_common.batch.record import line_job_id
-from llmendpoints_common.batch.store import LocalBatchStore, StaleRevision, StoreFull
+from llmendpoints_common.batch.store import StaleRevision, StoreFull
 from llmendpoints_common.jobs.models import JobStatus
+from llmendpoints_runtime.batches.store import LocalBatchStore
 
 LIMITS = BatchLimits(min_window_seconds=1, window_lines=3)
 
@@ -49,9 +49,31 @@ class Runner:
             self.states[job] = LineOutcome(JobStatus.CANCELLED)
 
 
-def upload(lines) -> SimpleNamespace:
-    data = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
-    return SimpleNamespace(fields={"purpose": "batch"}, file=io.BytesIO(data), filename="f.jsonl", size=len(data))  # fmt: skip
+def form(data: bytes, *, fields=(("purpose", "batch"),), after=(), pieces: int = 3) -> Upload:
+    """An upload as a front door's multipart reader gives it: ``fields``, the file in
+    ``pieces``, then the fields ``after`` it."""
+
+    async def events():
+        for name, value in fields:
+            yield FormField(name, value)
+        yield FileStart("file", "f.jsonl")
+        step = max(1, len(data) // pieces)
+        for i in range(0, len(data), step):
+            yield data[i : i + step]
+        yield FileEnd()
+        for name, value in after:
+            yield FormField(name, value)
+
+    return Upload(events(), declared=len(data) + 200)
+
+
+def upload(lines) -> Upload:
+    return form(b"".join(json.dumps(x).encode() + b"\n" for x in lines))
+
+
+async def read(reply) -> bytes:
+    assert reply.status == 200, reply.body
+    return b"".join([chunk async for chunk in reply.content.chunks()])
 
 
 def chat(i, model="m"):
@@ -103,8 +125,7 @@ async def test_a_batch_runs_a_window_at_a_time_and_completes(setup):
     done = (await api.openai(BatchCall("GET", f"batches/{batch_id}", "alice"))).body
     assert done["status"] == "completed" and done["request_counts"]["completed"] == 7
     reply = await api.openai(BatchCall("GET", f"files/{done['output_file_id']}/content", "alice"))
-    lines = [json.loads(x) for x in reply.content.read().splitlines()]
-    reply.content.close()
+    lines = [json.loads(x) for x in (await read(reply)).splitlines()]
     assert [x["custom_id"] for x in lines] == [f"c{i}" for i in range(7)]
     assert done["error_file_id"] is None
 
@@ -137,8 +158,7 @@ async def test_an_expired_batch_stops_everything_and_answers_expired(setup):
     done = (await api.openai(BatchCall("GET", f"batches/{created.id}", "alice"))).body
     assert done["status"] == "expired"
     reply = await api.openai(BatchCall("GET", f"files/{done['error_file_id']}/content", "alice"))
-    codes = [json.loads(x)["error"]["code"] for x in reply.content.read().splitlines()]
-    reply.content.close()
+    codes = [json.loads(x)["error"]["code"] for x in (await read(reply)).splitlines()]
     assert codes == ["batch_expired"] * 4
 
 
@@ -254,7 +274,7 @@ async def test_listing_pages_and_owners(setup):
 
 async def test_per_key_bounds(setup):
     _api, _, runner, store = setup
-    tight = BatchAPI(store, runner, BatchLimits(max_bytes_per_key=300, max_active_batches_per_key=1, min_window_seconds=1))  # fmt: skip
+    tight = BatchAPI(store, runner, BatchLimits(max_bytes_per_key=500, max_active_batches_per_key=1, min_window_seconds=1))  # fmt: skip
     first = await tight.create_file(upload([chat(0)]), "erin")
     refused = await tight.openai(BatchCall("POST", "files", "erin", upload=upload([chat(i) for i in range(5)])))  # fmt: skip
     assert refused.status == 429 and refused.body["error"]["code"] == "storage_limit_exceeded"
@@ -284,6 +304,12 @@ async def test_runpod_routes_on_the_local_store(setup):
     assert (page["total"], page["hasMore"], len(page["requests"])) == (3, True, 2)
     assert (await call("DELETE", f"/{batch_id}/requests/{page['requests'][0]['id']}")).body["requestTotal"] == 2  # fmt: skip
     assert (await call("DELETE", f"/{batch_id}/requests/nope")).status == 404
+    # A request id whose number is not in ASCII digits ("²".isdigit() is true): a 400 naming
+    # the field, not a 500.
+    for odd in ("\u00b2", "\u0661", "1.5", ""):  # superscript two, Arabic-Indic one
+        bad = await call("DELETE", f"/{batch_id}/requests/{batch_id.removeprefix('batch_')}-{odd}")
+        assert bad.status == 400 and bad.body["error"]["param"] == "requestId", odd
+    assert (await call("GET", f"/{batch_id}/requests", query={"limit": "²"})).status == 400
     await drivers.step("alice", batch_id)  # a draft is not run
     assert runner.submitted == []
     assert (await call("POST", f"/{batch_id}/finalize")).body["status"] == "FINALIZED"
@@ -307,10 +333,19 @@ async def test_the_local_store_compares_and_sets_and_is_bounded(tmp_path):
     store = LocalBatchStore(tmp_path, max_bytes=100)
     record = FileRecord(id="file-" + "1" * 32, owner="a", filename="f", purpose="batch", bytes=50,
                         created_at=0, expires_at=1e12)  # fmt: skip
-    await store.put_file(record, io.BytesIO(b"x" * 50))
+    writer = await store.write_file("a", record.id, 3600)
+    await writer.write(b"x" * 50)
+    await writer.commit(record)
+    second = await store.write_file("a", "file-" + "2" * 32, 3600)
     with pytest.raises(StoreFull, match="LLMEP_BATCH_LOCAL_MAX_BYTES"):
-        await store.put_file(record.model_copy(update={"id": "file-" + "2" * 32, "bytes": 60}), io.BytesIO(b"y" * 60))  # fmt: skip
+        await second.write(b"y" * 60)
+    await second.abort()
+    left = sorted(p.name for p in (tmp_path / "files").rglob("*") if p.is_file())
+    assert left == sorted([record.id, f"{record.id}.json"])  # nothing of the refused one
     assert await store.file("b", record.id) is None  # another owner
+    content = await store.open_file("a", record.id)
+    assert content.size == 50
+    assert b"".join([c async for c in content.chunks()]) == b"x" * 50
     from llmendpoints_common.batch.record import BatchRecord, BatchStatus
 
     batch = BatchRecord(id="batch_" + "3" * 32, api="openai", owner="a", created_at=0,
@@ -321,3 +356,115 @@ async def test_the_local_store_compares_and_sets_and_is_bounded(tmp_path):
     assert await store.active() == [("a", batch.id)]
     assert await store.sweep(0) == 0
     assert await store.sweep(2e12) == 1  # the file expired
+
+
+async def test_concurrent_uploads_against_a_bound_of_5_store_5(setup):
+    """Each upload reserves its file before any of its bytes is stored, so uploads that run
+    together cannot all pass the key's bound."""
+    import asyncio
+
+    _api, _, runner, store = setup
+    tight = BatchAPI(store, runner, BatchLimits(max_files_per_key=5, min_window_seconds=1))
+
+    def slow(i):
+        async def events():
+            yield FormField("purpose", "batch")
+            yield FileStart("file", f"f{i}.jsonl")
+            await asyncio.sleep(0.05)  # all of them under way at once
+            yield json.dumps(chat(i)).encode() + b"\n"
+            yield FileEnd()
+
+        return Upload(events(), declared=400)
+
+    replies = await asyncio.gather(
+        *(tight.openai(BatchCall("POST", "files", "gina", upload=slow(i))) for i in range(20))
+    )
+    assert sorted(r.status for r in replies) == [200] * 5 + [429] * 15
+    refused = next(r for r in replies if r.status == 429)
+    assert refused.body["error"]["code"] == "file_limit_exceeded"
+    assert "LLMEP_BATCH_MAX_FILES_PER_KEY" in refused.body["error"]["message"]
+    assert len(await store.files("gina")) == 5
+    # A file deleted gives its room back at once.
+    first = next(r for r in replies if r.status == 200).body["id"]
+    assert (await tight.openai(BatchCall("DELETE", f"files/{first}", "gina"))).status == 200
+    again = await tight.openai(BatchCall("POST", "files", "gina", upload=slow(99)))
+    assert again.status == 200
+
+
+async def test_an_upload_refused_or_cut_stores_nothing_and_lets_its_room_go(setup, tmp_path):
+    api, _, _, store = setup
+    data = json.dumps(chat(0)).encode() + b"\n"
+    # The wrong purpose before the file: refused before a byte of it is stored.
+    bad = await api.openai(BatchCall("POST", "files", "hal", upload=form(data, fields=[("purpose", "fine-tune")])))  # fmt: skip
+    assert bad.status == 400 and bad.body["error"]["param"] == "purpose"
+    # After it: refused at the end, and what was stored goes.
+    late = await api.openai(
+        BatchCall("POST", "files", "hal", upload=form(data, fields=(), after=[("purpose", "x")]))
+    )
+    assert late.status == 400 and late.body["error"]["param"] == "purpose"
+    # expires_after sets how long the bytes are kept: it must come before them.
+    expiry = await api.openai(BatchCall("POST", "files", "hal", upload=form(data, after=[("expires_after[seconds]", "7200")])))  # fmt: skip
+    assert expiry.status == 400 and expiry.body["error"]["param"] == "expires_after"
+
+    class Gone(Exception):
+        pass
+
+    async def cut():
+        yield FormField("purpose", "batch")
+        yield FileStart("file", "f.jsonl")
+        yield data
+        raise Gone()  # the client left mid-upload
+
+    with pytest.raises(Gone):
+        await api.openai(BatchCall("POST", "files", "hal", upload=Upload(cut(), declared=999)))
+    assert await store.files("hal") == []
+    assert [p for p in (tmp_path / "files").rglob("*") if p.is_file()] == []
+    room, _ = await store.room("hal")
+    assert room.holds == {}
+    # A purpose sent after the file is fine.
+    fine = await api.openai(
+        BatchCall(
+            "POST", "files", "hal", upload=form(data, fields=(), after=[("purpose", "batch")])
+        )
+    )
+    assert fine.status == 200 and fine.body["bytes"] == len(data)
+
+
+async def test_a_long_validation_keeps_its_lease_and_stores_its_input_in_parts(tmp_path):
+    """The input streams from the store a chunk at a time; while it is read the driver keeps
+    renewing its lease (another host would take a batch whose lease ran out), and the requests
+    are stored as parts as they pass."""
+    now = [1000.0]
+
+    def clock() -> float:
+        now[0] += 0.2  # every look at the clock: a long read
+        return now[0]
+
+    store = LocalBatchStore(tmp_path, max_bytes=100_000_000, clock=clock)
+
+    async def resolve(owner, model):
+        return "default/local"
+
+    drivers = BatchDrivers(
+        store, Runner(), holder="pod", limits=LIMITS, resolve=resolve, clock=clock,
+        lease_seconds=2.0,
+    )  # fmt: skip
+    api = BatchAPI(store, Runner(), LIMITS, clock=clock)
+    lines = [{**chat(i), "body": {**chat(i)["body"], "pad": "x" * 1000}} for i in range(3000)]
+    file = await api.create_file(upload(lines), "alice")
+    assert file["bytes"] > 3 * 1024 * 1024  # several of the store's 1 MiB chunks
+    created = await api.create_batch(create_body(file["id"]), "alice")
+    leases = []
+    write = store.write_batch
+
+    async def watched(record, revision):
+        leases.append(record.lease_until)
+        return await write(record, revision)
+
+    store.write_batch = watched
+    await drivers.step("alice", created.id)
+    record, _ = await store.batch("alice", created.id)
+    assert record.status.value == "in_progress" and record.total == 3000
+    # Taken, renewed while the file was read, and the renewed lease kept by the last write.
+    assert len(leases) >= 3 and leases[-1] == leases[-2] > leases[0]
+    assert sum(record.parts) == 3000 and len(record.parts) == 3  # PART_LINES each

@@ -34,9 +34,52 @@ def test_a_valid_file_counts_its_requests_model_and_tokens():
     assert found.ok and found.count == 2 and found.model == "m" and found.model_line == 1
     # prompt bytes / 4 + max_tokens (or the default for a line without one)
     assert found.tokens > 10 + LIMITS.default_max_tokens
-    requests = list(jsonl.requests(jsonl_of(line("a"), b"", line("b"))))
+    check = jsonl.Validator(CHAT, LIMITS)
+    requests = check.feed(jsonl_of(line("a"), b"", line("b")))
+    assert check.finish() == [] and check.result.ok
     assert [(r.line, r.custom_id) for r in requests] == [(1, "a"), (3, "b")]
     assert requests[0].body["model"] == "m"
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 7, 64, 10_000])
+def test_a_file_read_in_chunks_of_any_size_is_read_the_same(chunk):
+    data = jsonl_of(line("a"), b"", b"{not json") + jsonl_of(line("b")).replace(b"\n", b"\r\n")
+    data += json.dumps(line("c")).encode()  # no line end at the end
+    check = jsonl.Validator(CHAT, LIMITS)
+    requests = []
+    for i in range(0, len(data), chunk):
+        requests += check.feed(data[i : i + chunk])
+    requests += check.finish()
+    found = check.result
+    assert [(r.line, r.custom_id) for r in requests] == [(1, "a"), (4, "b"), (5, "c")]
+    assert [(e.code, e.line) for e in found.errors] == [("invalid_json_line", 3)]
+    assert found.count == 4
+
+
+def test_a_line_past_the_bound_is_counted_never_held():
+    reader = jsonl.LineReader(max_bytes=100)
+    for _ in range(1000):  # one line of 1 MB, in 1 KB pieces
+        assert reader.feed(b"x" * 1000) == []
+        assert len(reader._buffer) <= 101
+    (long,) = reader.feed(b"\nshort\n")[:1]
+    assert (long.number, long.data, long.size) == (1, None, 1_000_000)
+    assert reader.finish() == []
+    counted = jsonl.UploadCount(BatchLimits(max_line_bytes=100))
+    for _ in range(1000):
+        counted.feed(b"y" * 1000)
+    counted.finish()
+    assert (counted.lines, counted.tokens) == (1, 250_000)  # bytes / 4
+
+
+def test_an_upload_count_estimates_each_request_as_validation_does():
+    counted = jsonl.UploadCount(LIMITS)
+    data = jsonl_of(line("a", max_tokens=10), b"", b"not json but 24 bytes...")
+    counted.feed(data[:5])
+    counted.feed(data[5:])
+    counted.finish()
+    body = line("a", max_tokens=10)["body"]
+    assert counted.lines == 2
+    assert counted.tokens == jsonl.estimate_tokens(body, LIMITS.default_max_tokens) + 6
 
 
 def test_blank_lines_and_crlf_are_fine_and_keep_line_numbers():

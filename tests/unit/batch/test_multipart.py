@@ -1,13 +1,14 @@
-"""The upload read as it arrives: fields, one file spooled, bounds and deadlines."""
+"""The upload read as it arrives, as events: fields, one file in pieces, bounds and deadlines."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from llmendpoints_common.batch.files import FileEnd, FileStart, FormField
 from llmendpoints_common.errors import APIError
 from llmendpoints_edge.body import ClientGone
-from llmendpoints_edge.multipart import content_params, read_multipart
+from llmendpoints_edge.multipart import MultipartReader, content_params
 
 BOUNDARY = "----llmep-boundary"
 
@@ -47,6 +48,14 @@ def receiver(body: bytes, chunk: int = 7, *, disconnect: bool = False, stall: bo
     return receive
 
 
+async def read_multipart(scope, receive, **options) -> list:
+    """Every event of the upload, in order (the file's pieces as they came)."""
+    reader = MultipartReader(scope, receive, **options)
+    events = [event async for event in reader.upload().events]
+    assert reader.complete
+    return events
+
+
 async def read(body: bytes, **kwargs):
     options = {"limit": 1000, "setting": "LIMIT", "timeout": 5.0}
     chunk = kwargs.pop("chunk", 7)
@@ -59,10 +68,36 @@ async def test_fields_and_the_file_whatever_the_chunking(chunk):
     data = b'{"custom_id": "a"}\r\n--not-the-boundary\r\n' * 5
     body = form(("purpose", None, b"batch"), ("file", "in.jsonl", data),
                 ("expires_after[seconds]", None, b"7200"))  # fmt: skip
-    upload = await read(body, chunk=chunk)
-    assert upload.fields == {"purpose": "batch", "expires_after[seconds]": "7200"}
-    assert (upload.filename, upload.size, upload.file.read()) == ("in.jsonl", len(data), data)
-    upload.close()
+    events = await read(body, chunk=chunk)
+    pieces = [e for e in events if isinstance(e, bytes)]
+    assert b"".join(pieces) == data
+    assert [e for e in events if not isinstance(e, bytes)] == [
+        FormField("purpose", "batch"),
+        FileStart("file", "in.jsonl"),
+        FileEnd(),
+        FormField("expires_after[seconds]", "7200"),
+    ]
+    # The file comes in pieces as the body does: none is held back for the whole file.
+    assert max(len(p) for p in pieces) <= max(chunk, len(BOUNDARY) + 4) + len(BOUNDARY) + 4
+
+
+async def test_nothing_is_read_before_its_consumer_asks():
+    body = form(("purpose", None, b"batch"), ("file", "a.jsonl", b"x" * 100))
+    received = []
+    inner = receiver(body, 10)
+
+    async def receive():
+        received.append(1)
+        return await inner()
+
+    reader = MultipartReader(scope(body), receive, limit=1000, setting="S", timeout=5)
+    assert reader.declared == len(body) and received == []
+    events = reader.upload().events
+    assert await anext(events) == FormField("purpose", "batch")
+    read_so_far = len(received)
+    assert read_so_far < len(body) // 10
+    await events.aclose()
+    assert len(received) == read_so_far and not reader.complete
 
 
 async def test_a_file_over_the_limit_is_a_413_that_closes_the_connection():
@@ -73,9 +108,7 @@ async def test_a_file_over_the_limit_is_a_413_that_closes_the_connection():
     assert caught.value.headers["connection"] == "close"
     # Declared too large: refused before reading.
     with pytest.raises(APIError) as caught:
-        await read_multipart(
-            scope(b"x" * 1_000_000), receiver(b""), limit=10, setting="S", timeout=5
-        )
+        MultipartReader(scope(b"x" * 1_000_000), receiver(b""), limit=10, setting="S", timeout=5)
     assert caught.value.status_code == 413
 
 
@@ -108,10 +141,10 @@ async def test_malformed_uploads_are_a_400_saying_what(body, status, words):
 async def test_other_content_types_and_missing_boundaries():
     body = form(("file", "a", b"1"))
     with pytest.raises(APIError) as caught:
-        await read_multipart(scope(body, "application/json"), receiver(body), limit=10, setting="S", timeout=5)  # fmt: skip
+        MultipartReader(scope(body, "application/json"), receiver(body), limit=10, setting="S", timeout=5)  # fmt: skip
     assert caught.value.status_code == 415
     with pytest.raises(APIError) as caught:
-        await read_multipart(scope(body, "multipart/form-data"), receiver(body), limit=10, setting="S", timeout=5)  # fmt: skip
+        MultipartReader(scope(body, "multipart/form-data"), receiver(body), limit=10, setting="S", timeout=5)  # fmt: skip
     assert caught.value.status_code == 400 and "boundary" in caught.value.message
 
 

@@ -11,7 +11,12 @@ import types
 
 import pytest
 from llmendpoints_runtime.control_routes import CONTROL_ROUTES, is_control_path
-from llmendpoints_runtime.openapi import HTTP_METHODS, document_auth, merge_openapi
+from llmendpoints_runtime.openapi import (
+    HTTP_METHODS,
+    document_auth,
+    merge_openapi,
+    openapi_builder,
+)
 from test_control_routes import _ARGS, _ENV
 
 OPEN = frozenset({"/health", "/ready", "/ping", "/metrics"})  # UNAUTHENTICATED_PATHS' default
@@ -86,3 +91,22 @@ def test_every_route_but_the_open_ones_documents_401_and_the_key_headers(schema)
     assert unauthorized["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
     assert "ErrorBody" in schema["components"]["schemas"]
     assert schema["paths"]["/run"]["post"]["responses"]["401"] == {"description": "ours"}
+
+
+def test_an_operation_the_served_model_cannot_serve_is_left_out():
+    """vLLM's /v1/systemone answers 501 for a model without structured decisions (schemathesis
+    found it in the runtime's schema: tests/runtime/test_openapi_schemathesis.py)."""
+    from fastapi import FastAPI
+
+    def vllm_app(supported: bool) -> FastAPI:
+        theirs = FastAPI()
+        theirs.post("/v1/systemone")(lambda: None)
+        theirs.post("/v1/completions")(lambda: None)
+        theirs.state.serving_structured_decisions = object() if supported else None
+        return theirs
+
+    for supported in (False, True):
+        built = vllm_app(supported)
+        schema = openapi_builder(FastAPI(), lambda built=built: built)()
+        assert ("/v1/systemone" in schema["paths"]) is supported
+        assert "/v1/completions" in schema["paths"]
