@@ -101,7 +101,7 @@ def _serve() -> int:
 def _exit_now(code: int) -> None:
     """End the process without Python's teardown.
 
-    By now the server has drained and the engine's processes are stopped (engine.py). What is
+    By now the server has drained and the engine's processes are stopped (engine/serving.py). What is
     left is the interpreter garbage-collecting torch's and vLLM's objects and running their
     exit hooks, which took 3 to 7 s on two busy cores: time a pod's grace period (and a SIGTERM
     during the model load, which must end within 10 s) does not have.

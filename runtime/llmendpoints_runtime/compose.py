@@ -190,13 +190,18 @@ def adapter_reconciler(runtime: Runtime) -> AdapterReconciler:
     """LoRA adapters declared in the endpoint (LLMEP_ADAPTERS_FILE): reconciled into the engine
     once it is ready, until shutdown. Without the file the reconciler only answers "none
     declared" (the job port asks it which adapters are still loading)."""
-    reconciler = adapters.build_reconciler(runtime)
+    reconciler = adapters.build_reconciler(
+        runtime.engine,
+        runtime.config.settings,
+        runtime.metrics.registry,
+        tuple(runtime.config.served_model_names),
+    )
     if reconciler.adapters_file is not None:
 
         async def stop_adapter_reconciler(_timeout: float) -> None:
             await reconciler.stop()  # cancels loads in flight; loaded adapters keep serving
 
-        runtime.on_ready.append(lambda: adapters.start(runtime, reconciler))
+        runtime.on_ready.append(lambda: adapters.start(runtime.engine, reconciler))
         runtime.drainers.append(stop_adapter_reconciler)
     return reconciler
 
