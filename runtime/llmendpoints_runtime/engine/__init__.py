@@ -28,7 +28,7 @@ from llmendpoints_runtime.engine.requests import (
     sampling_param_names,
     validate_openai_request,
 )
-from llmendpoints_runtime.engine.serving import Engine
+from llmendpoints_runtime.engine.serving import Engine, EngineLink
 
 __all__ = [
     "AdapterLoadError",
@@ -37,6 +37,7 @@ __all__ = [
     "EngineArgsError",
     "EngineDead",
     "EngineInputError",
+    "EngineLink",
     "build_arg_parser",
     "build_sampling_params",
     "install_media_fetcher",

@@ -17,7 +17,8 @@ import time
 import types
 import uuid
 from argparse import Namespace
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from llmendpoints_runtime.download import download_model, is_local_model, missing_local_model
@@ -59,10 +60,24 @@ def yield_between_engine_steps(engine_core) -> None:
     engine_core.get_output_async = get_output_async_then_yield
 
 
+@dataclass(frozen=True)
+class EngineLink:
+    """How an API process of a pod with several (API_SERVER_COUNT) reaches the pod's engine,
+    which its supervisor launched: vLLM's ``client_config`` for this process (the ZMQ
+    listeners it adopts, the engines' addresses), its index and the count."""
+
+    client_config: dict[str, Any]
+    index: int
+    count: int
+
+
 class Engine:
     """vLLM's engine and OpenAI app, started in the background.
 
-    `asgi_app` is None until the engine is ready; callers check `health` first.
+    `asgi_app` is None until the engine is ready; callers check `health` first. Without a
+    ``link`` this process starts the engine (its core and workers are its children); with one
+    it is one of the pod's API processes, a client of the engine its supervisor started (the
+    model is downloaded by then).
     """
 
     def __init__(
@@ -72,11 +87,17 @@ class Engine:
         metrics: RuntimeMetrics,
         *,
         progress_interval: float = 10.0,
+        link: EngineLink | None = None,
     ):
         self.args = args
         self.health = health
         self.metrics = metrics
         self.progress_interval = progress_interval
+        self.link = link
+        # Why the engine cannot serve any more, when something outside vLLM's view says so
+        # (the group lost a node; the pod's supervisor saw the engine die): declare_dead.
+        self._death: str | None = None
+        self._died = threading.Event()
         self.asgi_app: Any = None
         self.client: Any = None  # vllm.engine.protocol.EngineClient
         self.max_num_seqs: int | None = None
@@ -99,7 +120,7 @@ class Engine:
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
-            reason = _describe_failure(exc)
+            reason = describe_failure(exc)
             logger.error("engine failed to start: %s", reason, exc_info=exc)
             self.health.engine_failed(reason)
             return
@@ -119,22 +140,10 @@ class Engine:
         logger.info("start-up phase %s: done in %.1f s", name, elapsed)
 
     async def _download(self) -> None:
-        model, revision = self.args.model, self.args.revision
-        if problem := missing_local_model(model):
-            raise FileNotFoundError(problem)
-        if is_local_model(model):
-            logger.info("model %s is a local directory; nothing to download", model)
-            return
+        if self.link is not None:
+            return  # the pod's supervisor downloaded it before it started the engine
         await _in_daemon_thread(
-            functools.partial(
-                download_model,
-                model,
-                revision=revision,
-                tokenizer=self.args.tokenizer,
-                tokenizer_revision=self.args.tokenizer_revision,
-                trust_remote_code=bool(self.args.trust_remote_code),
-                log_interval=self.progress_interval,
-            )
+            functools.partial(download_weights, self.args, self.progress_interval)
         )
 
     async def _load(self) -> None:
@@ -143,10 +152,21 @@ class Engine:
         # Workers orphaned by a dying engine core stay ours, so shutdown still finds them.
         become_subreaper()
         try:
-            self.client = await _in_daemon_thread(self._build_client)
+            self.client = await self._unless_dead(_in_daemon_thread(self._build_client))
             await self._build_app()
         finally:
             ticker.cancel()
+
+    async def _unless_dead(self, work: Awaitable[Any]) -> Any:
+        """``work``'s result, or EngineDead as soon as declare_dead is called (the load may
+        wait for ever on a group member that is gone; shutdown stops what it left)."""
+        task = asyncio.ensure_future(work)
+        while not task.done():
+            if self._died.is_set():
+                task.cancel()
+                raise EngineDead(self._death or "the engine died")
+            await asyncio.wait({task}, timeout=_DEATH_POLL_SECONDS)
+        return task.result()
 
     async def _log_while(self, phase: str) -> None:
         begin = time.monotonic()
@@ -163,14 +183,25 @@ class Engine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         engine_args = AsyncEngineArgs.from_cli_args(self.args)
+        link = self.link
+        if link is not None:  # as vLLM's own API server processes do
+            engine_args._api_process_count = link.count
+            engine_args._api_process_rank = link.index
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        # Every data-parallel engine batches max_num_seqs: the default admission limit is theirs.
+        parallel = vllm_config.parallel_config
+        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs * max(
+            1, parallel.data_parallel_size
+        )
         client = AsyncLLM.from_vllm_config(
             vllm_config=vllm_config,
             usage_context=UsageContext.OPENAI_API_SERVER,
             enable_log_requests=engine_args.enable_log_requests,
             aggregate_engine_logging=engine_args.aggregate_engine_logging,
             disable_log_stats=engine_args.disable_log_stats,
+            client_addresses=dict(link.client_config) if link is not None else None,
+            client_count=link.count if link is not None else 1,
+            client_index=link.index if link is not None else 0,
         )
         yield_between_engine_steps(client.engine_core)
         return client
@@ -239,16 +270,41 @@ class Engine:
         return get_prometheus_registry()
 
     def dead(self) -> bool:
-        """True once vLLM reports its engine core gone (it cannot come back in this process).
+        """True once the engine is gone (it cannot come back in this process).
 
         vLLM's own monitor thread sees an engine-core process exit at once (it waits on the
         processes' sentinels) and marks the client errored; so does a crash of its output
-        handler. Cheap: an attribute read, polled by the engine watcher."""
+        handler; ``declare_dead`` covers what vLLM cannot see. Cheap: attribute reads, polled
+        by the engine watcher."""
+        if self._death is not None:
+            return True
         client = self.client
         return client is not None and bool(getattr(client, "errored", False))
 
+    def declare_dead(self, reason: str) -> None:
+        """The engine cannot serve any more, for a reason vLLM does not see (its group lost a
+        node; the pod's supervisor saw the engine die). From any thread.
+
+        Requests in flight end with vLLM's EngineDeadError -- the path vLLM takes when its
+        engine core process exits: the client is marked dead and shut down, which ends its
+        output handler with the error every waiting request then raises. A load in progress
+        ends with EngineDead."""
+        if self._death is not None:
+            return
+        self._death = reason
+        self._died.set()
+        core = getattr(self.client, "engine_core", None)
+        if core is None:
+            return
+        core.resources.engine_dead = True
+        # vLLM's own monitor shuts the client down from its thread too; it may wait for the
+        # engine core's processes, so not on the caller's.
+        threading.Thread(target=core.shutdown, name="llmep-engine-dead", daemon=True).start()
+
     def death_reason(self) -> str:
-        """What vLLM knows about the engine core's end, for logs and 503 bodies."""
+        """What is known about the engine's end, for logs and 503 bodies."""
+        if self._death is not None:
+            return self._death
         manager = getattr(getattr(self.client, "engine_core", None), "resources", None)
         manager = getattr(manager, "engine_manager", None)
         try:
@@ -361,6 +417,25 @@ class Engine:
         return self.client.get_num_unfinished_requests() if self.client is not None else 0
 
 
+def download_weights(args: Namespace, log_interval: float) -> None:
+    """The model (and tokenizer) of vLLM's ``args`` into the cache, unless it is a local
+    directory (FileNotFoundError when that is missing). Blocks."""
+    model = args.model
+    if problem := missing_local_model(model):
+        raise FileNotFoundError(problem)
+    if is_local_model(model):
+        logger.info("model %s is a local directory; nothing to download", model)
+        return
+    download_model(
+        model,
+        revision=args.revision,
+        tokenizer=args.tokenizer,
+        tokenizer_revision=args.tokenizer_revision,
+        trust_remote_code=bool(args.trust_remote_code),
+        log_interval=log_interval,
+    )
+
+
 @contextlib.contextmanager
 def _root_log_level_kept():
     """Undo what importing vLLM's SageMaker router does to the root logger's level.
@@ -383,6 +458,8 @@ def _root_log_level_kept():
 
 # Between SIGTERM and SIGKILL for the engine's processes at shutdown.
 _CHILD_STOP_GRACE_SECONDS = 3.0
+# How often a load in progress looks whether the engine was declared dead.
+_DEATH_POLL_SECONDS = 0.2
 
 
 async def _in_daemon_thread(function: Callable[[], Any]) -> Any:
@@ -417,7 +494,7 @@ async def _in_daemon_thread(function: Callable[[], Any]) -> Any:
     return await future
 
 
-def _describe_failure(exc: BaseException) -> str:
+def describe_failure(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     # vLLM wraps engine-core start-up failures; the useful line is the cause.
     cause = exc.__cause__ or exc.__context__
