@@ -117,7 +117,14 @@ def create_app(
     features.plug_jobs()
     sagemaker = build_sagemaker_router(features.engine, target=_same_app)
     if seat is not None:
-        member = PodMember(seat, runtime.health, runtime.engine, runtime.metrics, features.queued)
+        member = PodMember(
+            seat,
+            runtime.health,
+            runtime.engine,
+            runtime.metrics,
+            stop=runtime.request_stop,
+            jobs_queued=features.queued,
+        )
         runtime.on_serving.append(member.run)
     return app.create_app(
         runtime,

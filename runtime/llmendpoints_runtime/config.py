@@ -151,9 +151,9 @@ class RuntimeSettings(EdgeSettings, BatchEnv):
         description="API server processes serving PORT, each with the whole edge (keys, limits, "
         "jobs, SageMaker, metrics) on one engine; MAX_CONCURRENCY and MAX_QUEUE_LENGTH hold "
         "for the pod. Default: one per 4 CPUs of the pod the engine's processes leave, at most "
-        "8 (1 on pods of up to 8 CPUs, and with LLMEP_ADAPTERS_FILE). docs/scaling.md.",
+        "8 (1 on pods of up to 8 CPUs, and with LLMEP_ADAPTERS_FILE). docs/api-servers.md.",
     )
-    # -- a replica bigger than one node: a LeaderWorkerSet group (docs/multinode.md) ----------
+    # -- a replica bigger than one node: a LeaderWorkerSet group (docs/multinode-runtime.md) ----------
     nodes: int | None = Field(
         None,
         ge=1,

@@ -16,8 +16,7 @@ a beat every ``interval`` seconds.
   ``timeout`` seconds without a line (LLMEP_GROUP_TIMEOUT_SECONDS, default 20).
 
 The leader counts a worker in once it has said ``HELLO <rank>``; from then on its loss is the
-group's loss (a second HELLO for the same rank means that worker restarted: the group restarts
-whole). The leader's beats carry its engine's state, so a worker's readiness follows the
+group's loss (LeaderWorkerSet's RecreateGroupOnPodRestart then recreates the group whole). The leader's beats carry its engine's state, so a worker's readiness follows the
 group's. A leader that gives up says why (``STOP <reason>``) before it closes.
 
 Lines, ASCII: ``HELLO <rank>``, ``BEAT <state>``, ``STOP <reason>``. Both ends run in a
@@ -74,11 +73,13 @@ class Members:
     lost: str | None = None
 
     def hello(self, rank: int, now: float) -> str | None:
-        """A worker said HELLO; the loss it means, if any."""
+        """A worker said HELLO: None when it joins, else why it is turned away. A rank that
+        joined already is not taken twice: if its first connection's process died, that
+        connection's end is the loss; if it did not, the second is not ours."""
         if not 0 < rank < self.nodes:
-            return f"a process claimed worker index {rank}, outside this group of {self.nodes}"
+            return f"worker index {rank} is outside this group of {self.nodes}"
         if rank in self.joined:
-            return f"worker {rank} connected again: it restarted, so the group restarts whole"
+            return f"worker {rank} joined already"
         self.joined[rank] = now
         return None
 
@@ -237,8 +238,8 @@ class LeaderChannel(_Channel):
         if rank is None:
             writer.close()
             return
-        if (problem := self.members.hello(rank, time.monotonic())) is not None:
-            self._declare(problem)
+        if (refused := self.members.hello(rank, time.monotonic())) is not None:
+            logger.warning("group: a connection saying HELLO %d turned away: %s", rank, refused)
             writer.close()
             return
         logger.info(

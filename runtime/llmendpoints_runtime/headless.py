@@ -22,6 +22,8 @@ import logging
 import signal
 import threading
 import time
+from argparse import Namespace
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 from llmendpoints_runtime import control_listener
@@ -38,9 +40,14 @@ POLL_SECONDS = 0.2
 _CHILD_STOP_GRACE_SECONDS = 5.0
 
 
+# Starts this node's engine processes (vLLM's headless launch), returning its process.
+EngineStarter = Callable[[Namespace], BaseProcess]
+
+
 class HeadlessWorker:
-    def __init__(self, config: RuntimeConfig) -> None:
+    def __init__(self, config: RuntimeConfig, start_engine: EngineStarter = start_headless) -> None:
         self.config = config
+        self.start_engine = start_engine
         self.health = Health()
         self.metrics = RuntimeMetrics()
         self.signals = 0
@@ -89,7 +96,7 @@ class HeadlessWorker:
         become_subreaper()  # the engine's workers stay ours to stop, whatever dies first
         self.health.set_phase("load")
         logger.info("%s: starting the engine's workers, headless", self.config.topology.describe())
-        self.engine = start_headless(self.config.engine_args)
+        self.engine = self.start_engine(self.config.engine_args)
         self.channel.start()
         reason = None
         try:
@@ -102,7 +109,7 @@ class HeadlessWorker:
                 self.control.close()
         return code
 
-    def _on_signal(self, sig: int, _frame: object) -> None:
+    def _on_signal(self, sig: int, _frame: object | None = None) -> None:
         self.signals += 1
         if self.draining_since is None:
             logger.info(

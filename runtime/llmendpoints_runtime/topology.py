@@ -4,7 +4,7 @@ A replica is one pod, or -- for a model bigger than a node -- one LeaderWorkerSe
 ``LLMEP_NODES`` pods. LeaderWorkerSet injects ``LWS_GROUP_SIZE``, ``LWS_WORKER_INDEX`` (0 is
 the leader) and ``LWS_LEADER_ADDRESS`` into every container of the group; the operator writes
 ``LLMEP_NODES`` and ``LLMEP_MULTINODE_PORT`` beside the parallel sizes
-(docs/multinode.md, the operator <-> runtime contract). From these the runtime decides its role
+(docs/multinode-runtime.md, the operator <-> runtime contract). From these the runtime decides its role
 and launches vLLM's own multi-node mode (the mp executor; no Ray cluster to form):
 
 - tensor/pipeline parallel across the nodes (``DATA_PARALLEL_SIZE`` 1): every node runs

@@ -9,15 +9,12 @@ probes and to keep the group's liveness channel (group.py); the child dies with 
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import multiprocessing
 import os
-import signal
 from argparse import Namespace
 from multiprocessing.process import BaseProcess
 
-_PR_SET_PDEATHSIG = 1
+from llmendpoints_runtime.proctree import die_with_parent
 
 
 def start_headless(args: Namespace) -> BaseProcess:
@@ -32,9 +29,7 @@ def start_headless(args: Namespace) -> BaseProcess:
 
 def _run_headless(args: Namespace, parent: int) -> None:
     # SIGTERM when the runtime dies, however it dies (vLLM's own workers watch this process).
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != parent:
+    if not die_with_parent(parent):
         return
     from vllm.entrypoints.cli.serve import run_headless
 

@@ -29,6 +29,14 @@ def prometheus_multiprocess() -> None:
     setup_multiprocess_prometheus()
 
 
+def name_api_process(index: int) -> None:
+    """The process title vLLM gives its own API servers (``VLLM::APIServer_<index>``): what
+    ``ps`` and dashboards show."""
+    from vllm.utils.system_utils import set_process_title
+
+    set_process_title("APIServer", str(index))
+
+
 def mark_process_dead(pid: int) -> None:
     """Drop a finished API process's live gauges from the pod's metrics."""
     from prometheus_client import multiprocess

@@ -21,6 +21,7 @@ from llmendpoints_runtime import logs
 from llmendpoints_runtime.compose import build_runtime, create_app
 from llmendpoints_runtime.config import RuntimeConfig
 from llmendpoints_runtime.engine import EngineLink
+from llmendpoints_runtime.engine.launch import name_api_process
 from llmendpoints_runtime.health import EngineState
 from llmendpoints_runtime.pod.board import PodBoard, PodSeat
 from llmendpoints_runtime.pod.forward import http_socket_path
@@ -31,6 +32,7 @@ logger = logging.getLogger("llmendpoints.pod")
 
 def api_process_main(
     config: RuntimeConfig,
+    supervisor: int,
     board: PodBoard,
     directory: Path,
     token: str,
@@ -42,10 +44,11 @@ def api_process_main(
     settings = config.settings
     logs.configure_api_process(settings.log_format, settings.log_level)
     index, count = int(client_config["client_index"]), int(client_config["client_count"])
+    name_api_process(index)
     # vLLM's own API servers accept on the least loaded of them (its uvicorn hook); this one
     # is served by the edge's server, which accepts as every process does.
     client_config.pop("api_server_loads", None)
-    seat = PodSeat(board, index, directory, token)
+    seat = PodSeat(board, index, directory, token, supervisor)
     runtime = build_runtime(config, seat=seat, link=EngineLink(client_config, index, count))
     app = create_app(runtime, seat=seat)
     sockets = [sock]

@@ -175,12 +175,14 @@ def pod_readiness(
 @dataclass(frozen=True)
 class PodSeat:
     """One API process's place in its pod: the board, its row, the pod's private directory
-    (its processes' Unix sockets) and the pod's secret (requests passed between them)."""
+    (its processes' Unix sockets), the pod's secret (requests passed between them) and the
+    supervisor's pid."""
 
     board: PodBoard
     index: int
     directory: Path
     token: str
+    supervisor: int
 
     @property
     def count(self) -> int:

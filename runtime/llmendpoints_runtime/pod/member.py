@@ -12,6 +12,7 @@ death of its own); when it fails on its own, it says so for the pod.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 
 from llmendpoints_runtime.engine import Engine
@@ -30,13 +31,16 @@ class PodMember:
         health: Health,
         engine: Engine,
         metrics: RuntimeMetrics,
+        stop: Callable[[], None],
         jobs_queued: Callable[[], int] = lambda: 0,
     ) -> None:
         self.seat = seat
+        self.stop = stop
         self.health = health
         self.engine = engine
         self.metrics = metrics
         self.jobs_queued = jobs_queued
+        self.orphaned = False
 
     def publish(self) -> None:
         board, index = self.seat.board, self.seat.index
@@ -48,6 +52,13 @@ class PodMember:
 
     def watch(self) -> None:
         board = self.seat.board
+        if os.getppid() != self.seat.supervisor and not self.orphaned:
+            # The supervisor was killed (a SIGKILL, an OOM kill): nothing will stop this
+            # process any more, nor the engine it serves. Drain and go. (Not PR_SET_PDEATHSIG:
+            # vLLM spawns the API processes from the supervisor's start-up thread, whose end
+            # would count as the parent's death.)
+            self.orphaned = True
+            self.stop()
         if (failure := board.failure) is not None:
             self.engine.declare_dead(failure)
         elif self.health.state is EngineState.FAILED:

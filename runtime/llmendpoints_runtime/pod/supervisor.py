@@ -98,7 +98,9 @@ class PodSupervisor:
     def _start(self, sock: socket.socket, directory: Path, token: str) -> None:
         """In a thread: download, then the engine and the API processes."""
         settings = self.config.settings
-        target = functools.partial(api_process_main, self.config, self.board, directory, token)
+        target = functools.partial(
+            api_process_main, self.config, os.getpid(), self.board, directory, token
+        )
         try:
             self.board.set_phase_all("download")
             download_weights(self.config.engine_args, settings.startup_log_interval_seconds)
@@ -201,8 +203,10 @@ class PodSupervisor:
                     self.fail(f"API process {index} exited with status {process.exitcode}")
 
     def _stop(self) -> None:
-        """Every API process drains and exits (killed past its time), then the engine."""
-        self._pass_on(signal.SIGTERM)
+        """Every API process drains and exits (killed past its time), then the engine. After
+        a signal they have it already (a second one would end their drain)."""
+        if not self.signals:
+            self._pass_on(signal.SIGTERM)
         deadline = (
             time.monotonic() + self.config.settings.drain_timeout_seconds + STOP_GRACE_SECONDS
         )

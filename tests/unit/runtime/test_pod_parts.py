@@ -20,6 +20,7 @@ from llmendpoints_runtime.pod.board import (
     pod_liveness,
     pod_readiness,
 )
+from llmendpoints_runtime.pod.forward import is_peer
 from llmendpoints_runtime.pod.jobs import (
     EVERY,
     decode_call,
@@ -152,3 +153,10 @@ def test_every_process_answers_purge_and_health_summed():
     assert health.body["workers"] == {"ready": 1}  # one pod, one worker
     failed = merge("health", [JobReply(200, {"jobs": {}}), JobReply(503, {"error": {}})])
     assert failed.status == 503
+
+
+def test_only_the_pods_own_processes_pass_requests_unrecounted():
+    token = "s3cret"
+    assert is_peer({"headers": [(b"x-llmep-peer", b"s3cret")]}, token)
+    assert not is_peer({"headers": [(b"x-llmep-peer", b"guess")]}, token)
+    assert not is_peer({"headers": []}, token)
