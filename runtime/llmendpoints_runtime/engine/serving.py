@@ -247,20 +247,24 @@ class Engine:
         return list(names) if names else [self.args.model]
 
     def requests_waiting(self) -> int:
-        """Requests vLLM's scheduler holds but does not run yet (from vLLM's own gauge)."""
+        """Requests vLLM's scheduler holds but does not run yet (from vLLM's own gauge, every
+        engine). In a pod of several API processes the gauge is the pod's, read from the
+        processes' metric files (vLLM's registry is a fresh MultiProcessCollector then)."""
         gauge = self._waiting_gauge
         if gauge is None:
             from vllm.v1.metrics.prometheus import get_prometheus_registry
 
             registry = get_prometheus_registry()
-            gauge = registry._names_to_collectors.get("vllm:num_requests_waiting")
-            if gauge is None:
-                return 0
-            self._waiting_gauge = gauge
+            if self.link is not None:
+                gauge = registry
+            else:
+                gauge = registry._names_to_collectors.get(_WAITING)
+                if gauge is None:
+                    return 0
+                self._waiting_gauge = gauge
         total = 0.0
         for metric in gauge.collect():
-            for sample in metric.samples:
-                total += sample.value
+            total += sum(s.value for s in metric.samples if s.name == _WAITING)
         return int(total)
 
     @staticmethod
@@ -458,6 +462,7 @@ def _root_log_level_kept():
 
 # Between SIGTERM and SIGKILL for the engine's processes at shutdown.
 _CHILD_STOP_GRACE_SECONDS = 3.0
+_WAITING = "vllm:num_requests_waiting"
 # How often a load in progress looks whether the engine was declared dead.
 _DEATH_POLL_SECONDS = 0.2
 
