@@ -12,7 +12,6 @@ its work in flight and its shutdown, and hands its routers to ``app.create_app``
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 from llmendpoints_common.jobs.models import DEFAULT_EXECUTION_TIMEOUT_MS, DEFAULT_TTL_MS
@@ -299,22 +298,10 @@ def start_control_listener(runtime: Runtime) -> control_listener.ControlPort | N
 
 
 def start_group_channel(runtime: Runtime) -> LeaderChannel | None:
-    """A group's leader: the liveness channel its workers join (group.py); None for one pod.
-    A worker lost stops the engine (requests in flight fail, 503 everywhere, exit 1) so that
-    LeaderWorkerSet recreates the group."""
-    return open_group_channel(
-        runtime.config,
-        on_lost=lambda reason: runtime.engine.declare_dead(f"the group lost a node: {reason}"),
-        state=lambda: runtime.health.state.value,
-    )
-
-
-def open_group_channel(
-    config: RuntimeConfig, *, on_lost: Callable[[str], None], state: Callable[[], str]
-) -> LeaderChannel | None:
-    """The leader's end of the group's liveness channel, listening (None for one pod);
-    ConfigError when its port cannot be had."""
-    topology, settings = config.topology, config.settings
+    """A group's leader: the liveness channel its workers join (group.py), listening; None for
+    one pod. A worker lost stops the engine (requests in flight fail, 503 everywhere, exit 1)
+    so that LeaderWorkerSet recreates the group. ConfigError when its port cannot be had."""
+    topology, settings = runtime.config.topology, runtime.config.settings
     if not topology.multinode:
         return None
     channel = LeaderChannel(
@@ -322,8 +309,8 @@ def open_group_channel(
         topology.group_port,
         topology.nodes,
         timeout=settings.group_timeout_seconds,
-        on_lost=on_lost,
-        state=state,
+        on_lost=lambda reason: runtime.engine.declare_dead(f"the group lost a node: {reason}"),
+        state=lambda: runtime.health.state.value,
     )
     try:
         channel.start()

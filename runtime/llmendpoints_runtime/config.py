@@ -151,7 +151,8 @@ class RuntimeSettings(EdgeSettings, BatchEnv):
         description="API server processes serving PORT, each with the whole edge (keys, limits, "
         "jobs, SageMaker, metrics) on one engine; MAX_CONCURRENCY and MAX_QUEUE_LENGTH hold "
         "for the pod. Default: one per 4 CPUs of the pod the engine's processes leave, at most "
-        "8 (1 on pods of up to 8 CPUs, and with LLMEP_ADAPTERS_FILE). docs/api-servers.md.",
+        "8 (1 on pods of up to 8 CPUs, with LLMEP_ADAPTERS_FILE and in a multi-node group). "
+        "docs/api-servers.md.",
     )
     # -- a replica bigger than one node: a LeaderWorkerSet group (docs/multinode-runtime.md) ----------
     nodes: int | None = Field(
@@ -925,7 +926,7 @@ def load_config(env: Mapping[str, str]) -> RuntimeConfig:
         check_group_backends(engine_args, sources)
         argv = [*argv, *flags]
         engine_args = _parse(parser, argv, sources)
-    check_api_servers(settings)
+    check_api_servers(settings, topology)
 
     if engine_args.api_key:
         # vLLM would enforce its own key on its routes only; keys are ours to enforce everywhere.
@@ -992,22 +993,32 @@ def check_group_backends(engine_args: Namespace, sources: Mapping[str, str]) -> 
             )
 
 
-def check_api_servers(settings: RuntimeSettings) -> None:
-    """API_SERVER_COUNT > 1 with adapters loaded at run time would load each adapter once per
-    API process (vLLM numbers them per process): refused."""
-    if (settings.api_server_count or 1) > 1 and settings.adapters_file:
+def check_api_servers(settings: RuntimeSettings, topology: Topology) -> None:
+    """API_SERVER_COUNT > 1 is refused with adapters loaded at run time (vLLM numbers them per
+    API process: each would load its own copy) and in a multi-node group (vLLM 0.32's API
+    processes never got an answer from an engine spanning nodes: seen hanging at start)."""
+    count = settings.api_server_count or 1
+    if count > 1 and settings.adapters_file:
         raise ConfigError(
             "API_SERVER_COUNT",
-            f"is {settings.api_server_count}, but LLMEP_ADAPTERS_FILE loads adapters at run "
+            f"is {count}, but LLMEP_ADAPTERS_FILE loads adapters at run "
             "time, which needs one API process (each would load its own copy into the engine)",
+        )
+    if count > 1 and topology.multinode:
+        raise ConfigError(
+            "API_SERVER_COUNT",
+            f"is {count}, but a multi-node group's leader runs one API process (LLMEP_NODES="
+            f"{topology.nodes}): vLLM 0.32's API processes got no answer from an engine "
+            "spanning nodes",
         )
 
 
 def api_server_count(config: RuntimeConfig, cpus: int) -> int:
-    """API_SERVER_COUNT, or its default for a pod of ``cpus`` CPUs (pure); 1 on a group's
-    worker (it serves no HTTP) and with LLMEP_ADAPTERS_FILE."""
+    """API_SERVER_COUNT, or its default for a pod of ``cpus`` CPUs (pure); 1 in a multi-node
+    group (its workers serve no HTTP; check_api_servers says why its leader has one) and with
+    LLMEP_ADAPTERS_FILE."""
     topology, settings = config.topology, config.settings
-    if topology.headless:
+    if topology.multinode:
         return 1
     if settings.api_server_count is not None:
         return settings.api_server_count

@@ -4,7 +4,8 @@
 that takes no request itself. It binds PORT (one listening socket, which every API process
 accepts on), answers the control port for the whole pod (LLMEP_CONTROL_PORT: the pod's probes
 and /metrics, from the board), downloads the model, starts the engine core(s) and spawns the N
-API processes (engine/launch.py), and keeps a group's liveness channel when the pod leads one.
+API processes (engine/launch.py). (Not in a multi-node group: its leader runs one API process,
+config.check_api_servers says why.)
 
 Its control port is fresh whatever the API processes do (this process is idle): each probe
 says how every API process is doing (a row not refreshed for 30 s makes the pod unhealthy).
@@ -13,7 +14,7 @@ How it ends:
 - SIGTERM (or SIGINT): the pod drains -- readiness 503 at once from every process, each API
   process finishes what it has in flight (its own drain, DRAIN_TIMEOUT_SECONDS) -- then the
   engine stops; exit 0. A second signal is passed on: the API processes exit at once.
-- the engine dies, an API process dies, the group loses a node, or the engine fails to start:
+- the engine dies, an API process dies, or the engine fails to start:
   the pod has failed (the board says why); every API process fails its requests in flight,
   answers 503 for ENGINE_DEATH_EXIT_DELAY_SECONDS and stops; then the engine; exit 1.
 """
@@ -34,7 +35,6 @@ import time
 from pathlib import Path
 
 from llmendpoints_runtime import control_listener
-from llmendpoints_runtime.compose import open_group_channel
 from llmendpoints_runtime.config import ConfigError, RuntimeConfig
 from llmendpoints_runtime.engine.launch import PodEngine, mark_process_dead, prometheus_multiprocess
 from llmendpoints_runtime.engine.serving import describe_failure, download_weights
@@ -90,11 +90,6 @@ class PodSupervisor:
         except OSError as exc:
             raise ConfigError("LLMEP_CONTROL_PORT", str(exc)) from None
 
-    def _state(self) -> str:
-        if self.board.failure is not None:
-            return "failed"
-        return "ready" if self.view.readiness(True).status == 200 else "initializing"
-
     def _start(self, sock: socket.socket, directory: Path, token: str) -> None:
         """In a thread: download, then the engine and the API processes."""
         settings = self.config.settings
@@ -121,11 +116,6 @@ class PodSupervisor:
         sock = self._listen()
         directory = Path(tempfile.mkdtemp(prefix="llmep-pod-"))  # 0700: the pod's sockets
         control = self._control_port()
-        group = open_group_channel(
-            self.config,
-            on_lost=lambda reason: self.fail(f"the group lost a node: {reason}"),
-            state=self._state,
-        )
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         logger.info(
@@ -143,8 +133,6 @@ class PodSupervisor:
             self._watch()
             self._stop()
         finally:
-            if group is not None:
-                group.stop(self.board.failure)
             if control is not None:
                 control.close()
             terminate_descendants(ENGINE_STOP_SECONDS)

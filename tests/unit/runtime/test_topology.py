@@ -80,6 +80,11 @@ def test_the_port_is_the_contracts_and_moves_every_derived_port():
         ),
         ({**GROUP, "LLMEP_MULTINODE_PORT": "65530"}, "LLMEP_MULTINODE_PORT", "9 ports above"),
         ({"API_SERVER_COUNT": "2", "LLMEP_ADAPTERS_FILE": "/a"}, "API_SERVER_COUNT", "one API"),
+        (
+            {**GROUP, "PIPELINE_PARALLEL_SIZE": "2", "API_SERVER_COUNT": "2"},
+            "API_SERVER_COUNT",
+            "leader runs one API process",
+        ),
         ({"API_SERVER_COUNT": "0"}, "API_SERVER_COUNT", "greater than or equal to 1"),
     ],
 )
