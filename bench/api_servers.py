@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -52,7 +53,11 @@ OUT = REPO / "bench" / "out"
 
 
 def runtime_env(model: Path, port: int, control: int, **extra: str) -> dict[str, str]:
+    """bench/runtime_vs_vllm.py's clean environment, and this checkout's code (PYTHONPATH, as
+    /work/wt-env.sh or a developer's shell sets it: the venv may be installed from another)."""
     env = server_env(port)
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     env.update(
         runtime_settings(model, port),
         LLMEP_CONTROL_PORT=str(control),
