@@ -287,10 +287,11 @@ def start_control_listener(runtime: Runtime) -> control_listener.ControlPort | N
         readiness=lambda strict: runtime.health.readiness(strict=strict),
         metrics=lambda: (app.metrics_now(runtime), CONTENT_TYPE),
     )
+    host, setting = settings.control_address
     try:
-        port = control_listener.start(surface, settings.host, settings.control_port, thread=False)
+        port = control_listener.start(surface, host, settings.control_port, thread=False)
     except OSError as exc:
-        raise ConfigError("LLMEP_CONTROL_PORT", str(exc)) from None
+        raise ConfigError(setting, str(exc)) from None
     # Published from the event loop, which stays responsive under load (a thread did not get
     # the GIL often enough); the first publication is already there.
     runtime.on_serving.append(port.publisher.run)

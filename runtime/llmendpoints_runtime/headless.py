@@ -81,11 +81,12 @@ class HeadlessWorker:
         surface = control_listener.ControlSurface(
             liveness=self.health.liveness, readiness=self.readiness, metrics=self._metrics
         )
+        host, setting = settings.control_address
         try:
-            self.control = control_listener.start(surface, settings.host, settings.control_port)
+            self.control = control_listener.start(surface, host, settings.control_port)
         except OSError as exc:
-            raise ConfigError("LLMEP_CONTROL_PORT", str(exc)) from None
-        logger.info("probes and /metrics on %s:%d", settings.host, self.control.port)
+            raise ConfigError(setting, str(exc)) from None
+        logger.info("probes and /metrics on %s:%d", host, self.control.port)
 
     # -- running --
 

@@ -85,10 +85,11 @@ class PodSupervisor:
             readiness=self.view.readiness,
             metrics=lambda: (self.view.metrics(), CONTENT_TYPE),
         )
+        host, setting = settings.control_address
         try:
-            return control_listener.start(surface, settings.host, settings.control_port)
+            return control_listener.start(surface, host, settings.control_port)
         except OSError as exc:
-            raise ConfigError("LLMEP_CONTROL_PORT", str(exc)) from None
+            raise ConfigError(setting, str(exc)) from None
 
     def _start(self, sock: socket.socket, directory: Path, token: str) -> None:
         """In a thread: download, then the engine and the API processes."""
