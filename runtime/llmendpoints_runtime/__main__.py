@@ -111,7 +111,8 @@ def _serve_one(config: RuntimeConfig) -> int:
     control = start_control_listener(runtime)
     group = start_group_channel(runtime)
     if control is not None:
-        logger.info("probes and /metrics also on %s:%d", config.settings.host, control.port)
+        host = config.settings.control_address[0]
+        logger.info("probes and /metrics also on %s:%d", host, control.port)
     serve(runtime, app)
     if group is not None:
         group.stop(runtime.health.reason)

@@ -1,6 +1,8 @@
 """A two-node replica, as a LeaderWorkerSet group runs it: a leader and a worker, each started
-exactly as the operator writes their container (``llmendpoints-runtime serve`` with the
-contract's environment), LeaderWorkerSet's injected variables pointing at loopback, the demo
+exactly as the operator writes their container (command and env from the operator's own pure
+builder for an LLMEndpoint with nodes: 2 and pipelineParallelSize: 2, through
+tests/kubelet_kit.py, so the two sides cannot drift), LeaderWorkerSet's injected variables
+pointing at loopback and only the addresses and ports one machine needs changed, the demo
 model split in two pipeline stages across the two processes (vLLM's own multi-node launch, mp
 executor, gloo over loopback).
 
@@ -20,44 +22,86 @@ import time
 from pathlib import Path
 
 import httpx
+import kubelet_kit
 import openai
 import pytest
+from kubelet_kit import Container
+from llmendpoints_operator.manifests import MULTINODE_PORT
 from ports import free_port
 from proc_kit import engine_core_pids, wait_until
-from runtime_process import REPO, RUNTIME_BIN, START_TIMEOUT, runtime_env
+from runtime_process import REPO, RUNTIME_BIN, START_TIMEOUT, clean_env
 
 pytestmark = pytest.mark.engine
 
 NODES = 2
+ADMIN_KEY = "group-admin-key"
 
 
-def group_env(model: Path, rank: int, ports: dict[str, int]) -> dict[str, str]:
-    """Everything a group pod's container gets, in one place: the runtime's env as the operator
-    writes it for nodes: 2 (contract: docs/multinode-runtime.md), LeaderWorkerSet's injected variables,
-    and what differs on one machine (each pod's control port; vLLM's advertised address)."""
-    return runtime_env(
-        model,
-        ports["http"],
-        # The operator's, on leader and worker alike.
-        PIPELINE_PARALLEL_SIZE="2",
-        LLMEP_NODES=str(NODES),
-        LLMEP_MULTINODE_PORT=str(ports["multinode"]),
-        # LeaderWorkerSet's.
-        LWS_LEADER_ADDRESS="127.0.0.1",
-        LWS_GROUP_SIZE=str(NODES),
-        LWS_WORKER_INDEX=str(rank),
-        # Two pods on one machine: their control ports differ; vLLM's message queue would
-        # advertise the machine's address, not loopback.
-        LLMEP_CONTROL_PORT=str(ports[f"control{rank}"]),
-        VLLM_HOST_IP="127.0.0.1",
-        ENGINE_DEATH_EXIT_DELAY_SECONDS="5",
+def endpoint_spec(model: Path) -> dict[str, object]:
+    """The LLMEndpoint: two nodes of one GPU each, a pipeline stage per node; what a CPU
+    machine needs goes in spec.engine.env, as a user would put it."""
+    engine_env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "STARTUP_LOG_INTERVAL_SECONDS": "5",
+        "ENGINE_DEATH_EXIT_DELAY_SECONDS": "5",
+    }
+    return {
+        "model": {"name": str(model)},
+        "resources": {"gpus": 1, "nodes": NODES},
+        "engine": {
+            "pipelineParallelSize": 2,
+            "maxModelLen": 512,
+            "env": [{"name": k, "value": v} for k, v in engine_env.items()],
+        },
+    }
+
+
+def group_container(model: Path, root: Path, rank: int, ports: dict[str, int]) -> Container:
+    """A group pod's runtime container exactly as the operator writes it (its pure builder,
+    through tests/kubelet_kit.py), with what LeaderWorkerSet injects, and only what must differ
+    when both pods share one machine's loopback: the listening address and ports (each pod's
+    control port its own; the master port free here), the leader's address and the address
+    vLLM advertises."""
+    role = "leader" if rank == 0 else "worker"
+    written = kubelet_kit.container(
+        endpoint_spec(model),
+        root / role,
+        secrets={("demo-admin-key", "admin-api-key"): ADMIN_KEY},
+        pod_fields={"status.podIP": "127.0.0.1"},  # LLMEP_CONTROL_HOST
+        role=role,
+        every_volume=True,
     )
+    assert written.command == ["llmendpoints-runtime", "serve"]
+    assert written.env["LLMEP_NODES"] == str(NODES)
+    assert written.env["PIPELINE_PARALLEL_SIZE"] == "2"
+    assert written.env["LLMEP_MULTINODE_PORT"] == str(MULTINODE_PORT)
+    # Only the leader serves HTTP and is the group's master.
+    assert ("http" in written.ports, written.ports.get("multinode")) == (
+        (True, MULTINODE_PORT) if rank == 0 else (False, None)
+    )
+    env = {
+        **clean_env(),  # the image's environment: this checkout's Python
+        **written.env,
+        # LeaderWorkerSet's.
+        "LWS_LEADER_ADDRESS": "127.0.0.1",
+        "LWS_GROUP_SIZE": str(NODES),
+        "LWS_WORKER_INDEX": str(rank),
+        # One machine for two pods.
+        "HOST": "127.0.0.1",
+        "PORT": str(ports["http"]),
+        "LLMEP_CONTROL_PORT": str(ports[f"control{rank}"]),
+        "LLMEP_MULTINODE_PORT": str(ports["multinode"]),
+        "VLLM_HOST_IP": "127.0.0.1",
+    }
+    return Container([str(RUNTIME_BIN), *written.command[1:]], env, written.ports)
 
 
-def _start(env: dict[str, str], log: Path) -> subprocess.Popen:
+def _start(container: Container, log: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [str(RUNTIME_BIN), "serve"],
-        env=env,
+        container.command,
+        env=container.env,
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
         cwd=REPO,
@@ -73,10 +117,13 @@ def _status(port: int, path: str) -> int | None:
 
 
 @pytest.fixture(scope="module")
-def group(demo_model, runtime_logs):
+def group(demo_model, runtime_logs, tmp_path_factory):
     ports = {name: free_port() for name in ("http", "multinode", "control0", "control1")}
+    root = tmp_path_factory.mktemp("group")
     logs = [runtime_logs / f"group-{rank}.log" for rank in range(NODES)]
-    procs = [_start(group_env(demo_model, rank, ports), logs[rank]) for rank in range(NODES)]
+    procs = [
+        _start(group_container(demo_model, root, rank, ports), logs[rank]) for rank in range(NODES)
+    ]
 
     def started() -> bool:
         for proc, log in zip(procs, logs, strict=True):
@@ -102,9 +149,11 @@ def test_the_group_serves_through_its_leader_and_its_worker_answers_probes(group
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="-")
     completion = client.completions.create(model="demo", prompt="Hello", max_tokens=8)
     assert completion.usage.completion_tokens == 8
-    # The worker has no HTTP server, only its control port; its readiness follows the group's.
+    # The worker has no HTTP server, only its control port; its readiness follows the group's,
+    # which its leader tells it in the next beat (group.beat_interval: 2 s here, more when this
+    # machine is starved).
     worker_control = ports["control1"]
-    assert _status(worker_control, "/ready?strict=1") == 200
+    wait_until(lambda: _status(worker_control, "/ready?strict=1") == 200, 60, "the worker ready")
     assert _status(worker_control, "/health") == 200
     assert _status(worker_control, "/v1/models") == 404
     assert (

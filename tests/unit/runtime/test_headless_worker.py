@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import socket
 import time
 
 import httpx
@@ -16,6 +17,7 @@ from llmendpoints_runtime.group import LeaderChannel
 from ports import free_port
 
 SPAWN = multiprocessing.get_context("spawn")
+POD_IP = "127.0.0.2"  # stands for the pod's IP, where the operator has the control port listen
 
 
 def _sleeping_engine(_args: object) -> multiprocessing.process.BaseProcess:
@@ -46,6 +48,7 @@ def _worker(leader_port: int, control_port: int):
         "LWS_LEADER_ADDRESS": "127.0.0.1",
         "LLMEP_MULTINODE_PORT": str(leader_port - 2),
         "LLMEP_CONTROL_PORT": str(control_port),
+        "LLMEP_CONTROL_HOST": POD_IP,
         "HOST": "127.0.0.1",
         "DRAIN_TIMEOUT_SECONDS": "30",
     }
@@ -57,7 +60,7 @@ def _worker(leader_port: int, control_port: int):
 
 def _status(port: int, path: str) -> int | None:
     try:
-        return httpx.get(f"http://127.0.0.1:{port}{path}", timeout=5).status_code
+        return httpx.get(f"http://{POD_IP}:{port}{path}", timeout=5).status_code
     except httpx.TransportError:
         return None
 
@@ -99,7 +102,9 @@ def test_a_worker_follows_its_leader_and_exits_1_when_the_leader_is_gone(leader)
     assert _status(control, "/ready?strict=1") == 503  # the group's engine is loading
     state["value"] = "ready"
     _until(lambda: _status(control, "/ready?strict=1") == 200, "ready with its leader")
-    assert "llmendpoints_engine_ready 1.0" in httpx.get(f"http://127.0.0.1:{control}/metrics").text
+    assert "llmendpoints_engine_ready 1.0" in httpx.get(f"http://{POD_IP}:{control}/metrics").text
+    with pytest.raises(ConnectionRefusedError):  # on the pod's IP only (LLMEP_CONTROL_HOST)
+        socket.create_connection(("127.0.0.1", control), timeout=10).close()
 
     channel.stop("the leader failed")
     worker.join(60)
