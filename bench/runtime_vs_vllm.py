@@ -318,6 +318,17 @@ def server_env(port: int) -> dict[str, str]:
     return env
 
 
+def runtime_settings(model: Path, port: int) -> dict[str, str]:
+    """The runtime's settings for a benchmark run (the engine's match plain vLLM's)."""
+    return {
+        "MODEL_NAME": str(model),
+        "OPENAI_SERVED_MODEL_NAME_OVERRIDE": SERVED_NAME,
+        "MAX_MODEL_LEN": "512",
+        "HOST": "127.0.0.1",
+        "PORT": str(port),
+    }
+
+
 def older_code_path(code: Path) -> str:
     """PYTHONPATH that runs the runtime of the checkout ``code`` (ahead of this venv's
     editable install of this checkout)."""
@@ -333,13 +344,7 @@ def server_command(
             raise ValueError("the older runtime needs --before")
         env["PYTHONPATH"] = older_code_path(before)
     if server in (OURS, OLD):
-        env.update(
-            MODEL_NAME=str(model),
-            OPENAI_SERVED_MODEL_NAME_OVERRIDE=SERVED_NAME,
-            MAX_MODEL_LEN="512",
-            HOST="127.0.0.1",
-            PORT=str(port),
-        )
+        env.update(runtime_settings(model, port))
         return [str(BIN / "llmendpoints-runtime"), "serve"], env
     argv = [
         sys.executable,

@@ -54,12 +54,12 @@ import socket
 import struct
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from llmendpoints_common.waiting import wait_until_set
+from llmendpoints_edge.cpus import pod_cpus
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -139,21 +139,6 @@ class PodDrain:
     def busy(self) -> int:
         self.board.set(self.index, self.component.busy())
         return self.board.total()
-
-
-def pod_cpus() -> int:
-    """The CPUs this process may use: its cgroup's CPU limit (rounded up) when it has one,
-    else the CPUs it may run on."""
-    with contextlib.suppress(OSError, ValueError):
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            return max(1, math.ceil(int(quota) / int(period)))
-    with contextlib.suppress(OSError, ValueError):
-        quota_us = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
-        period_us = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
-        if quota_us > 0:
-            return max(1, math.ceil(quota_us / period_us))
-    return max(1, len(os.sched_getaffinity(0)))
 
 
 def worker_count(settings: GatewaySettings) -> int:

@@ -11,6 +11,10 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llmendpoints_runtime.config import RuntimeConfig
 
 logger = logging.getLogger("llmendpoints.main")
 
@@ -64,27 +68,54 @@ def _serve() -> int:
     os.environ.update(config.process_env)
     for warning in config.warnings:
         logger.warning(warning)
+    try:
+        if config.topology.headless:
+            from llmendpoints_runtime.headless import serve_headless
 
-    from llmendpoints_runtime.compose import build_runtime, create_app, start_control_listener
+            _exit_now(serve_headless(config))
+        from llmendpoints_edge.cpus import pod_cpus
+
+        from llmendpoints_runtime.config import api_server_count
+
+        count = api_server_count(config, pod_cpus())
+        if count > 1:
+            from llmendpoints_runtime.pod.supervisor import serve_pod
+
+            _exit_now(serve_pod(config, count))
+        return _serve_one(config)
+    except ConfigError as exc:
+        print(f"llmendpoints-runtime: configuration error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _serve_one(config: RuntimeConfig) -> int:
+    """One API process that starts the engine itself (API_SERVER_COUNT=1; a group's leader)."""
+    from llmendpoints_runtime.compose import (
+        build_runtime,
+        create_app,
+        start_control_listener,
+        start_group_channel,
+    )
     from llmendpoints_runtime.server import serve
 
     logger.info(
-        "serving %s as %s on %s:%d",
+        "serving %s as %s on %s:%d (%s)",
         config.engine_args.model,
         ", ".join(config.served_model_names),
         config.settings.host,
         config.settings.port,
+        config.topology.describe(),
     )
-    try:
-        runtime = build_runtime(config)
-        app = create_app(runtime)
-        control = start_control_listener(runtime)
-    except ConfigError as exc:
-        print(f"llmendpoints-runtime: configuration error: {exc}", file=sys.stderr)
-        return 2
+    runtime = build_runtime(config)
+    app = create_app(runtime)
+    control = start_control_listener(runtime)
+    group = start_group_channel(runtime)
     if control is not None:
-        logger.info("probes and /metrics also on %s:%d", config.settings.host, control.port)
+        host = config.settings.control_address[0]
+        logger.info("probes and /metrics also on %s:%d", host, control.port)
     serve(runtime, app)
+    if group is not None:
+        group.stop(runtime.health.reason)
     if control is not None:
         control.close()
     from llmendpoints_runtime.health import EngineState
@@ -101,8 +132,8 @@ def _serve() -> int:
 def _exit_now(code: int) -> None:
     """End the process without Python's teardown.
 
-    By now the server has drained and the engine's processes are stopped (engine.py). What is
-    left is the interpreter garbage-collecting torch's and vLLM's objects and running their
+    By now the server has drained and the engine's processes are stopped (engine/serving.py).
+    What is left is the interpreter garbage-collecting torch's and vLLM's objects and running their
     exit hooks, which took 3 to 7 s on two busy cores: time a pod's grace period (and a SIGTERM
     during the model load, which must end within 10 s) does not have.
     """

@@ -19,8 +19,29 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from typing import Protocol
 
 from llmendpoints_common.errors import RateLimitError
+
+
+class Admission(Protocol):
+    """What callers use of an admission (this module's queue; ``pod.admission.PodAdmission``
+    for a pod of several API processes)."""
+
+    limit: int
+    max_waiting: int
+
+    @property
+    def running(self) -> int: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+    def set_limit(self, limit: int) -> None: ...
+
+    async def acquire(self, weight: int = 1) -> int: ...
+
+    def release(self, weight: int = 1) -> None: ...
 
 
 class AdmissionQueue:

@@ -24,7 +24,7 @@ import os
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -43,7 +43,7 @@ from llmendpoints_edge.asgi import ASGIApp, Receive, Scope, Send, send_error
 from llmendpoints_edge.body import read_before
 from starlette.routing import Mount
 
-from llmendpoints_runtime.admission import AdmissionQueue, default_max_concurrency
+from llmendpoints_runtime.admission import Admission, default_max_concurrency
 from llmendpoints_runtime.auth import APIKeyMiddleware, KeyStore, caller_is_admin
 from llmendpoints_runtime.config import RuntimeConfig
 from llmendpoints_runtime.control_routes import control_denied, is_control_path
@@ -66,6 +66,17 @@ _CHEAP_POSTS = frozenset(
 Drainer = Callable[[float], Awaitable[None]]
 
 
+class PodAnswers(Protocol):
+    """The answers of a pod of several API processes (pod.metrics.PodView), which every one
+    of them gives in place of its own."""
+
+    def liveness(self) -> Probe: ...
+
+    def readiness(self, strict: bool) -> Probe: ...
+
+    def metrics(self) -> bytes: ...
+
+
 @dataclass
 class Runtime:
     """Everything a request handler may need, kept on `app.state.runtime`."""
@@ -74,9 +85,11 @@ class Runtime:
     health: Health
     metrics: RuntimeMetrics
     engine: Engine
-    admission: AdmissionQueue
+    admission: Admission
     keys: KeyStore
     context: RequestContext | None = None
+    # One of several API processes of a pod (API_SERVER_COUNT > 1): the pod's answers.
+    pod: PodAnswers | None = None
     # How much work each feature still has (running jobs, webhooks being delivered...); the
     # SIGTERM drain waits for the sum, with HTTP requests in flight, to reach zero.
     busy_sources: list[Callable[[], int]] = field(default_factory=list)
@@ -237,13 +250,25 @@ def liveness_now(runtime: Runtime) -> Probe:
         runtime.health.engine_failed(
             f"{runtime.engine.death_reason()}; restarting the container is the only remedy"
         )
-    return runtime.health.liveness()
+    own = runtime.health.liveness()
+    return runtime.pod.liveness() if runtime.pod is not None and own.status == 200 else own
+
+
+def readiness_now(runtime: Runtime, strict: bool) -> Probe:
+    """/ready's answer (and /ping's, not strict)."""
+    own = runtime.health.readiness(strict=strict)
+    if runtime.pod is None or own.status == 503:
+        return own
+    return runtime.pod.readiness(strict)
 
 
 def metrics_now(runtime: Runtime) -> bytes:
     """/metrics' body: ours, then vLLM's series (safe from any thread: prometheus_client's
     collectors lock, and the gauges' sources read counters)."""
     runtime.metrics.engine_ready.set(1 if runtime.health.ready else 0)
+    if runtime.pod is not None:
+        runtime.metrics.refresh()
+        return runtime.pod.metrics()
     vllm_registry = (
         runtime.engine.prometheus_registry() if runtime.engine.client is not None else None
     )
@@ -259,11 +284,11 @@ def probe_router(runtime: Runtime) -> APIRouter:
 
     @router.get("/ready", include_in_schema=False)
     async def ready(strict: bool = False) -> Response:
-        return _probe_response(runtime.health.readiness(strict=strict))
+        return _probe_response(readiness_now(runtime, strict))
 
     @router.api_route("/ping", methods=["GET", "POST"], include_in_schema=False)
     async def ping() -> Response:
-        return _probe_response(runtime.health.readiness(strict=False))
+        return _probe_response(readiness_now(runtime, False))
 
     @router.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
@@ -273,9 +298,14 @@ def probe_router(runtime: Runtime) -> APIRouter:
 
 
 def create_app(
-    runtime: Runtime, routers: Sequence[APIRouter] = (), *, start_engine: bool = True
+    runtime: Runtime,
+    routers: Sequence[APIRouter] = (),
+    *,
+    start_engine: bool = True,
+    passed_on: Callable[[Scope], bool] = lambda _scope: False,
 ) -> ASGIApp:
-    """The ASGI app: middleware, probes, ``routers`` (the features'), then vLLM's app."""
+    """The ASGI app: middleware, probes, ``routers`` (the features'), then vLLM's app.
+    ``passed_on``: requests another API process of the pod passed here (counted there)."""
     settings = runtime.config.settings
 
     @contextlib.asynccontextmanager
@@ -329,7 +359,7 @@ def create_app(
         read_timeout=settings.request_read_timeout_seconds,
     )
     guarded = APIKeyMiddleware(guarded, runtime.keys, settings.unauthenticated_path_set)
-    context = RequestContext(guarded, runtime.metrics)
+    context = RequestContext(guarded, runtime.metrics, passed_on)
     runtime.context = context
     return context
 

@@ -36,6 +36,15 @@ from llmendpoints_edge.settings import settings_variables as edge_settings_varia
 from pydantic import Field, SecretStr, ValidationError, field_validator
 
 from llmendpoints_runtime import engine as engine_module
+from llmendpoints_runtime.topology import (
+    TOPOLOGY_FLAGS,
+    Sizes,
+    Topology,
+    TopologyError,
+    default_api_server_count,
+    read_topology,
+    vllm_flags,
+)
 
 SAGEMAKER_PREFIX = vllm_env.SAGEMAKER_PREFIX
 
@@ -142,6 +151,63 @@ class RuntimeSettings(EdgeSettings, BatchEnv):
         description="The address the control port listens on: the operator sets the pod's IP "
         "(the address the kubelet probes), so the port is not on every interface of the pod. "
         "Unset: HOST's (a local run with HOST=127.0.0.1 keeps it on loopback).",
+    )
+    api_server_count: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        validation_alias="API_SERVER_COUNT",
+        description="API server processes serving PORT, each with the whole edge (keys, limits, "
+        "jobs, SageMaker, metrics) on one engine; MAX_CONCURRENCY and MAX_QUEUE_LENGTH hold "
+        "for the pod. Default: one per 4 CPUs of the pod the engine's processes leave, at most "
+        "8 (1 on pods of up to 8 CPUs, with LLMEP_ADAPTERS_FILE and in a multi-node group). "
+        "docs/api-servers.md.",
+    )
+    # -- a replica bigger than one node: a LeaderWorkerSet group (docs/multinode-runtime.md) ----------
+    nodes: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        validation_alias="LLMEP_NODES",
+        description="Nodes (pods) of one replica (the operator sets it from "
+        "spec.resources.nodes); must equal LWS_GROUP_SIZE.",
+    )
+    multinode_port: int = Field(
+        29500,
+        ge=1,
+        le=65535,
+        validation_alias="LLMEP_MULTINODE_PORT",
+        description="A group's ports on its leader: this one is torch.distributed's master "
+        "port, +1 vLLM's data-parallel RPC port, +2 the group's liveness channel (+3 to +9 "
+        "reserved).",
+    )
+    group_size: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        validation_alias="LWS_GROUP_SIZE",
+        description="Set by LeaderWorkerSet: the pods of this group.",
+    )
+    worker_index: int | None = Field(
+        None,
+        ge=0,
+        validation_alias="LWS_WORKER_INDEX",
+        description="Set by LeaderWorkerSet: this pod's place in its group (0: the leader, "
+        "which serves HTTP; the others run their engine workers headless).",
+    )
+    leader_address: str | None = Field(
+        None,
+        validation_alias="LWS_LEADER_ADDRESS",
+        description="Set by LeaderWorkerSet: the group leader's DNS name.",
+    )
+    group_timeout_seconds: float = Field(
+        20.0,
+        ge=2,
+        le=600,
+        validation_alias="LLMEP_GROUP_TIMEOUT_SECONDS",
+        description="A group member not heard from for this long is lost: the group stops "
+        "(the leader answers 503 and exits, in-flight requests fail) so that LeaderWorkerSet "
+        "recreates it. A process that dies is noticed at once.",
     )
     startup_log_interval_seconds: float = Field(
         10.0,
@@ -327,6 +393,15 @@ class RuntimeSettings(EdgeSettings, BatchEnv):
         if largest is not None and value > largest:
             raise ValueError(f"must not exceed DEFAULT_BATCH_SIZE ({largest})")
         return value
+
+    @property
+    def control_address(self) -> tuple[str, str]:
+        """Where the control port listens, and the setting a failure to listen there names
+        (every process that opens the port: a single API process, a pod's supervisor, a
+        headless group worker)."""
+        if self.control_host:
+            return self.control_host, "LLMEP_CONTROL_HOST"
+        return self.host, "LLMEP_CONTROL_PORT"
 
     @property
     def unauthenticated_path_set(self) -> frozenset[str]:
@@ -580,8 +655,9 @@ NOT_FROM_ENVIRONMENT: dict[str, str] = {
     "--port": "PORT is the runtime's own setting",
     "--api-key": "API_KEY/API_KEYS are enforced by the runtime for every route",
     "--hf-token": "HF_TOKEN is exported to the Hugging Face client by the runtime",
-    "--headless": "the runtime always serves HTTP",
-    "--api-server-count": "the runtime is one API server process",
+    "--api-server-count": "set API_SERVER_COUNT (the runtime's own: every API process "
+    "carries its whole edge)",
+    **TOPOLOGY_FLAGS,
     "--uds": "the runtime listens on HOST:PORT",
     "--grpc": "the runtime serves HTTP",
     "--grpc-port": "the runtime serves HTTP",
@@ -677,6 +753,8 @@ class RuntimeConfig:
     warnings: list[str] = field(default_factory=list)
     # Variables the runtime exports to its own process (and so to vLLM's workers).
     process_env: dict[str, str] = field(default_factory=dict)
+    # One pod, or this pod's place in a LeaderWorkerSet group.
+    topology: Topology = field(default_factory=Topology)
 
     @property
     def served_model_names(self) -> list[str]:
@@ -848,11 +926,13 @@ def load_config(env: Mapping[str, str]) -> RuntimeConfig:
     parser = engine_module.build_arg_parser()
     table = flag_table(parser)
     argv, sources, warnings = _collect_flag_args(env, table)
-    try:
-        engine_args = engine_module.parse_engine_args(parser, argv)
-    except engine_module.EngineArgsError as exc:
-        message = _one_line(str(exc))
-        raise ConfigError(_variable_for_parse_error(message, sources), message) from None
+    engine_args = _parse(parser, argv, sources)
+    topology = group_topology(settings, engine_args)
+    if flags := vllm_flags(topology):
+        check_group_backends(engine_args, sources)
+        argv = [*argv, *flags]
+        engine_args = _parse(parser, argv, sources)
+    check_api_servers(settings, topology)
 
     if engine_args.api_key:
         # vLLM would enforce its own key on its routes only; keys are ours to enforce everywhere.
@@ -871,4 +951,87 @@ def load_config(env: Mapping[str, str]) -> RuntimeConfig:
         engine_args=engine_args,
         warnings=warnings,
         process_env=process_env,
+        topology=topology,
     )
+
+
+def _parse(parser: Any, argv: list[str], sources: Mapping[str, str]) -> Namespace:
+    try:
+        return engine_module.parse_engine_args(parser, argv)
+    except engine_module.EngineArgsError as exc:
+        message = _one_line(str(exc))
+        raise ConfigError(_variable_for_parse_error(message, sources), message) from None
+
+
+def group_topology(settings: RuntimeSettings, engine_args: Namespace) -> Topology:
+    """This pod's place in its replica (topology.py), from LLMEP_NODES, LeaderWorkerSet's
+    variables and the parallel sizes vLLM parsed."""
+    try:
+        return read_topology(
+            nodes=settings.nodes,
+            group_size=settings.group_size,
+            worker_index=settings.worker_index,
+            leader_address=settings.leader_address,
+            port=settings.multinode_port,
+            sizes=Sizes(
+                tensor=int(engine_args.tensor_parallel_size or 1),
+                pipeline=int(engine_args.pipeline_parallel_size or 1),
+                data=int(engine_args.data_parallel_size or 1),
+            ),
+        )
+    except TopologyError as exc:
+        raise ConfigError(exc.variable, exc.message) from None
+
+
+def check_group_backends(engine_args: Namespace, sources: Mapping[str, str]) -> None:
+    """A group is launched with vLLM's own multiprocessing executor; a Ray backend would need
+    a Ray cluster spanning the group, which nothing forms."""
+    for flag, attribute in (
+        ("--distributed-executor-backend", "distributed_executor_backend"),
+        ("--data-parallel-backend", "data_parallel_backend"),
+    ):
+        value = getattr(engine_args, attribute, None)
+        if flag in sources and value not in (None, "mp"):
+            raise ConfigError(
+                sources[flag],
+                f"is {value!r}, but a multi-node group (LLMEP_NODES > 1) runs vLLM's own "
+                "multi-node launch (mp): drop the variable",
+            )
+
+
+def check_api_servers(settings: RuntimeSettings, topology: Topology) -> None:
+    """API_SERVER_COUNT > 1 is refused with adapters loaded at run time (vLLM numbers them per
+    API process: each would load its own copy) and in a multi-node group (vLLM 0.32's API
+    processes never got an answer from an engine spanning nodes: seen hanging at start)."""
+    count = settings.api_server_count or 1
+    if count > 1 and settings.adapters_file:
+        raise ConfigError(
+            "API_SERVER_COUNT",
+            f"is {count}, but LLMEP_ADAPTERS_FILE loads adapters at run "
+            "time, which needs one API process (each would load its own copy into the engine)",
+        )
+    if count > 1 and topology.multinode:
+        raise ConfigError(
+            "API_SERVER_COUNT",
+            f"is {count}, but a multi-node group's leader runs one API process (LLMEP_NODES="
+            f"{topology.nodes}): vLLM 0.32's API processes got no answer from an engine "
+            "spanning nodes",
+        )
+
+
+def api_server_count(config: RuntimeConfig, cpus: int) -> int:
+    """API_SERVER_COUNT, or its default for a pod of ``cpus`` CPUs (pure); 1 in a multi-node
+    group (its workers serve no HTTP; check_api_servers says why its leader has one) and with
+    LLMEP_ADAPTERS_FILE."""
+    topology, settings = config.topology, config.settings
+    if topology.multinode:
+        return 1
+    if settings.api_server_count is not None:
+        return settings.api_server_count
+    if settings.adapters_file:
+        return 1
+    sizes = topology.sizes
+    workers = sizes.tensor * sizes.pipeline // (1 if sizes.data > 1 else topology.nodes)
+    # An engine core, and its workers when it has more than one (else it runs the model).
+    per_engine = 1 + workers if workers > 1 else 1
+    return default_api_server_count(cpus, topology.data_parallel_local * per_engine)

@@ -42,7 +42,7 @@ CHAT_TEMPLATE = (
 SEED = 1234
 
 
-def _model_config(vocab_size: int, max_positions: int = 2048) -> dict:
+def model_config(vocab_size: int, max_positions: int = 2048) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -65,7 +65,7 @@ def _model_config(vocab_size: int, max_positions: int = 2048) -> dict:
     }
 
 
-def _train_tokenizer():
+def train_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -134,8 +134,8 @@ def write_demo_model(
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer()
-    config = {**_model_config(tokenizer.get_vocab_size(), max_positions), **(shape or {})}
+    tokenizer = train_tokenizer()
+    config = {**model_config(tokenizer.get_vocab_size(), max_positions), **(shape or {})}
 
     tokenizer.save(str(out / "tokenizer.json"))
     tokenizer_config = {

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from llmendpoints_runtime.demo import SEED, SPECIAL_TOKENS, _model_config, _train_tokenizer
+from llmendpoints_runtime.demo import SEED, SPECIAL_TOKENS, model_config, train_tokenizer
 
 IMAGE_SIZE = 32
 PATCH_SIZE = 8
@@ -56,7 +56,7 @@ CHAT_TEMPLATE = (
 def _tokenizer():
     from tokenizers import AddedToken
 
-    tokenizer = _train_tokenizer()
+    tokenizer = train_tokenizer()
     tokenizer.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t in VISION_SPECIAL_TOKENS]
     )
@@ -67,7 +67,7 @@ def _tokenizer():
 
 
 def _config(tokenizer) -> dict:
-    text = _model_config(tokenizer.get_vocab_size())
+    text = model_config(tokenizer.get_vocab_size())
     text.pop("architectures")
     text["torch_dtype"] = "bfloat16"
     vision = {

@@ -5,7 +5,7 @@ Prompt/messages jobs are rendered by vLLM's own completion/chat preprocessing (c
 CUSTOM_CHAT_TEMPLATE, tokenisation, length checks) and generated straight on the engine client
 -- the same engine work as /v1/completions without the OpenAI response formatting. This module
 speaks the job API's language (field paths such as ``input.sampling_params.top_p``, the shared
-error types); ``engine.py`` speaks vLLM's and stays the only module that imports it.
+error types); ``engine/`` speaks vLLM's and stays the only package that imports it.
 """
 
 from __future__ import annotations

@@ -6,12 +6,33 @@ in the same format, in every process vLLM starts.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 
-from llmendpoints_edge.logs import OWN_LOGGERS, configure
+from llmendpoints_edge.logs import OWN_LOGGERS, TEXT_FORMAT, JsonFormatter, TextFormatter, configure
 
-__all__ = ["OWN_LOGGERS", "configure", "prepare_vllm_logging"]
+__all__ = ["OWN_LOGGERS", "configure", "configure_api_process", "prepare_vllm_logging"]
+
+
+class _ProcessJsonFormatter(JsonFormatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = json.loads(super().format(record))
+        entry["process"] = record.processName
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def configure_api_process(log_format: str, level: str) -> None:
+    """The edge's logging, each line naming the API process that wrote it (vLLM names them
+    ``ApiServer_<i>``): in a pod of several, which one served a request."""
+    configure(log_format, level)
+    handler = logging.getLogger().handlers[0]
+    if log_format == "json":
+        handler.setFormatter(_ProcessJsonFormatter())
+    else:
+        handler.setFormatter(
+            TextFormatter(TEXT_FORMAT.replace("%(name)s", "%(name)s %(processName)s"))
+        )
 
 
 def prepare_vllm_logging(log_format: str) -> None:

@@ -4,7 +4,7 @@ A chat message may carry ``{"type": "image_url", "image_url": {"url": "http://..
 then downloads that URL from inside the pod. Unguarded, that is a server-side request forgery
 hole: the URL (or a redirect from an innocent-looking one) can name the cloud metadata service
 (169.254.169.254), a link-local address, or anything else the pod can reach. This module is the
-fetch vLLM's media connector delegates to (engine.py hooks it in), with the same destination
+fetch vLLM's media connector delegates to (engine/media.py hooks it in), with the same destination
 rules as webhooks (llmendpoints_common.destinations):
 
 * the scheme must be http or https (data: URLs are decoded by vLLM without any fetch; file: URLs
@@ -26,7 +26,7 @@ connections, 5xx; each attempt's timeout four times the last), VLLM_MAX_MEDIA_DO
 per response (Content-Length checked first, then the bytes as they arrive).
 
 Every refusal and failure is a `MediaFetchError` with a message naming the URL (redacted: no
-credentials, no query) and the reason; engine.py turns it into vLLM's 400.
+credentials, no query) and the reason; engine/media.py turns it into vLLM's 400.
 """
 
 from __future__ import annotations

@@ -38,8 +38,32 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
+QUEUE_DEPTH_HELP = (
+    "Requests admitted but not running yet: waiting for an admission slot, in the "
+    "engine's scheduler queue, or queued as jobs."
+)
+IN_FLIGHT_HELP = (
+    "Requests and jobs the engine is running now (waiting ones are in llmendpoints_queue_depth)."
+)
+
+
+def split_signals(waiting: int, handed: int, engine_waiting: int) -> tuple[int, int]:
+    """(queue depth, in flight) from the work not handed to the engine, the work handed to it
+    and what of that the engine's scheduler holds waiting (pure): the engine's waiting requests
+    count as queue, never twice. Clamped: the engine may count a request the handed-over
+    sources already released (it finishes between the two reads), or one job may hold
+    several engine requests."""
+    engine = min(max(engine_waiting, 0), handed)
+    return waiting + engine, handed - engine
+
+
 class RuntimeMetrics:
-    def __init__(self) -> None:
+    """``pod``: one of several API processes (API_SERVER_COUNT > 1, prometheus_client in
+    multiprocess mode): the two signal gauges are then the pod's, computed where /metrics is
+    rendered (pod/metrics.py) from every process's ``raw_signals``; the other gauges say how
+    their values combine across processes."""
+
+    def __init__(self, *, pod: bool = False) -> None:
         # No `_created` series (process-wide, vLLM's too): they double the series count and
         # nothing reads them.
         disable_created_metrics()
@@ -47,31 +71,25 @@ class RuntimeMetrics:
         self._queue_sources: list[Callable[[], int]] = []
         self._in_flight_sources: list[Callable[[], int]] = []
         self._engine_waiting: Callable[[], int] = lambda: 0
+        self._refreshers: list[Callable[[], None]] = []
 
-        self.queue_depth = Gauge(
-            signals.QUEUE_DEPTH,
-            "Requests admitted but not running yet: waiting for an admission slot, in the "
-            "engine's scheduler queue, or queued as jobs.",
-            registry=self.registry,
-        )
-        self.queue_depth.set_function(lambda: self.signals()[0])
-        self.in_flight = Gauge(
-            signals.IN_FLIGHT,
-            "Requests and jobs the engine is running now (waiting ones are in "
-            "llmendpoints_queue_depth).",
-            registry=self.registry,
-        )
-        self.in_flight.set_function(lambda: self.signals()[1])
+        if not pod:
+            self.queue_depth = Gauge(signals.QUEUE_DEPTH, QUEUE_DEPTH_HELP, registry=self.registry)
+            self.queue_depth.set_function(lambda: self.signals()[0])
+            self.in_flight = Gauge(signals.IN_FLIGHT, IN_FLIGHT_HELP, registry=self.registry)
+            self.in_flight.set_function(lambda: self.signals()[1])
         self.engine_ready = Gauge(
             "llmendpoints_engine_ready",
             "1 when the engine serves requests.",
             registry=self.registry,
+            multiprocess_mode="livemin",  # the pod: ready when every API process is
         )
         self.startup_phase_seconds = Gauge(
             "llmendpoints_startup_phase_seconds",
             "Duration of each start-up phase (download, load, warmup; ready = total time to ready).",
             ["phase"],
             registry=self.registry,
+            multiprocess_mode="livemax",
         )
         self.http_requests = Counter(
             "llmendpoints_http_requests",
@@ -102,16 +120,26 @@ class RuntimeMetrics:
     def set_engine_waiting_source(self, source: Callable[[], int]) -> None:
         self._engine_waiting = source
 
+    def raw_signals(self) -> tuple[int, int]:
+        """(work not handed to the engine, work handed to it), from the sources."""
+        handed = sum(f() for f in self._in_flight_sources)
+        return sum(f() for f in self._queue_sources), handed
+
     def signals(self) -> tuple[int, int]:
         """(queue depth, in flight): the engine's waiting requests count as queue, never twice.
         The two are read one after the other, so under churn one sample can be off by the
         requests that moved in between; the sum is exact whenever they did not."""
-        handed = sum(f() for f in self._in_flight_sources)
-        # Clamped: the engine may count a request the handed-over sources already released
-        # (it finishes between the two reads), or one job may hold several engine requests.
-        engine_waiting = min(max(self._engine_waiting(), 0), handed)
-        waiting = sum(f() for f in self._queue_sources)
-        return waiting + engine_waiting, handed - engine_waiting
+        waiting, handed = self.raw_signals()
+        return split_signals(waiting, handed, self._engine_waiting())
+
+    def add_refresher(self, refresh: Callable[[], None]) -> None:
+        """A gauge of a feature to set before a pod's /metrics is rendered (in multiprocess
+        mode a gauge's value is what was last set, never a function's)."""
+        self._refreshers.append(refresh)
+
+    def refresh(self) -> None:
+        for refresh in self._refreshers:
+            refresh()
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         self.startup_phase_seconds.labels(phase=phase).set(seconds)

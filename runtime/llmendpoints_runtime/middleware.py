@@ -11,6 +11,7 @@ token by token, at the cost of one extra function call per message.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from llmendpoints_common.errors import APIError
@@ -43,9 +44,18 @@ def _route_label(scope: Scope) -> str:
 
 
 class RequestContext:
-    def __init__(self, app: ASGIApp, metrics: RuntimeMetrics):
+    """``passed_on(scope)``: the request was passed on by another API process of the pod,
+    which counted it already (pod/forward.py): it is not counted again here."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        metrics: RuntimeMetrics,
+        passed_on: Callable[[Scope], bool] = lambda _scope: False,
+    ):
         self.app = app
         self.metrics = metrics
+        self.passed_on = passed_on
         self.active = 0
         # (route, method, code) -> its request counter and latency histogram: labels() costs
         # a few µs a call with keyword arguments. Bounded: route templates, HTTP's methods
@@ -76,9 +86,10 @@ class RequestContext:
         finally:
             if counted:
                 self.active -= 1
-            requests, latency = self._series_of(_route_label(scope), scope["method"], status)
-            requests.inc()
-            latency.observe(time.perf_counter() - begun)
+            if not self.passed_on(scope):
+                requests, latency = self._series_of(_route_label(scope), scope["method"], status)
+                requests.inc()
+                latency.observe(time.perf_counter() - begun)
             request_id_var.reset(token)
 
     def _series_of(self, route: str, method: str, status: int) -> tuple[Any, Any]:

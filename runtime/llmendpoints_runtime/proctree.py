@@ -126,6 +126,17 @@ def become_subreaper() -> bool:
         return False
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> bool:
+    """``sig`` to this process when its parent ``parent`` dies, however it dies (Linux prctl);
+    False when the parent is gone already (the caller should end)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    return os.getppid() == parent
+
+
 def terminate_descendants(
     grace: float = 3.0, *, root: int | None = None, poll: float = 0.05
 ) -> int:

@@ -10,20 +10,24 @@ their webhooks are sent) and stops the engine.
 
 from __future__ import annotations
 
+import socket
+
 from llmendpoints_edge.asgi import ASGIApp
 from llmendpoints_edge.server import serve as serve_edge
 
 from llmendpoints_runtime.app import Runtime
 
 
-def serve(runtime: Runtime, app: ASGIApp) -> None:
-    """Serve ``app`` (built on ``runtime`` by compose.create_app) until a signal ends the drain."""
+def serve(runtime: Runtime, app: ASGIApp, *, sockets: list[socket.socket] | None = None) -> None:
+    """Serve ``app`` (built on ``runtime`` by compose.create_app) until a signal ends the drain;
+    on ``sockets`` (listening already: a pod's API processes share one) or HOST:PORT."""
     settings = runtime.config.settings
     args = runtime.config.engine_args
     serve_edge(
         app,
         runtime,
         settings,
+        sockets=sockets,
         access_log=not args.disable_uvicorn_access_log,
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,

@@ -1,10 +1,11 @@
 """The contract between operator and runtime: the pod the operator builds, as the runtime reads it.
 
 The operator's pod spec (env, volumes, mounts) is turned into the environment and files a
-container would see - this test plays the kubelet (tests/kubelet_kit.py): it resolves secretKeyRef values and writes the
-ConfigMap and Secret volumes under a temporary root, moving the mount paths there - and is then
-parsed by the runtime's own `load_config`, which checks every value with vLLM's argument parser.
-The two packages never import each other; only this test sees both.
+container would see - tests/kubelet_kit.py plays the kubelet: it resolves secretKeyRef and
+downward-API values and writes the ConfigMap and Secret volumes under a temporary root, moving
+the mount paths there - and is then parsed by the runtime's own `load_config`, which checks every
+value with vLLM's argument parser. The two packages never import each other; only the tests see
+both (tests/runtime/test_multinode_group.py starts a real group from the same containers).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import pathlib
 from typing import Any
 
+import kubelet_kit
 import pytest
 from llmendpoints_operator import groups, manifests
 from llmendpoints_operator.admission import admit
@@ -40,54 +42,9 @@ def _pod_environment(
     `role`: "leader" or "worker" of a multi-node endpoint's group (its LeaderWorkerSet's
     template); None: the Deployment's pod."""
     SECRETS.update(secrets or {})
-    ep = parse("demo", "team", spec)
-    workload = groups.build_workload(ep, settings or OperatorSettings(), replicas=1)
-    if role is None:
-        pod = workload["spec"]["template"]["spec"]
-    else:
-        pod = workload["spec"]["leaderWorkerTemplate"][f"{role}Template"]["spec"]
-    container = pod["containers"][0]
-    configmaps = {
-        obj["metadata"]["name"]: obj
-        for obj in manifests.build_children(ep, OperatorSettings())
-        if obj["kind"] == "ConfigMap"
-    }
-    volumes = {v["name"]: v for v in pod["volumes"]}
-
-    moved: dict[str, str] = {}
-    for mount in container["volumeMounts"]:
-        volume = volumes[mount["name"]]
-        target = root / mount["mountPath"].lstrip("/")
-        if "configMap" in volume:
-            files = dict(configmaps[volume["configMap"]["name"]]["data"])
-        elif "secret" in volume:
-            secret = volume["secret"]["secretName"]
-            files = {
-                item["path"]: SECRETS[(secret, item["key"])] for item in volume["secret"]["items"]
-            }
-        else:
-            continue  # emptyDir / PVC: nothing to materialise
-        target.mkdir(parents=True)
-        for name, text in files.items():
-            (target / name).write_text(text)
-        moved[mount["mountPath"]] = str(target)
-
-    env: dict[str, str] = {}
-    for var in container["env"]:
-        if "valueFrom" in var:
-            source = var["valueFrom"]
-            if "fieldRef" in source:  # the downward API, as the kubelet fills it in
-                env[var["name"]] = POD_FIELDS[source["fieldRef"]["fieldPath"]]
-                continue
-            ref = source["secretKeyRef"]
-            env[var["name"]] = SECRETS[(ref["name"], ref["key"])]
-            continue
-        value = var["value"]
-        for mount_path, real in moved.items():
-            if value.startswith(mount_path + "/"):
-                value = real + value[len(mount_path) :]
-        env[var["name"]] = value
-    return env
+    return kubelet_kit.container(
+        spec, root, secrets=SECRETS, pod_fields=POD_FIELDS, settings=settings, role=role
+    ).env
 
 
 def test_full_spec_reaches_vllm_as_intended(tmp_path: pathlib.Path) -> None:

@@ -7,29 +7,36 @@ adapter. compose.py calls ``build_reconciler``, and ``start`` once the engine is
 
 from __future__ import annotations
 
-from typing import Any
+from prometheus_client import CollectorRegistry
 
 from llmendpoints_runtime.adapters.gate import AdapterGate
 from llmendpoints_runtime.adapters.reconciler import AdapterReconciler
-from llmendpoints_runtime.engine import EngineAdapters
+from llmendpoints_runtime.config import RuntimeSettings
+from llmendpoints_runtime.engine import Engine, EngineAdapters
 
 
-def build_reconciler(runtime: Any) -> AdapterReconciler:
-    settings = runtime.config.settings
+def build_reconciler(
+    engine: Engine,
+    settings: RuntimeSettings,
+    registry: CollectorRegistry,
+    base_names: tuple[str, ...],
+) -> AdapterReconciler:
+    """The reconciler of LLMEP_ADAPTERS_FILE's adapters into ``engine``; ``base_names`` are
+    the served model names (an adapter may not take one)."""
     return AdapterReconciler(
-        EngineAdapters(runtime.engine),
-        runtime.metrics.registry,
+        EngineAdapters(engine),
+        registry,
         adapters_file=settings.adapters_file,
         poll_seconds=settings.adapters_poll_seconds,
-        base_names=tuple(runtime.config.served_model_names),
+        base_names=base_names,
     )
 
 
-def start(runtime: Any, reconciler: AdapterReconciler) -> None:
+def start(engine: Engine, reconciler: AdapterReconciler) -> None:
     """Once the engine is ready: put the gate in front of vLLM's app, start reconciling."""
-    if reconciler.adapters_file is None or runtime.engine.asgi_app is None:
+    if reconciler.adapters_file is None or engine.asgi_app is None:
         return
-    runtime.engine.asgi_app = AdapterGate(runtime.engine.asgi_app, reconciler)
+    engine.asgi_app = AdapterGate(engine.asgi_app, reconciler)
     reconciler.start()
 
 

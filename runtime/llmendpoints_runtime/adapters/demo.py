@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from llmendpoints_runtime.demo import model_config
+
 RANK = 8
 ALPHA = 16
 TARGET_MODULES = ("q_proj", "v_proj")
@@ -21,12 +23,11 @@ _STD = 0.2
 
 def write_demo_adapter(path: str | Path, *, seed: int = 1, base_model: str = "demo") -> Path:
     """Write a LoRA adapter for the demo model to ``path`` (created if missing); return it."""
+    # torch is imported when an adapter is written: the CLI's other commands do not pay for it.
     import torch
     from safetensors.torch import save_file
 
-    from llmendpoints_runtime.demo import _model_config
-
-    config = _model_config(vocab_size=0)  # only the layer shapes are used
+    config = model_config(vocab_size=0)  # only the layer shapes are used
     hidden, head_dim = config["hidden_size"], config["head_dim"]
     out_features = {
         "q_proj": config["num_attention_heads"] * head_dim,

@@ -59,7 +59,7 @@ class AdapterGate:
         self.reconciler = reconciler
 
     @property
-    def state(self) -> Any:  # vLLM's app.state (serving objects), read by engine.py
+    def state(self) -> Any:  # vLLM's app.state (serving objects), read by engine/
         return self.app.state  # type: ignore[attr-defined]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -27,6 +27,7 @@ from llmendpoints_edge.multipart import MultipartReader
 
 from llmendpoints_runtime.auth import caller
 from llmendpoints_runtime.errors import error_responses
+from llmendpoints_runtime.jobs.asgi import ASGIApp, ForwardedRequest
 from llmendpoints_runtime.middleware import is_upload_path
 
 BATCH_TAG = "Batch API (OpenAI files and batches, RunPod batch jobs)"
@@ -181,13 +182,30 @@ def unavailable_batch_routers(reason: str) -> list[APIRouter]:
         error = NotFoundError(reason, code="batches_unavailable")
         return JSONResponse(error.body(), status_code=404)
 
-    for path in (
-        "/v1/files",
-        "/v1/files/{rest:path}",
-        "/v1/batches",
-        "/v1/batches/{rest:path}",
-        "/v2/{endpoint_id}/batch",
-        "/v2/{endpoint_id}/batch/{rest:path}",
-    ):
+    for path in BATCH_PATHS:
         router.add_api_route(path, refuse, methods=["GET", "POST", "PUT", "DELETE"])
     return [router]
+
+
+def forwarded_batch_routers(forward: ASGIApp) -> list[APIRouter]:
+    """Every batch route answered by ``forward`` (the API process of the pod that keeps the
+    batches: pod/forward.py); that process's own routes document them."""
+    router = APIRouter(include_in_schema=False)
+
+    async def passed(request: Request) -> Response:
+        return ForwardedRequest(forward, request.scope["path"])
+
+    for path in BATCH_PATHS:
+        router.add_api_route(path, passed, methods=["GET", "POST", "PUT", "DELETE"])
+    return [router]
+
+
+# Every batch route, OpenAI's and RunPod's.
+BATCH_PATHS = (
+    "/v1/files",
+    "/v1/files/{rest:path}",
+    "/v1/batches",
+    "/v1/batches/{rest:path}",
+    "/v2/{endpoint_id}/batch",
+    "/v2/{endpoint_id}/batch/{rest:path}",
+)

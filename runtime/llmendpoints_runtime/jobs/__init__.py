@@ -3,7 +3,7 @@
 
 Layers: ``models`` (what clients send) -> ``routes`` (HTTP, over the shared verbs of
 ``llmendpoints_common.jobs.api``) -> ``executor`` (lifecycle) ->
-``work`` (one job's engine calls) -> ``port.JobEngine`` (implemented by ``engine.py``).
+``work`` (one job's engine calls) -> ``port.JobEngine`` (implemented by ``job_engine.py`` on ``engine/``).
 """
 
 from llmendpoints_runtime.jobs.executor import JobExecutor, status_body

@@ -43,7 +43,7 @@ from llmendpoints_common.jobs.service import status_body
 from llmendpoints_common.waiting import wait_until_set
 from llmendpoints_common.webhooks import WebhookSender
 
-from llmendpoints_runtime.admission import AdmissionQueue
+from llmendpoints_runtime.admission import Admission, AdmissionQueue
 from llmendpoints_runtime.jobs import work
 from llmendpoints_runtime.jobs.batching import resolve_schedule
 from llmendpoints_runtime.jobs.errors import JobNotFound
@@ -75,7 +75,14 @@ class JobExecutor:
         clock: Callable[[], float] = time.time,
         concurrency_limit: Callable[[], int] | None = None,
         on_finish: Callable[[Job], None] | None = None,
+        gate: Admission | None = None,
+        others_queued: Callable[[], int] = lambda: 0,
+        id_suffix: str = "",
     ) -> None:
+        """``gate``: where running jobs take their slots (default: a pool of their own of
+        ``concurrency_limit``); ``others_queued``: jobs queued by the pod's other API
+        processes, which count against MAX_QUEUE_LENGTH too; ``id_suffix`` ends every job id
+        (which process holds the job, in such a pod)."""
         self._engine = engine
         self._settings = settings
         self._concurrency_limit = concurrency_limit or (lambda: settings.max_concurrency)
@@ -100,7 +107,11 @@ class JobExecutor:
         self._queued_sequences = 0
         self._queued_low_priority_sequences = 0
         # Running jobs' sequences are admitted here (the limit follows concurrency_limit).
-        self._gate = AdmissionQueue(max(1, self._concurrency_limit()), max_waiting=1 << 62)
+        self._gate: Admission = gate or AdmissionQueue(
+            max(1, self._concurrency_limit()), max_waiting=1 << 62
+        )
+        self._others_queued = others_queued
+        self._id_suffix = id_suffix
         self._retried = 0
         self._draining = False
         # (owner, Idempotency-Key) -> (job id, until when it answers for that key)
@@ -204,14 +215,14 @@ class JobExecutor:
             first := await self._first_with(owner, idempotency_key)
         ):
             return first
-        if self._queued >= self._settings.max_queue_length:
+        if self._queued + self._others_queued() >= self._settings.max_queue_length:
             raise RateLimitError(
                 f"the job queue is full ({self._settings.max_queue_length} jobs waiting); "
                 "retry later"
             )
         ttl_ms = request.policy.ttl or self._settings.default_ttl_ms
         job = Job(
-            id=_new_job_id(),
+            id=_new_job_id() + self._id_suffix,
             request=request,
             sync=sync,
             ttl_seconds=ttl_ms / 1000,
@@ -293,7 +304,7 @@ class JobExecutor:
                 f"job {job.id} is {job.status.value}; only FAILED or TIMED_OUT jobs can be retried",
                 param="id",
             )
-        if self._queued >= self._settings.max_queue_length:
+        if self._queued + self._others_queued() >= self._settings.max_queue_length:
             raise RateLimitError("the job queue is full; retry later")
         job.reset_for_retry()
         await self.store.save(job)

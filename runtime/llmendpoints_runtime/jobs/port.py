@@ -1,6 +1,6 @@
 """The narrow engine interface the job API and the SageMaker routes depend on.
 
-``engine.py`` (the only module that imports vLLM) implements it; unit tests use a fake.
+``job_engine.py`` implements it on ``engine/`` (the only package that imports vLLM); unit tests use a fake.
 Prompt/messages jobs go straight to the engine -- rendered by vLLM's own chat/completion
 preprocessing, sampled with vLLM's ``SamplingParams`` -- so a job costs what a
 ``/v1/completions`` request costs minus the OpenAI response formatting. ``openai_route`` jobs

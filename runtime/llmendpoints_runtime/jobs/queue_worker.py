@@ -26,10 +26,11 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi import APIRouter, Request
 from llmendpoints_common.destinations import DestinationPolicy
 from llmendpoints_common.errors import ServiceUnavailableError
 from llmendpoints_common.identity import EndpointRef
@@ -46,9 +47,11 @@ from llmendpoints_common.queue.client import (
 from llmendpoints_common.queue.topology import QueueLayout
 from llmendpoints_common.queue.worker import QueueWorker, WorkerSettings
 from llmendpoints_common.webhooks import WebhookSender
+from prometheus_client import CollectorRegistry
 
+from llmendpoints_runtime.config import RuntimeSettings
 from llmendpoints_runtime.jobs.executor import produce
-from llmendpoints_runtime.jobs.port import JobEngine
+from llmendpoints_runtime.jobs.port import ASGIApp, JobEngine
 from llmendpoints_runtime.jobs.routes import job_verbs
 from llmendpoints_runtime.jobs.settings import JobSettings, finished_jobs_counter
 from llmendpoints_runtime.jobs.tally import UsageTally
@@ -87,8 +90,11 @@ class BatchShare:
         return max(0, min(share, capacity - busy))
 
 
-def shared_queue_settings(settings: Any) -> SharedQueueSettings:
-    """From the runtime's settings (environment variables)."""
+def shared_queue_settings(settings: RuntimeSettings) -> SharedQueueSettings:
+    """From the runtime's settings (environment variables); only with JOBS_QUEUE_URL, which
+    config.py refuses without ENDPOINT_ID."""
+    if settings.jobs_queue_url is None or settings.endpoint_id is None:
+        raise ValueError("the shared queue needs JOBS_QUEUE_URL and ENDPOINT_ID")
     timeout = settings.jobs_heartbeat_timeout_seconds
     batch = (
         BatchShare(priority=settings.batch_priority, max_share=settings.batch_max_share)
@@ -376,7 +382,7 @@ def build_queue_feature(
     job_settings: JobSettings,
     settings: SharedQueueSettings,
     *,
-    registry: Any,
+    registry: CollectorRegistry,
     capacity: Callable[[], int],
     webhook_policy: DestinationPolicy,
     interactive: Callable[[], int] = lambda: 0,
@@ -417,11 +423,11 @@ class QueueJobFeature:
     async def drain(self, timeout: float) -> None:
         await self.jobs.drain(timeout)
 
-    def routers(self, openai_target: Callable[[Any], Any]) -> list[Any]:
+    def routers(self, openai_target: Callable[[Request], ASGIApp]) -> list[APIRouter]:
         jobs = self.jobs
 
         @contextlib.asynccontextmanager
-        async def lifespan(_: Any) -> Any:
+        async def lifespan(_: object) -> AsyncIterator[None]:
             await jobs.start()
             try:
                 yield

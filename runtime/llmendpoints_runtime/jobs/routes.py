@@ -14,13 +14,13 @@ larger one) and is taken from there, not read again.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from llmendpoints_common.destinations import DestinationPolicy
 from llmendpoints_common.errors import ServiceUnavailableError
-from llmendpoints_common.jobs.api import JobCall, JobVerbs
+from llmendpoints_common.jobs.api import JobCall, JobReply, JobVerbs
 from llmendpoints_common.jobs.service import JobService
 from llmendpoints_edge.body import read_before
 from pydantic import BaseModel
@@ -32,6 +32,13 @@ from llmendpoints_runtime.jobs.models import JobRequest, check_model
 from llmendpoints_runtime.jobs.port import ASGIApp, JobEngine
 from llmendpoints_runtime.jobs.settings import JobSettings
 from llmendpoints_runtime.jobs.work import check_images
+
+
+class JobHandler(Protocol):
+    """What the routes hand each call to: the verbs (``JobVerbs``), or, in a pod of several
+    API processes, the verbs of the process that holds the job (``pod.jobs.PeerJobs``)."""
+
+    async def handle(self, call: JobCall) -> JobReply: ...
 
 
 def job_verbs(
@@ -79,7 +86,7 @@ _SUBMIT_WHEN = {404: "`input.model` names no model this endpoint serves"}
 
 
 def build_job_router(
-    verbs: JobVerbs,
+    verbs: JobHandler,
     *,
     include_health: bool = True,
     openai_target: Callable[[Request], ASGIApp] | None = None,

@@ -53,7 +53,7 @@ def test_our_module_loggers_keep_their_level_when_a_library_raises_the_roots(con
 
 
 def test_the_engine_puts_the_roots_level_back_after_building_vllms_app(configured):
-    from llmendpoints_runtime.engine import _root_log_level_kept
+    from llmendpoints_runtime.engine.serving import _root_log_level_kept
 
     root = logging.getLogger()
     assert root.level == logging.WARNING

@@ -1,15 +1,9 @@
-"""The only module that imports vLLM.
+"""vLLM's engine and its OpenAI application, in this process.
 
-It owns three things: vLLM's argument parser (so configuration is validated by vLLM itself), the
-engine's lifecycle (download -> load -> warm-up -> ready, in the background while HTTP already
-answers), and vLLM's own OpenAI FastAPI application, built in-process once the engine is ready.
-Everything else in the runtime talks to the narrow `Engine` interface below.
-
-vLLM internals used here (kept in one place so a vLLM upgrade touches one file):
-``vllm.entrypoints.launchers.cli_args.make_arg_parser``, ``validate_parsed_serve_args``,
-``vllm.entrypoints.launchers.app.build_app``, ``...api_server.app_state.init_app_state``,
-``...utils.server_utils.lifespan``, ``vllm.v1.engine.async_llm.AsyncLLM``,
-``vllm.v1.metrics.prometheus.get_prometheus_registry``.
+The engine's lifecycle (download -> load -> warm-up -> ready, in the background while HTTP
+already answers), vLLM's own OpenAI FastAPI application built in-process once the engine is
+ready, and the requests the job API runs straight on the engine client. Everything else in the
+runtime talks to the narrow ``Engine`` interface below.
 """
 
 from __future__ import annotations
@@ -18,58 +12,27 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import threading
 import time
 import types
 import uuid
 from argparse import Namespace
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from llmendpoints_runtime.download import download_model, is_local_model, missing_local_model
-from llmendpoints_runtime.health import EngineState, Health
-from llmendpoints_runtime.media_fetch import MediaFetchError, MediaFetchLimits
+from llmendpoints_runtime.engine.requests import (
+    EngineDead,
+    EngineInputError,
+    clean_message,
+    client_errors,
+)
+from llmendpoints_runtime.health import Health
 from llmendpoints_runtime.metrics import PHASES, RuntimeMetrics
 from llmendpoints_runtime.proctree import become_subreaper, terminate_descendants
 
 logger = logging.getLogger("llmendpoints.engine")
-
-# ---------------------------------------------------------------------------------------------
-# argument parsing
-# ---------------------------------------------------------------------------------------------
-
-
-class EngineArgsError(Exception):
-    """vLLM's parser or its serve-argument checks rejected the arguments."""
-
-
-def build_arg_parser():
-    """vLLM's own `vllm serve` parser, raising EngineArgsError instead of exiting."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    class _RaisingParser(FlexibleArgumentParser):
-        def error(self, message: str):  # argparse would print usage and exit(2)
-            raise EngineArgsError(message)
-
-    return make_arg_parser(_RaisingParser(prog="llmendpoints-runtime", add_help=True))
-
-
-def parse_engine_args(parser, argv: list[str]) -> Namespace:
-    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
-
-    namespace = parser.parse_args(argv)
-    try:
-        validate_parsed_serve_args(namespace)
-    except (TypeError, ValueError) as exc:
-        raise EngineArgsError(str(exc).removeprefix("Error: ")) from None
-    return namespace
-
-
-# ---------------------------------------------------------------------------------------------
-# event-loop fairness
-# ---------------------------------------------------------------------------------------------
 
 
 def yield_between_engine_steps(engine_core) -> None:
@@ -97,98 +60,24 @@ def yield_between_engine_steps(engine_core) -> None:
     engine_core.get_output_async = get_output_async_then_yield
 
 
-# ---------------------------------------------------------------------------------------------
-# media fetching: vLLM's media connector, with every URL fetch through media_fetch.MediaFetcher
-# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineLink:
+    """How an API process of a pod with several (API_SERVER_COUNT) reaches the pod's engine,
+    which its supervisor launched: vLLM's ``client_config`` for this process (the ZMQ
+    listeners it adopts, the engines' addresses), its index and the count."""
 
-
-def install_media_fetcher(fetcher) -> None:
-    """Make vLLM fetch media URLs (images in chat messages) only through `fetcher`.
-
-    vLLM resolves its media connector by name from a registry on every request
-    (``VLLM_MEDIA_CONNECTOR``, default ``http``); the class registered here under that default
-    name keeps vLLM's own handling of data: and file: URLs, ALLOWED_MEDIA_DOMAINS and the
-    media cache, and replaces the HTTP client with the guarded fetcher. Refusals become vLLM's
-    validation error (a 400 naming ``image_url``); so do the cases vLLM itself answers with
-    422 (a 4xx from the image host), 500 (file: without ALLOWED_LOCAL_MEDIA_PATH) or 501
-    (a data: URL that is not base64).
-    """
-    from vllm import envs
-    from vllm.connections import HTTPConnection
-    from vllm.exceptions import VLLMValidationError
-    from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY, MediaConnector
-
-    def refused(message: str) -> VLLMValidationError:
-        return VLLMValidationError(message, parameter="image_url")
-
-    def limits(timeout, allow_redirects: bool, max_bytes: int | None) -> MediaFetchLimits:
-        download_cap = envs.VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB * 1024 * 1024
-        caps = [c for c in (max_bytes, download_cap if download_cap > 0 else None) if c]
-        return MediaFetchLimits(
-            timeout=timeout,
-            attempts=max(1, envs.VLLM_MEDIA_FETCH_MAX_RETRIES),
-            max_bytes=min(caps) if caps else None,
-            follow_redirects=bool(allow_redirects),
-        )
-
-    class GuardedConnection(HTTPConnection):
-        async def async_get_bytes(self, url, *, timeout=None, allow_redirects=True, max_bytes=None):
-            try:
-                return await fetcher.fetch(url, limits(timeout, allow_redirects, max_bytes))
-            except MediaFetchError as exc:
-                raise refused(str(exc)) from None
-
-        def get_bytes(self, url, *, timeout=None, allow_redirects=True, max_bytes=None):
-            try:
-                return fetcher.fetch_blocking(url, limits(timeout, allow_redirects, max_bytes))
-            except MediaFetchError as exc:
-                raise refused(str(exc)) from None
-
-        # Every other way of using this connection would bypass the guard.
-        def get_response(self, url, **_):
-            raise refused(f"media connector: unguarded fetch of {url!r} refused")
-
-        async def get_async_response(self, url, **_):
-            raise refused(f"media connector: unguarded fetch of {url!r} refused")
-
-    class GuardedMediaConnector(MediaConnector):
-        def __init__(self, *args, **kwargs):
-            kwargs["connection"] = GuardedConnection()
-            super().__init__(*args, **kwargs)
-
-        def _load_data_url(self, url, media_io):
-            spec, comma, _ = url[5:].partition(",")
-            if not comma or spec.rpartition(";")[2] != "base64":
-                raise refused("data: URLs must be base64 (data:<type>;base64,<data>)")
-            return super()._load_data_url(url, media_io)
-
-        def _load_file_url(self, url_spec, media_io):
-            if self.allowed_local_media_path is None:
-                raise refused(
-                    "file: URLs are refused: this server reads no local files "
-                    "(ALLOWED_LOCAL_MEDIA_PATH is not set)"
-                )
-            return super()._load_file_url(url_spec, media_io)
-
-    MEDIA_CONNECTOR_REGISTRY.register("http")(GuardedMediaConnector)
-    chosen = os.environ.get("VLLM_MEDIA_CONNECTOR", "http")
-    if chosen != "http":
-        logger.warning(
-            "VLLM_MEDIA_CONNECTOR=%s: media URLs are fetched by that connector, outside the "
-            "runtime's destination guard",
-            chosen,
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# the engine
-# ---------------------------------------------------------------------------------------------
+    client_config: dict[str, Any]
+    index: int
+    count: int
 
 
 class Engine:
     """vLLM's engine and OpenAI app, started in the background.
 
-    `asgi_app` is None until the engine is ready; callers check `health` first.
+    `asgi_app` is None until the engine is ready; callers check `health` first. Without a
+    ``link`` this process starts the engine (its core and workers are its children); with one
+    it is one of the pod's API processes, a client of the engine its supervisor started (the
+    model is downloaded by then).
     """
 
     def __init__(
@@ -198,11 +87,17 @@ class Engine:
         metrics: RuntimeMetrics,
         *,
         progress_interval: float = 10.0,
+        link: EngineLink | None = None,
     ):
         self.args = args
         self.health = health
         self.metrics = metrics
         self.progress_interval = progress_interval
+        self.link = link
+        # Why the engine cannot serve any more, when something outside vLLM's view says so
+        # (the group lost a node; the pod's supervisor saw the engine die): declare_dead.
+        self._death: str | None = None
+        self._died = threading.Event()
         self.asgi_app: Any = None
         self.client: Any = None  # vllm.engine.protocol.EngineClient
         self.max_num_seqs: int | None = None
@@ -225,7 +120,7 @@ class Engine:
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
-            reason = _describe_failure(exc)
+            reason = describe_failure(exc)
             logger.error("engine failed to start: %s", reason, exc_info=exc)
             self.health.engine_failed(reason)
             return
@@ -245,22 +140,10 @@ class Engine:
         logger.info("start-up phase %s: done in %.1f s", name, elapsed)
 
     async def _download(self) -> None:
-        model, revision = self.args.model, self.args.revision
-        if problem := missing_local_model(model):
-            raise FileNotFoundError(problem)
-        if is_local_model(model):
-            logger.info("model %s is a local directory; nothing to download", model)
-            return
+        if self.link is not None:
+            return  # the pod's supervisor downloaded it before it started the engine
         await _in_daemon_thread(
-            functools.partial(
-                download_model,
-                model,
-                revision=revision,
-                tokenizer=self.args.tokenizer,
-                tokenizer_revision=self.args.tokenizer_revision,
-                trust_remote_code=bool(self.args.trust_remote_code),
-                log_interval=self.progress_interval,
-            )
+            functools.partial(download_weights, self.args, self.progress_interval)
         )
 
     async def _load(self) -> None:
@@ -269,10 +152,21 @@ class Engine:
         # Workers orphaned by a dying engine core stay ours, so shutdown still finds them.
         become_subreaper()
         try:
-            self.client = await _in_daemon_thread(self._build_client)
+            self.client = await self._unless_dead(_in_daemon_thread(self._build_client))
             await self._build_app()
         finally:
             ticker.cancel()
+
+    async def _unless_dead(self, work: Awaitable[Any]) -> Any:
+        """``work``'s result, or EngineDead as soon as declare_dead is called (the load may
+        wait for ever on a group member that is gone; shutdown stops what it left)."""
+        task = asyncio.ensure_future(work)
+        while not task.done():
+            if self._died.is_set():
+                task.cancel()
+                raise EngineDead(self._death or "the engine died")
+            await asyncio.wait({task}, timeout=_DEATH_POLL_SECONDS)
+        return task.result()
 
     async def _log_while(self, phase: str) -> None:
         begin = time.monotonic()
@@ -289,14 +183,25 @@ class Engine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         engine_args = AsyncEngineArgs.from_cli_args(self.args)
+        link = self.link
+        if link is not None:  # as vLLM's own API server processes do
+            engine_args._api_process_count = link.count
+            engine_args._api_process_rank = link.index
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        # Every data-parallel engine batches max_num_seqs: the default admission limit is theirs.
+        parallel = vllm_config.parallel_config
+        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs * max(
+            1, parallel.data_parallel_size
+        )
         client = AsyncLLM.from_vllm_config(
             vllm_config=vllm_config,
             usage_context=UsageContext.OPENAI_API_SERVER,
             enable_log_requests=engine_args.enable_log_requests,
             aggregate_engine_logging=engine_args.aggregate_engine_logging,
             disable_log_stats=engine_args.disable_log_stats,
+            client_addresses=dict(link.client_config) if link is not None else None,
+            client_count=link.count if link is not None else 1,
+            client_index=link.index if link is not None else 0,
         )
         yield_between_engine_steps(client.engine_core)
         return client
@@ -342,20 +247,24 @@ class Engine:
         return list(names) if names else [self.args.model]
 
     def requests_waiting(self) -> int:
-        """Requests vLLM's scheduler holds but does not run yet (from vLLM's own gauge)."""
+        """Requests vLLM's scheduler holds but does not run yet (from vLLM's own gauge, every
+        engine). In a pod of several API processes the gauge is the pod's, read from the
+        processes' metric files (vLLM's registry is a fresh MultiProcessCollector then)."""
         gauge = self._waiting_gauge
         if gauge is None:
             from vllm.v1.metrics.prometheus import get_prometheus_registry
 
             registry = get_prometheus_registry()
-            gauge = registry._names_to_collectors.get("vllm:num_requests_waiting")
-            if gauge is None:
-                return 0
-            self._waiting_gauge = gauge
+            if self.link is not None:
+                gauge = registry
+            else:
+                gauge = registry._names_to_collectors.get(_WAITING)
+                if gauge is None:
+                    return 0
+                self._waiting_gauge = gauge
         total = 0.0
         for metric in gauge.collect():
-            for sample in metric.samples:
-                total += sample.value
+            total += sum(s.value for s in metric.samples if s.name == _WAITING)
         return int(total)
 
     @staticmethod
@@ -365,16 +274,41 @@ class Engine:
         return get_prometheus_registry()
 
     def dead(self) -> bool:
-        """True once vLLM reports its engine core gone (it cannot come back in this process).
+        """True once the engine is gone (it cannot come back in this process).
 
         vLLM's own monitor thread sees an engine-core process exit at once (it waits on the
         processes' sentinels) and marks the client errored; so does a crash of its output
-        handler. Cheap: an attribute read, polled by the engine watcher."""
+        handler; ``declare_dead`` covers what vLLM cannot see. Cheap: attribute reads, polled
+        by the engine watcher."""
+        if self._death is not None:
+            return True
         client = self.client
         return client is not None and bool(getattr(client, "errored", False))
 
+    def declare_dead(self, reason: str) -> None:
+        """The engine cannot serve any more, for a reason vLLM does not see (its group lost a
+        node; the pod's supervisor saw the engine die). From any thread.
+
+        Requests in flight end with vLLM's EngineDeadError -- the path vLLM takes when its
+        engine core process exits: the client is marked dead and shut down, which ends its
+        output handler with the error every waiting request then raises. A load in progress
+        ends with EngineDead."""
+        if self._death is not None:
+            return
+        self._death = reason
+        self._died.set()
+        core = getattr(self.client, "engine_core", None)
+        if core is None:
+            return
+        core.resources.engine_dead = True
+        # vLLM's own monitor shuts the client down from its thread too; it may wait for the
+        # engine core's processes, so not on the caller's.
+        threading.Thread(target=core.shutdown, name="llmep-engine-dead", daemon=True).start()
+
     def death_reason(self) -> str:
-        """What vLLM knows about the engine core's end, for logs and 503 bodies."""
+        """What is known about the engine's end, for logs and 503 bodies."""
+        if self._death is not None:
+            return self._death
         manager = getattr(getattr(self.client, "engine_core", None), "resources", None)
         manager = getattr(manager, "engine_manager", None)
         try:
@@ -430,9 +364,9 @@ class Engine:
                 engine_inputs = await state.openai_serving_completion.render_completion_request(
                     CompletionRequest(prompt=prompt)
                 )
-        except _client_errors() as exc:  # pydantic's ValidationError is a ValueError too
+        except client_errors() as exc:  # pydantic's ValidationError is a ValueError too
             field = "messages" if messages is not None else "prompt"
-            raise EngineInputError(_clean(exc), field) from None
+            raise EngineInputError(clean_message(exc), field) from None
         if isinstance(engine_inputs, ErrorResponse):
             raise EngineInputError(engine_inputs.error.message, engine_inputs.error.param)
         return engine_inputs[0]
@@ -456,13 +390,13 @@ class Engine:
                 engine_input, sampling, request_id, lora_request=lora_request, priority=priority
             ):
                 yield output
-        except _client_errors() as exc:
-            raise EngineInputError(_clean(exc)) from None
+        except client_errors() as exc:
+            raise EngineInputError(clean_message(exc)) from None
         except Exception as exc:
             from vllm.v1.engine.exceptions import EngineDeadError
 
             if isinstance(exc, EngineDeadError):
-                raise EngineDead(_clean(exc)) from None
+                raise EngineDead(clean_message(exc)) from None
             raise
 
     def model_defaults(self) -> dict[str, Any]:
@@ -487,6 +421,25 @@ class Engine:
         return self.client.get_num_unfinished_requests() if self.client is not None else 0
 
 
+def download_weights(args: Namespace, log_interval: float) -> None:
+    """The model (and tokenizer) of vLLM's ``args`` into the cache, unless it is a local
+    directory (FileNotFoundError when that is missing). Blocks."""
+    model = args.model
+    if problem := missing_local_model(model):
+        raise FileNotFoundError(problem)
+    if is_local_model(model):
+        logger.info("model %s is a local directory; nothing to download", model)
+        return
+    download_model(
+        model,
+        revision=args.revision,
+        tokenizer=args.tokenizer,
+        tokenizer_revision=args.tokenizer_revision,
+        trust_remote_code=bool(args.trust_remote_code),
+        log_interval=log_interval,
+    )
+
+
 @contextlib.contextmanager
 def _root_log_level_kept():
     """Undo what importing vLLM's SageMaker router does to the root logger's level.
@@ -509,6 +462,9 @@ def _root_log_level_kept():
 
 # Between SIGTERM and SIGKILL for the engine's processes at shutdown.
 _CHILD_STOP_GRACE_SECONDS = 3.0
+_WAITING = "vllm:num_requests_waiting"
+# How often a load in progress looks whether the engine was declared dead.
+_DEATH_POLL_SECONDS = 0.2
 
 
 async def _in_daemon_thread(function: Callable[[], Any]) -> Any:
@@ -543,206 +499,10 @@ async def _in_daemon_thread(function: Callable[[], Any]) -> Any:
     return await future
 
 
-# ---------------------------------------------------------------------------------------------
-# requests in vLLM's terms (job_engine.JobEngineAdapter puts the job API's words on them)
-# ---------------------------------------------------------------------------------------------
-
-
-class EngineInputError(ValueError):
-    """vLLM refused a request's input: the client's mistake (a 400), not a server fault.
-
-    ``parameter`` is the request parameter vLLM blames, when it names one.
-    """
-
-    def __init__(self, message: str, parameter: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.parameter = parameter
-
-
-class EngineDead(RuntimeError):
-    """vLLM's engine core is gone; nothing more runs in this process."""
-
-
-# SamplingParams fields that are engine plumbing, not sampling choices a client may set.
-_INTERNAL_SAMPLING_FIELDS = frozenset(
-    {
-        "output_kind",
-        "skip_clone",
-        "output_text_buffer_length",
-        "routed_experts_prompt_start",
-        "trace_decode_token_ids",
-        "detokenize",
-        "stream_interval",
-    }
-)
-
-
-@functools.cache
-def sampling_param_names() -> frozenset[str]:
-    """The SamplingParams fields a client may set."""
-    from vllm.sampling_params import SamplingParams
-
-    return frozenset(
-        f
-        for f in SamplingParams.__struct_fields__
-        if not f.startswith("_") and f not in _INTERNAL_SAMPLING_FIELDS
-    )
-
-
-def build_sampling_params(params: Mapping[str, Any], *, final_only: bool | None = None) -> Any:
-    """vLLM's SamplingParams from a dict of public fields; EngineInputError naming the one vLLM
-    refuses. ``final_only``: one output at the end (True) or one per step (False)."""
-    import msgspec
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
-
-    try:
-        sampling = msgspec.convert(dict(params), SamplingParams)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        name = text.rsplit("`$.", 1)[-1].split("`")[0].split(".")[0] if "`$." in text else None
-        raise EngineInputError(text.split(" - at ")[0], name or None) from None
-    except _client_errors() as exc:
-        raise EngineInputError(_clean(exc), getattr(exc, "parameter", None)) from None
-    if final_only is not None:
-        sampling.output_kind = (
-            RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA
-        )
-    return sampling
-
-
-def validate_openai_request(route: str, body: Mapping[str, Any]) -> None:
-    """Check ``body`` against vLLM's request model for ``route`` (routes without one pass).
-
-    pydantic's ValidationError for a wrong shape; EngineInputError for values pydantic lets
-    through but SamplingParams refuses (``max_tokens: -1``, ``top_p: 5``), which the route
-    itself would only refuse when called.
-    """
-    import pydantic
-
-    model = _openai_request_models().get(route)
-    if model is None:
-        return
-    parsed = pydantic.TypeAdapter(model).validate_python(body)
-    to_sampling_params = getattr(parsed, "to_sampling_params", None)
-    if to_sampling_params is None or getattr(parsed, "use_beam_search", False):
-        return
-    max_tokens = getattr(parsed, "max_completion_tokens", None)
-    if max_tokens is None:
-        max_tokens = getattr(parsed, "max_tokens", None)
-    try:
-        to_sampling_params(16 if max_tokens is None else max_tokens, {})
-    except _client_errors() as exc:
-        raise EngineInputError(_clean(exc), getattr(exc, "parameter", None)) from None
-    except Exception:  # anything else is left to the route itself
-        return
-
-
-# ---------------------------------------------------------------------------------------------
-# LoRA adapters at run time (llmendpoints_runtime.adapters.AdapterEngine) -- owned by adapters/
-# ---------------------------------------------------------------------------------------------
-
-
-class AdapterLoadError(Exception):
-    """vLLM refused to load an adapter (bad files, rank above MAX_LORA_RANK, LoRA disabled...)."""
-
-
-class EngineAdapters:
-    """vLLM's own in-process LoRA loading: the methods behind /v1/load_lora_adapter and
-    /v1/unload_lora_adapter (``OpenAIServingModels``), without the HTTP routes or
-    VLLM_ALLOW_RUNTIME_LORA_UPDATING. Loaded adapters appear in vLLM's /v1/models with their
-    base model as ``parent``, and ``model: <adapter>`` selects them on every OpenAI route."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-
-    def _models(self):
-        app = self.engine.asgi_app
-        return getattr(app.state, "openai_serving_models", None) if app is not None else None
-
-    def lora_enabled(self) -> bool:
-        return bool(getattr(self.engine.args, "enable_lora", False))
-
-    def loaded(self) -> frozenset[str]:
-        models = self._models()
-        return frozenset(getattr(models, "lora_requests", None) or ())
-
-    async def load(self, name: str, path: str, *, replace: bool) -> None:
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
-
-        if not self.lora_enabled():
-            raise AdapterLoadError("the engine was started without ENABLE_LORA")
-        models = self._models()
-        if models is None:
-            raise AdapterLoadError("the engine is not ready")
-        request = LoadLoRAAdapterRequest(lora_name=name, lora_path=path, load_inplace=replace)
-        try:
-            result = await models.load_lora_adapter(request)
-        except Exception as exc:  # vLLM raises for some checks instead of answering
-            raise AdapterLoadError(_clean(exc)) from None
-        if isinstance(result, ErrorResponse):
-            raise AdapterLoadError(result.error.message)
-
-    async def unload(self, name: str) -> None:
-        from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
-
-        models = self._models()
-        if models is None or name not in models.lora_requests:
-            return
-        lora_id = models.lora_requests[name].lora_int_id
-        await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
-        # vLLM's unload only forgets the name; free the engine's copy of the weights as well.
-        with contextlib.suppress(Exception):
-            await self.engine.client.remove_lora(lora_id)
-
-    def lora_request(self, name: str):
-        """The loaded adapter's LoRARequest (for generation straight on the engine), or None."""
-        models = self._models()
-        return (getattr(models, "lora_requests", None) or {}).get(name)
-
-
-def _openai_request_models() -> dict[str, Any]:
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-    from vllm.entrypoints.pooling.embed.protocol import EmbeddingRequest
-
-    return {
-        "/v1/chat/completions": ChatCompletionRequest,
-        "/v1/completions": CompletionRequest,
-        "/v1/embeddings": EmbeddingRequest,
-    }
-
-
-def _client_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean "the request is wrong" (a 400), not "the server broke"."""
-    from vllm.exceptions import VLLMClientError
-
-    return (ValueError, TypeError, VLLMClientError)
-
-
-def _clean(exc: BaseException) -> str:
-    return str(exc).strip() or type(exc).__name__
-
-
-def _describe_failure(exc: BaseException) -> str:
+def describe_failure(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     # vLLM wraps engine-core start-up failures; the useful line is the cause.
     cause = exc.__cause__ or exc.__context__
     if cause is not None and str(cause).strip() and str(cause).strip() not in text:
         text = f"{text} (cause: {str(cause).strip()})"
     return f"{type(exc).__name__}: {text}" if not text.startswith(type(exc).__name__) else text
-
-
-__all__ = [
-    "AdapterLoadError",
-    "Engine",
-    "EngineAdapters",
-    "EngineArgsError",
-    "EngineDead",
-    "EngineInputError",
-    "EngineState",
-    "build_arg_parser",
-    "install_media_fetcher",
-    "parse_engine_args",
-]
