@@ -83,6 +83,7 @@ class Gateway:
             self.settings.hold_timeout_seconds,
             token_secret=self.token_secret,
             default_max_tokens=self.settings.default_token_reservation,
+            hold_keepalive_seconds=self.settings.hold_keepalive_seconds,
         )
 
     # ---------------------------------------------------------------- ASGI
