@@ -33,7 +33,7 @@ import secrets
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import kopf
@@ -47,13 +47,17 @@ from llmendpoints_operator.adapter_status import STATUS_KEY as ADAPTERS_KEY
 from llmendpoints_operator.admission import admit
 from llmendpoints_operator.autoscaling.controller import STATUS_KEY as AUTOSCALING_KEY
 from llmendpoints_operator.autoscaling.controller import Subject
+from llmendpoints_operator.coldstart import children as coldstart
+from llmendpoints_operator.coldstart.record import with_download
+from llmendpoints_operator.coldstart.recorder import STATUS_KEY as COLD_START_KEY
 from llmendpoints_operator.config import OperatorSettings
 from llmendpoints_operator.events import PostEvent
 from llmendpoints_operator.jobs_queue import JobsQueue
 from llmendpoints_operator.spec import Endpoint, InvalidSpecError
 
-# status keys written by others (the autoscaler; the adapter watcher), never by a reconcile
-_OTHER_WRITERS = (AUTOSCALING_KEY, ADAPTERS_KEY)
+# status keys written by others (the autoscaler; the adapter watcher; the cold-start
+# recorder), never by a reconcile
+_OTHER_WRITERS = (AUTOSCALING_KEY, ADAPTERS_KEY, COLD_START_KEY)
 
 Key = tuple[str, str]  # (namespace, endpoint name)
 
@@ -113,6 +117,8 @@ class Indexes:
     claim_phases: Index  # (namespace, claim) -> phase
     claim_users: Index  # (namespace, claim) -> endpoint name
     model_claims: Index  # served model name -> model_names.Claim of each endpoint declaring it
+    download_jobs: Index = field(default_factory=dict)  # Key -> its download Jobs (coldstart/)
+    endpoint_pods: Index = field(default_factory=dict)  # Key -> its runtime and download pods
 
     @classmethod
     def of(cls, kwargs: Mapping[str, Any]) -> Indexes:
@@ -292,6 +298,10 @@ class Reconciler:
             kopf.adopt(children, owner=endpoint)
             for child in children:
                 await client.apply(child)
+            await coldstart.reconcile(
+                ep, endpoint, client, self._settings, self.indexes.download_jobs.get(key, ()),
+                prune=prune, logger=logger,
+            )  # fmt: skip
 
             current = self.indexes.deployment(key)
             created, written = await self._write_deployment(ep, endpoint, current, client)
@@ -547,6 +557,7 @@ class Reconciler:
                 if parsed is not None
                 else lenient_cache_state(name, raw_spec, phases)
             )
+            now = self._clock().strftime("%Y-%m-%dT%H:%M:%SZ")
             new = status.compute(
                 name=name,
                 namespace=namespace,
@@ -556,13 +567,20 @@ class Reconciler:
                     deployment=deployment or self.indexes.deployment(key), cache=cache
                 ),
                 previous=previous,
-                now=self._clock().strftime("%Y-%m-%dT%H:%M:%SZ"),
+                now=now,
                 observed_generation=observed_generation,
                 cluster_domain=self._settings.cluster_domain,
                 gateway_url=self._settings.gateway_url,
                 inference_pool=self._pools.get(key),
                 model_name=self.model_name(snapshot),
             )
+            download = coldstart.download_state(
+                parsed,
+                self._settings,
+                self.indexes.download_jobs.get(key, ()),
+                self.indexes.endpoint_pods.get(key, ()),
+            )
+            new = with_download(new, download, previous, now)
             # Blocks other writers own: the autoscaler's and the adapter watcher's.
             others = {k: v for k, v in previous.items() if k not in _OTHER_WRITERS}
             if status.without_times(new) == status.without_times(others):

@@ -55,8 +55,9 @@ async def test_committed_a_stream_gets_comments_then_the_replicas_events_without
     await asyncio.sleep(0.1)
     assert held.committed
     head = sent.messages[0]
-    assert head["status"] == 200 and (b"content-type", b"text/event-stream; charset=utf-8") in (
-        head["headers"]
+    assert (
+        head["status"] == 200
+        and (b"content-type", b"text/event-stream; charset=utf-8") in (head["headers"])
     )
     comments = sent.body().count(COMMENT)
     assert comments >= 3

@@ -8,6 +8,7 @@ The real gateway process; the replica is the stand-in (bench/gateway_standin.py)
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -103,7 +104,7 @@ def test_a_held_stream_is_kept_alive_and_answered_when_a_replica_comes_45_s_late
     assert answer_at >= COLD_START_SECONDS - 5, "the request was not held for the cold start"
     # A byte at least every 15 s from the request to the first event of the answer.
     arrivals = [0.0] + [t for t, _ in raw_result["chunks"] if t <= answer_at]
-    gaps = [later - earlier for earlier, later in zip(arrivals, arrivals[1:], strict=False)]
+    gaps = [later - earlier for earlier, later in itertools.pairwise(arrivals)]
     assert max(gaps) <= MAX_SILENCE_SECONDS, f"silences while held: {gaps}"
     comments = [e for e in events if e.startswith(":")]
     assert comments and all(e == COMMENT for e in comments)

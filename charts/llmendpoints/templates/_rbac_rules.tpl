@@ -73,8 +73,24 @@ writes, so a new child kind or watch cannot ship without its permission.
 - apiGroups: [""]
   resources: [secrets]
   verbs: [create]
-# Kubernetes Events on notable transitions (created, invalid spec, rolled out, scaled, degraded).
+# Kubernetes Events on notable transitions (created, invalid spec, rolled out, scaled, degraded);
+# a new runtime pod's Events are listed once, for its image pull (status.coldStart).
 - apiGroups: [""]
   resources: [events]
-  verbs: [create]
+  verbs: [create, list]
+# Cold start (endpoints with minReplicas 0): the download Job fills the model cache ahead; it is
+# watched (the Downloaded condition), created once per model and deleted when the model changes.
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [list, watch, create, delete]
+# ... and the pre-pull DaemonSet puts the runtime image on the nodes: applied, deleted when the
+# endpoint keeps a replica (or pre-pulls are turned off).
+- apiGroups: [apps]
+  resources: [daemonsets]
+  verbs: [create, patch, delete]
+# Runtime and download pods are watched, never written: a runtime pod's first Ready is a cold
+# start to record (status.coldStart), a download pod's termination message its attempt's report.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch]
 {{- end }}
