@@ -90,7 +90,9 @@ def report_startup(runtime: Runtime) -> None:
             metrics.observe_phase("startup", age)
 
     def compile_phase() -> None:
-        report = startup_report.read(os.environ.get(startup_report.ENV))
+        path = os.environ.get(startup_report.ENV)
+        report = startup_report.read(path)
+        startup_report.discard(path)
         if report.compile_seconds is not None:
             metrics.observe_phase("compile", report.compile_seconds)
         if report.compile_source is not None:

@@ -20,6 +20,7 @@ only go missing: nothing here can fail a start-up).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -140,6 +141,13 @@ def read(path: str | None) -> StartupReport:
         if isinstance(event, dict) and "event" in event:
             events.append(event)
     return summarize(events)
+
+
+def discard(path: str | None) -> None:
+    """The report has been read (once the engine is ready): its file goes."""
+    if path:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def process_age() -> float | None:
