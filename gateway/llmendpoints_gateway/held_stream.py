@@ -86,10 +86,13 @@ class HeldStream:
 
     async def _stop(self) -> None:
         ticker, self._ticker = self._ticker, None
-        if ticker is not None and not ticker.done():
-            ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ticker
+        if ticker is None:
+            return
+        ticker.cancel()
+        # A comment that could not be sent (the client gone) ends the keep-alive, nothing else:
+        # the disconnect watcher ends the request.
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await ticker
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
