@@ -143,6 +143,18 @@ def test_the_prepull_pods_run_the_runtime_image_where_the_replicas_may_run_witho
     assert "llmendpoints.dev/endpoint" not in ds["spec"]["template"]["metadata"]["labels"]
 
 
+def test_the_prepull_and_download_pods_get_no_api_identity_and_run_locked_down() -> None:
+    """They run the endpoint author's image, as the replicas do: no ServiceAccount token, the
+    runtime's non-root security contexts (docs/security.md)."""
+    for obj in _built(_endpoint()):
+        pod = obj["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        for container in [*pod.get("initContainers", ()), *pod["containers"]]:
+            assert container["securityContext"]["allowPrivilegeEscalation"] is False
+            assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+
+
 def test_the_download_job_fills_the_cache_the_replicas_mount() -> None:
     ep = _endpoint()
     job = cs.build_download_job(ep, SETTINGS)
