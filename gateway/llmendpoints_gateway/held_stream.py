@@ -61,8 +61,9 @@ def upstream_error(status: int, body: bytes) -> dict[str, Any]:
 class HeldStream:
     """The keep-alive of one streamed request (``send``: the request's ASGI send).
 
-    ``arm()`` when the request starts being held; ``send`` is what the answer is sent through
-    from then on; ``fail(exc)`` ends a committed stream with ``exc``; ``close()`` always."""
+    ``arm()`` when the request starts being held, ``released()`` when a replica is found;
+    ``send`` is what the answer is sent through; ``fail(exc)`` ends a committed stream with
+    ``exc``; ``close()`` always."""
 
     def __init__(self, send: Send, interval: float):
         self._send = send
@@ -83,6 +84,11 @@ class HeldStream:
         while True:
             await self._send({"type": "http.response.body", "body": COMMENT, "more_body": True})
             await asyncio.sleep(self.interval)
+
+    async def released(self) -> None:
+        """A replica was found: no more comments. Called before the request goes to it, so that
+        whether the stream is committed is settled before the replica's answer starts."""
+        await self._stop()
 
     async def _stop(self) -> None:
         ticker, self._ticker = self._ticker, None

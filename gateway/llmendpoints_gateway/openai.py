@@ -241,6 +241,8 @@ class OpenAIRoutes:
                         on_hold=held.arm if held is not None else None,
                     ) as lease:
                         state.replica, state.outcome = lease.replica, str(lease.outcome)
+                        if held is not None:
+                            await held.released()
                         result = await disconnected.run(
                             forward(
                                 self.pool,
