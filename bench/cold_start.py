@@ -76,8 +76,9 @@ def run_once(model: Path, logs: Path, base: Path, home: Path, env: dict[str, str
     load_average = os.getloadavg()[0]
     server = launch_runtime(model, logs, BASE_PATH=str(base), HOME=str(home), **env)
     try:
-        server.wait_listening()
-        server.wait_ready()
+        # A busy shared machine stretches an engine's start to many minutes.
+        server.wait_listening(timeout=900)
+        server.wait_ready(timeout=1800)
         cpu = tree_cpu_seconds(server.process.pid)
         reply = httpx.post(server.url + "/v1/completions", json=PROMPT, timeout=120)
         metrics = httpx.get(server.url + "/metrics", timeout=30).text
