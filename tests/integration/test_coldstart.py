@@ -16,6 +16,7 @@ Events), as the other integration tests play the Deployment controller.
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -224,14 +225,21 @@ async def _phases_server(port: int) -> web.AppRunner:
     return runner
 
 
+def _at(now: datetime.datetime, seconds: float) -> str:
+    return (now + datetime.timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def _runtime_pod(name: str, control_port: int) -> dict[str, Any]:
+    """A pod that turned Ready just now, 90 s after it was created (the recorder takes only
+    recent starts: an operator restart sees old pods again)."""
+    now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
             "name": f"{name}-5d8c-x2x",
             "namespace": NS,
-            "creationTimestamp": "2026-01-01T00:00:00Z",
+            "creationTimestamp": _at(now, -90),
             "labels": {
                 "app.kubernetes.io/managed-by": "llmendpoints-operator",
                 "app.kubernetes.io/instance": name,
@@ -256,13 +264,12 @@ def _runtime_pod(name: str, control_port: int) -> dict[str, Any]:
             "phase": "Running",
             "podIP": "127.0.0.1",
             "conditions": [
-                {"type": "PodScheduled", "status": "True",
-                 "lastTransitionTime": "2026-01-01T00:00:03Z"},
-                {"type": "Ready", "status": "True", "lastTransitionTime": "2026-01-01T00:01:30Z"},
+                {"type": "PodScheduled", "status": "True", "lastTransitionTime": _at(now, -87)},
+                {"type": "Ready", "status": "True", "lastTransitionTime": _at(now, 0)},
             ],
             "containerStatuses": [
                 {"name": "runtime", "restartCount": 0,
-                 "state": {"running": {"startedAt": "2026-01-01T00:00:45Z"}}}
+                 "state": {"running": {"startedAt": _at(now, -45)}}}
             ],
         },
     }  # fmt: skip
@@ -292,7 +299,7 @@ async def test_a_cold_start_is_recorded_phase_by_phase(cluster, operator):
             "reason": "Pulled",
             "message": f'Successfully pulled image "{RUNTIME_IMAGE}" in 38.2s (38.2s including '
             "waiting). Image size: 9876543210 bytes.",
-            "lastTimestamp": "2026-01-01T00:00:42Z",
+            "lastTimestamp": pod["metadata"]["creationTimestamp"],
             "type": "Normal",
         }
         await cluster.create(EVENTS, NS, pulled)

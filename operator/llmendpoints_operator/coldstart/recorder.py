@@ -9,6 +9,7 @@ itself (the last record names the pod).
 
 from __future__ import annotations
 
+import datetime
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
@@ -22,6 +23,7 @@ from llmendpoints_operator.coldstart import record
 logger = logging.getLogger("llmendpoints_operator.coldstart")
 
 STATUS_KEY = "coldStart"
+RECENT_SECONDS = 600  # a pod Ready for longer is not a start to record now (operator restarts)
 _REMEMBERED = 4096  # pod uids recorded, most recent kept
 
 # From a second (a warm node, a small model) to an hour (a large image on a slow registry).
@@ -71,22 +73,32 @@ class ColdStartRecorder:
         kube: Callable[[], kube.KubeClient],
         fetch: Callable[[str], Awaitable[str]],
         metrics: ColdStartMetrics,
+        clock: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
     ) -> None:
         self._kube = kube
+        self._clock = clock
         self._fetch = fetch  # a URL's body (raises on failure): the runtime's /metrics
         self._metrics = metrics
         self._recorded: OrderedDict[str, None] = OrderedDict()
 
     def wants(self, pod: Mapping[str, Any], endpoint: Mapping[str, Any] | None) -> bool:
-        """A Ready runtime pod not recorded yet (cheap: called on every pod event)."""
+        """A runtime pod that just turned Ready and is not recorded yet (cheap: called on every
+        pod event). Not a pod that was Ready before the last record, nor one Ready for longer
+        than RECENT_SECONDS: an operator that restarts sees every running pod again, and their
+        starts are history (recorded then, or lost while it was down)."""
         meta = pod.get("metadata") or {}
-        if endpoint is None or meta.get("uid") in self._recorded or not record.is_ready(pod):
+        ready = record.condition_time(pod, "Ready")
+        if endpoint is None or ready is None or meta.get("uid") in self._recorded:
+            return False
+        if (self._clock() - ready).total_seconds() > RECENT_SECONDS:
             return False
         last = ((endpoint.get("status") or {}).get(STATUS_KEY) or {}).get("last") or {}
-        same = last.get("pod") == meta.get("name") and last.get("createdAt") == meta.get(
-            "creationTimestamp"
+        recorded = record.parse_time(last.get("readyAt"))
+        return (
+            recorded is None
+            or ready > recorded
+            or (ready == recorded and last.get("pod") != meta.get("name"))
         )
-        return not same
 
     async def record(
         self, pod: Mapping[str, Any], endpoint: Mapping[str, Any], *, from_zero: bool

@@ -383,3 +383,44 @@ def test_an_image_already_on_the_node_and_a_pod_without_phases() -> None:
 )
 def test_go_durations(text: str, seconds: float | None) -> None:
     assert record.go_duration(text) == seconds
+
+
+# --- which pods the recorder records ------------------------------------------------------------
+
+
+def _recorder(now: str):
+    from llmendpoints_operator.coldstart.recorder import ColdStartMetrics, ColdStartRecorder
+    from prometheus_client import CollectorRegistry
+
+    def clock():
+        return record.parse_time(now)
+
+    return ColdStartRecorder(
+        kube=None, fetch=None, metrics=ColdStartMetrics(CollectorRegistry()), clock=clock
+    )
+
+
+def _endpoint_with(last: dict[str, Any] | None) -> dict[str, Any]:
+    return {"metadata": {"name": "llama"}, "status": {"coldStart": {"last": last}} if last else {}}
+
+
+def test_a_pod_that_just_turned_ready_is_recorded_once() -> None:
+    recorder = _recorder("2026-01-01T00:01:45Z")  # 15 s after the pod's Ready
+    pod = _pod()
+    assert recorder.wants(pod, _endpoint_with(None))
+    recorder._remember("uid-1")
+    pod["metadata"]["uid"] = "uid-1"
+    assert not recorder.wants(pod, _endpoint_with(None))  # recorded by this process
+    assert not recorder.wants(_pod(status={"conditions": []}), _endpoint_with(None))  # not Ready
+
+
+def test_history_is_not_recorded_again_after_an_operator_restart() -> None:
+    later = _recorder("2026-01-01T01:00:00Z")  # the pod has been Ready for an hour
+    assert not later.wants(_pod(), _endpoint_with(None))
+    recorder = _recorder("2026-01-01T00:01:45Z")
+    newer = {"pod": "llama-other", "readyAt": "2026-01-01T00:01:42Z"}
+    assert not recorder.wants(_pod(), _endpoint_with(newer))  # ready before the last record
+    same = {"pod": "llama-7f9-x", "readyAt": "2026-01-01T00:01:40Z"}
+    assert not recorder.wants(_pod(), _endpoint_with(same))  # that very record
+    older = {"pod": "llama-old", "readyAt": "2026-01-01T00:00:10Z"}
+    assert recorder.wants(_pod(), _endpoint_with(older))
