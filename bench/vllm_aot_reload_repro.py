@@ -71,7 +71,7 @@ def main() -> int:
     ):
         print(f"== {label}")
         for line in start(model, root / cache, env):
-            print("   ", line[:220])
+            print("   ", line if len(line) < 240 else f"{line[:110]} ... {line[-120:]}")
     return 0
 
 
