@@ -1,14 +1,14 @@
 """Minimal reproduction for vLLM: the CPU build cannot load the AOT-compiled model it saved.
 
-    .venv/bin/python bench/vllm_aot_reload_repro.py [MODEL]     # ~5 minutes on 2 cores
+    .venv/bin/python bench/vllm_aot_reload_repro.py [MODEL]     # ~10 minutes on 2 cores
 
 Starts vLLM's offline ``LLM`` twice, one process after the other, on one VLLM_CACHE_ROOT, with
 our plugin left out (VLLM_PLUGINS=none): the first compiles and saves the artifact, the second
 logs "Compiling model again due to a load failure ... 'function' object has no attribute
 'finalize_loading'" and compiles again. MODEL defaults to the project's demo model (written to a
-temporary folder; no download); any small model vLLM's CPU build runs reproduces it. Then the
-same second start with our plugin (vllm_plugin.py, registered as a vLLM general plugin): "Directly
-load AOT compilation". bench/RESULTS.md, "Cold start", has the report.
+temporary folder; no download); any small model vLLM's CPU build runs reproduces it. Then the same
+pair with our plugin (vllm_plugin.py, registered as a vLLM general plugin): the second start logs
+"Directly load AOT compilation". bench/RESULTS.md, "Cold start", has the report.
 """
 
 from __future__ import annotations
@@ -64,10 +64,14 @@ def main() -> int:
     pythonpath = os.pathsep.join(
         p for p in (str(registration or ""), os.environ.get("PYTHONPATH", "")) if p
     )
+    # VLLM_PLUGINS is one of the variables vLLM hashes into the compile cache's path: each pair
+    # keeps its own value.
+    plugin = {"PYTHONPATH": pythonpath}
     for label, cache, env in (
         ("1st start (vLLM alone)", "plain", without),
         ("2nd start (vLLM alone)", "plain", without),
-        ("2nd start (with our plugin)", "plain", {"PYTHONPATH": pythonpath}),
+        ("1st start (with our plugin)", "plugin", plugin),
+        ("2nd start (with our plugin)", "plugin", plugin),
     ):
         print(f"== {label}")
         for line in start(model, root / cache, env):
