@@ -59,6 +59,7 @@ def test_a_second_replica_on_the_same_cache_loads_what_the_first_compiled(
     second = _start(demo_model, runtime_logs, base, tmp_path / "home-b", extra)
 
     measured = f"first: {first['phases']}, second: {second['phases']}"
+    print(measured)  # pytest -s: the numbers of a passing run too (bench/RESULTS.md)
     assert second["phases"]["load"] <= MAX_RATIO * first["phases"]["load"], measured
     assert first["source"] == ["compiled"], measured
     assert second["source"] == ["cache"], second["log"][-3000:]
