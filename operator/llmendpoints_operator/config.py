@@ -96,7 +96,7 @@ class OperatorSettings(BaseSettings):
         None,
         description="Folder holding the queue account's keys (files `account` and "
         "`account-signing`; the chart mounts them): the operator mints with them a NATS "
-        "credential per endpoint (Secret <endpoint>-queue-creds, allowed only that endpoint's "
+        "credential per endpoint (Secret <endpoint>-queue-creds-v2, allowed only that endpoint's "
         "subjects, records and consumers) and its own. Unset: one password in the URL for "
         "everyone (weaker; docs/security.md).",
     )
@@ -112,9 +112,25 @@ class OperatorSettings(BaseSettings):
         None,
         ge=1024 * 1024,
         description="Bound of the queue's object store of batch files and results "
-        "(OBJ_LLMEP_FILES), set when the operator creates the streams (the chart sets it from "
-        "queue.nats.batchFilesMaxBytes); uploads and results beyond it get 507. Unset: only "
-        "the NATS server's storage bounds it.",
+        "(OBJ_LLMEP_FILES), set by the operator on the stream (the chart sets it from "
+        "queue.nats.batchFilesMaxBytes); uploads and results beyond it get 507. Unset: 1 GiB.",
+    )
+    jobs_queue_endpoint_max_bytes: int = Field(
+        128 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="Bytes each endpoint's own queue may hold: its job records and results, "
+        "stream chunks, idempotency keys and admissions (the stream LLMEP_RECORDS_<ns>_<name>), "
+        "reserved for it alone on every NATS server, so a full endpoint (or its pods filling "
+        "it) stops no other. Beyond it that endpoint's new jobs get 503 naming this setting. "
+        "The operator sets it on existing endpoints' streams too. Every endpoint reserves it "
+        "(and 8 MiB for its jobs): size the NATS storage for your endpoints (docs/jobs.md).",
+    )
+    jobs_queue_usage_max_bytes: int | None = Field(
+        None,
+        ge=1024 * 1024,
+        description="Bytes of usage records kept (the stream LLMEP_USAGE; the chart sets it "
+        "from queue.nats.usageMaxBytes): beyond, the oldest records go, as they do after 400 "
+        "days. Export them before (llmendpoints-gateway usage). Unset: 1 GiB.",
     )
     jobs_max_queued_per_owner: int = Field(
         1_000,
@@ -144,6 +160,51 @@ class OperatorSettings(BaseSettings):
         description="Whether endpoints that do not set spec.api.inferencePool.enabled get an "
         "InferencePool (inference.networking.k8s.io/v1) selecting their pods, for Gateway API "
         "gateways with an endpoint picker (docs/gateway-api.md).",
+    )
+
+    fit_check: bool = Field(
+        True,
+        description="Check before rollout whether each endpoint's model fits the GPUs it asks "
+        'for (status.fit, condition ModelFits; docs/operator.md, "Will it fit?"): a model '
+        "that does not fit gets no pods. Reads config.json and safetensors headers from the "
+        "hub, and the nodes' GPU labels.",
+    )
+    fit_timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="How long a reconcile waits for the hub's answer about a model it has not "
+        "read yet; then ModelFits is Unknown, the rollout goes on and the read finishes in the "
+        "background for the next reconcile.",
+    )
+    fit_cache_seconds: float = Field(
+        3600.0,
+        gt=0,
+        description="How long a model's config.json and headers are reused, per hub, model, "
+        "revision and token Secret (a failed read is retried after a minute).",
+    )
+    fit_nodes_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="How long the list of nodes (their GPU labels) is reused by the fit check.",
+    )
+    fit_read_token_secrets: bool = Field(
+        False,
+        description="Whether the fit check reads the Secret of spec.model.hfTokenSecretRef to "
+        "read private and gated models (the chart then grants `get` on Secrets). Unset, such "
+        "models are Unknown and roll out unchecked.",
+    )
+    fit_allowed_hubs: str | None = Field(
+        None,
+        description="Other hubs (comma-separated base URLs) the fit check may read when an "
+        "endpoint's spec.engine.env sets HF_ENDPOINT; an endpoint naming any other hub gets "
+        "ModelFits Unknown (the operator contacts no address an endpoint author picks). Unset: "
+        "only the operator's own hub.",
+    )
+    hf_endpoint: str | None = Field(
+        None,
+        description="The hub the fit check reads models from, unless an endpoint sets "
+        "HF_ENDPOINT in spec.engine.env. Unset: the operator's HF_ENDPOINT, else "
+        "https://huggingface.co.",
     )
 
     # -- cold start (coldstart/; docs/operator.md, "Cold start") -----------------------------

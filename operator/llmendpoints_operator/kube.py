@@ -11,11 +11,15 @@ operator writes, and offers the verbs the reconcile needs:
   Update operation and later applies that omit it do not remove it (see manifests.replicas_to_write),
   and for Events (events.py);
 - `patch`: JSON merge patch, e.g. of `status` or the `scale` subresource;
-- `list` (by label selector) and `delete` (a missing object is not an error).
+- `list` (by label selector) and `delete` (a missing object is not an error);
+- for the fit check: `list_nodes` (their GPU feature discovery labels) and `secret_value` (an
+  endpoint's hub token, only where the chart grants `get` on Secrets).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -32,15 +36,19 @@ PLURALS: dict[tuple[str, str], str] = {
     ("apps/v1", "Deployment"): "deployments",
     ("v1", "Service"): "services",
     ("v1", "ConfigMap"): "configmaps",
-    ("v1", "Secret"): "secrets",  # create only: the endpoint's admin key
+    # Created: the endpoint's admin key; read (when allowed): the hub token of spec.model.
+    ("v1", "Secret"): "secrets",
     ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("networking.k8s.io/v1", "Ingress"): "ingresses",
     # Optional: only when the Gateway API Inference Extension's CRDs are installed.
     ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
+    # Optional: a multi-node endpoint's groups, only where LeaderWorkerSet is installed.
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkersets",
     ("llmendpoints.dev/v1alpha1", "LLMEndpoint"): "llmendpoints",
     ("v1", "Event"): "events",  # posted by events.py
-    # Read only: where the autoscaler finds the ready pods to scrape.
+    # Read only: a multi-node endpoint's pods, listed while a group is not ready (the status
+    # says which pod keeps it from being ready).
     ("v1", "Pod"): "pods",
     ("discovery.k8s.io/v1", "EndpointSlice"): "endpointslices",
     # Cold start (coldstart/): the download Job, the pre-pull DaemonSet; Events read for a
@@ -169,6 +177,22 @@ class KubeClient:
             "GET", object_path(api_version, kind, namespace), params=params
         )
         return list(result.get("items") or [])
+
+    async def list_nodes(self) -> list[dict[str, Any]]:
+        """Every node (cluster-scoped; the fit check reads their GPU labels and taints)."""
+        result = await self._request("GET", "/api/v1/nodes")
+        return list(result.get("items") or [])
+
+    async def secret_value(self, namespace: str, name: str, key: str) -> str:
+        """One key of a Secret, decoded; NotFound when the Secret or the key is missing."""
+        secret = await self._request("GET", object_path("v1", "Secret", namespace, name))
+        raw = (secret.get("data") or {}).get(key)
+        if raw is None:
+            raise NotFound(404, "NotFound", f"Secret {name} has no key {key}")
+        try:
+            return base64.b64decode(raw).decode().strip()
+        except (binascii.Error, UnicodeDecodeError):
+            raise ApiError(422, "Invalid", f"Secret {name}: key {key} is not text") from None
 
     async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         meta = obj["metadata"]

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from llmendpoints_common import vllm_env
 from llmendpoints_common.batch.limits import BatchEnv
 from llmendpoints_common.fair_use import DEFAULT_MAX_N
 from llmendpoints_common.identity import EndpointRef
@@ -36,7 +37,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 
 from llmendpoints_runtime import engine as engine_module
 
-SAGEMAKER_PREFIX = "SM_VLLM_"
+SAGEMAKER_PREFIX = vllm_env.SAGEMAKER_PREFIX
 
 
 class ConfigError(Exception):
@@ -137,9 +138,17 @@ class RuntimeSettings(EdgeSettings, BatchEnv):
         ge=1,
         le=65535,
         validation_alias="LLMEP_CONTROL_PORT",
-        description="A second port (on HOST) answering /health, /ready, /ping and /metrics from "
-        "a process of its own, whatever the event loop is doing: for the kubelet's probes and "
-        "the autoscaler's scrape under load (the operator sets it). Unset: no such port.",
+        description="A second port (on LLMEP_CONTROL_HOST) answering /health, /ready, /ping and "
+        "/metrics from a process of its own, whatever the event loop is doing: for the kubelet's "
+        "probes and the autoscaler's scrape under load (the operator sets it). Unset: no such "
+        "port.",
+    )
+    control_host: str | None = Field(
+        None,
+        validation_alias="LLMEP_CONTROL_HOST",
+        description="The address the control port listens on: the operator sets the pod's IP "
+        "(the address the kubelet probes), so the port is not on every interface of the pod. "
+        "Unset: HOST's (a local run with HOST=127.0.0.1 keeps it on loopback).",
     )
     startup_log_interval_seconds: float = Field(
         10.0,
@@ -591,17 +600,12 @@ NOT_FROM_ENVIRONMENT: dict[str, str] = {
 # value parsing
 # ---------------------------------------------------------------------------------------------
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
-
 
 def parse_bool(name: str, value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in _TRUE:
-        return True
-    if lowered in _FALSE:
-        return False
-    raise ConfigError(name, f"expected a boolean (1/0, true/false), got {value!r}")
+    try:
+        return vllm_env.parse_bool(value)
+    except ValueError as exc:
+        raise ConfigError(name, str(exc)) from None
 
 
 def _flag_argv(flag: str, value: str) -> list[str]:
@@ -610,16 +614,10 @@ def _flag_argv(flag: str, value: str) -> list[str]:
 
 def _list_values(name: str, value: str) -> list[str]:
     """A multi-valued flag: a JSON array, or values separated by whitespace or commas."""
-    stripped = value.strip()
-    if stripped.startswith("["):
-        try:
-            items = json.loads(stripped)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(name, f"is not a valid JSON list: {exc}") from None
-        if not isinstance(items, list):
-            raise ConfigError(name, "must be a JSON list")
-        return [item if isinstance(item, str) else json.dumps(item) for item in items]
-    return [v for v in re.split(r"[\s,]+", stripped) if v]
+    try:
+        return vllm_env.list_values(value)
+    except ValueError as exc:
+        raise ConfigError(name, str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -628,8 +626,7 @@ class FlagSpec:
     kind: Literal["value", "list", "store_true", "bool_optional", "append"]
 
 
-def env_name_for(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_").upper()
+env_name_for = vllm_env.env_name_for
 
 
 def flag_table(parser) -> dict[str, FlagSpec]:

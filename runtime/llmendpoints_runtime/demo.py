@@ -10,7 +10,9 @@ at least 32, so 128 hidden units over 2 heads (head_dim 64) with one KV head.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 # Fixed corpus: the tokenizer's merges (and so the vocabulary) depend only on this text.
 _CORPUS = [
@@ -90,8 +92,13 @@ def _weights(config: dict) -> dict:
     kv_dim = config["num_key_value_heads"] * head_dim
     vocab = config["vocab_size"]
 
+    dtype = getattr(torch, config["torch_dtype"])
+
     def randn(*shape: int):
-        return (torch.randn(*shape, generator=generator) * 0.02).contiguous()
+        return (torch.randn(*shape, generator=generator) * 0.02).to(dtype).contiguous()
+
+    def ones(size: int):
+        return torch.ones(size, dtype=dtype)
 
     tensors = {"model.embed_tokens.weight": randn(vocab, hidden)}
     for i in range(config["num_hidden_layers"]):
@@ -103,26 +110,32 @@ def _weights(config: dict) -> dict:
         tensors[p + "mlp.gate_proj.weight"] = randn(inter, hidden)
         tensors[p + "mlp.up_proj.weight"] = randn(inter, hidden)
         tensors[p + "mlp.down_proj.weight"] = randn(hidden, inter)
-        tensors[p + "input_layernorm.weight"] = torch.ones(hidden)
-        tensors[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
-    tensors["model.norm.weight"] = torch.ones(hidden)
-    tensors["lm_head.weight"] = randn(vocab, hidden)
+        tensors[p + "input_layernorm.weight"] = ones(hidden)
+        tensors[p + "post_attention_layernorm.weight"] = ones(hidden)
+    tensors["model.norm.weight"] = ones(hidden)
+    if not config["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = randn(vocab, hidden)
     return tensors
 
 
-def write_demo_model(path: str | Path, max_positions: int = 2048) -> Path:
+def write_demo_model(
+    path: str | Path, max_positions: int = 2048, shape: Mapping[str, Any] | None = None
+) -> Path:
     """Write the demo model to `path` (created if missing) and return it.
 
     The same call always writes the same bytes for weights, config and tokenizer.
     ``max_positions``: the longest sequence it takes (RoPE: any length it is built for; tests
-    of long streams ask for more than the default).
+    of long streams ask for more than the default). ``shape``: config.json entries that replace
+    the demo's (layers, heads, KV heads, head_dim, hidden and intermediate sizes, torch_dtype,
+    tie_word_embeddings, sliding_window and layer_types, a vocab_size above the tokenizer's):
+    the weights follow them (the fit check's test against vLLM sizes several such models).
     """
     from safetensors.torch import save_file
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer()
-    config = _model_config(tokenizer.get_vocab_size(), max_positions)
+    config = {**_model_config(tokenizer.get_vocab_size(), max_positions), **(shape or {})}
 
     tokenizer.save(str(out / "tokenizer.json"))
     tokenizer_config = {

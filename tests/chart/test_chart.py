@@ -260,7 +260,15 @@ def test_rbac_grants_what_the_operator_does_and_nothing_else(helm: Path, tmp_pat
         ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
         ("llmendpoints.dev", "llmendpoints"): {"list", "watch", "patch"},
         ("llmendpoints.dev", "llmendpoints/status"): {"patch"},
-        ("apps", "deployments"): {"list", "watch", "create", "patch"},
+        ("apps", "deployments"): {"list", "watch", "create", "patch", "delete"},
+        ("leaderworkerset.x-k8s.io", "leaderworkersets"): {
+            "list",
+            "watch",
+            "create",
+            "patch",
+            "delete",
+        },
+        ("", "pods"): {"list", "watch"},
         ("", "persistentvolumeclaims"): {"list", "watch", "create", "patch", "delete"},
         ("", "services"): {"create", "patch"},
         ("", "configmaps"): {"create", "patch", "delete"},
@@ -270,9 +278,9 @@ def test_rbac_grants_what_the_operator_does_and_nothing_else(helm: Path, tmp_pat
         ("inference.networking.k8s.io", "inferencepools"): {"create", "patch", "delete"},
         ("discovery.k8s.io", "endpointslices"): {"list"},
         ("", "events"): {"create", "list"},
+        ("", "nodes"): {"list"},
         ("batch", "jobs"): {"list", "watch", "create", "delete"},
         ("apps", "daemonsets"): {"create", "patch", "delete"},
-        ("", "pods"): {"list", "watch"},
     }
     binding = only(docs, "ClusterRoleBinding")
     account = only(docs, "ServiceAccount")
@@ -284,6 +292,27 @@ def test_rbac_grants_what_the_operator_does_and_nothing_else(helm: Path, tmp_pat
     assert (
         deployment["spec"]["template"]["spec"]["serviceAccountName"] == account["metadata"]["name"]
     )
+
+
+@pytest.mark.parametrize("values", [{}, NAMESPACED])
+def test_the_fit_check_reads_secrets_only_when_asked_and_nodes_only_when_on(
+    helm: Path, tmp_path: Path, values: dict[str, Any]
+) -> None:
+    reads = render(helm, tmp_path, {**values, "fit": {"readTokenSecrets": True}})
+    assert _grants(_rbac_rules(reads))[("", "secrets")] == {"create", "get"}
+    env = {e["name"]: e.get("value") for e in _operator_env(reads)}
+    assert env["LLMEP_OPERATOR_FIT_READ_TOKEN_SECRETS"] == "true"
+    off = render(helm, tmp_path, {**values, "fit": {"enabled": False, "readTokenSecrets": True}})
+    grants = _grants(_rbac_rules(off))
+    assert grants[("", "secrets")] == {"create"}
+    assert ("", "nodes") not in grants
+    env = {e["name"]: e.get("value") for e in _operator_env(off)}
+    assert env["LLMEP_OPERATOR_FIT_CHECK"] == "false"
+    assert env["LLMEP_OPERATOR_FIT_READ_TOKEN_SECRETS"] == "false"
+
+
+def _operator_env(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return only(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
 
 
 def test_watch_namespaces_switches_to_namespaced_roles(helm: Path, tmp_path: Path) -> None:
@@ -306,6 +335,7 @@ def test_watch_namespaces_switches_to_namespaced_roles(helm: Path, tmp_path: Pat
     } == {
         ("apiextensions.k8s.io", "customresourcedefinitions"),
         ("", "namespaces"),
+        ("", "nodes"),  # the fit check's GPU labels
     }
     assert {v for rule in cluster_rules for v in rule["verbs"]} == {"list", "watch"}
     args = only(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -594,6 +624,7 @@ CHILD_RESOURCES = {
     "InferencePool": ("inference.networking.k8s.io", "inferencepools"),
     "DaemonSet": ("apps", "daemonsets"),  # coldstart: the pre-pull
     "Job": ("batch", "jobs"),  # coldstart: the download
+    "LeaderWorkerSet": ("leaderworkerset.x-k8s.io", "leaderworkersets"),
 }
 
 
@@ -606,7 +637,7 @@ def test_rbac_covers_what_the_operator_code_watches_and_writes(
     (delete), the EndpointSlices the autoscaler lists, and the Events it posts — and nothing more."""
     import kopf
     import llmendpoints_operator.handlers  # noqa: F401  (registers the kopf handlers)
-    from llmendpoints_operator import manifests, spec
+    from llmendpoints_operator import groups, kube, manifests, spec
     from llmendpoints_operator.autoscaling import controller
     from llmendpoints_operator.coldstart import manifests as coldstart
     from llmendpoints_operator.config import OperatorSettings
@@ -643,6 +674,12 @@ def test_rbac_covers_what_the_operator_code_watches_and_writes(
     zero = spec.parse("chat", "team-a", to_zero, scale_to_zero=True)
     children.append(coldstart.build_download_job(zero, OperatorSettings()))
     children.append(coldstart.build_prepull_daemonset(zero, OperatorSettings()))
+    # A multi-node endpoint's workload, and one of either kind deleted when nodes changes.
+    every_child["resources"] = {"gpus": 8, "nodes": 2}
+    in_groups = spec.parse("chat", "team-a", every_child)
+    children.append(groups.build_workload(in_groups, OperatorSettings(), replicas=2))
+    for workload in (endpoint, in_groups):
+        need(*CHILD_RESOURCES[groups.other_workload_ref(workload).kind], "delete")
     built = {child["kind"] for child in children}
     assert set(CHILD_RESOURCES) >= built, f"unknown child kinds {built - set(CHILD_RESOURCES)}"
     assert built == set(CHILD_RESOURCES), "the example should produce every kind of child"
@@ -663,6 +700,11 @@ def test_rbac_covers_what_the_operator_code_watches_and_writes(
     need("", "secrets", "create")
     group, _, _ = controller.ENDPOINTSLICE_API[0].rpartition("/")
     need(group, "endpointslices", "list")
+    # The pods of a multi-node endpoint whose groups are not all ready (reconcile.py).
+    need("", "pods", "list")
+    # The fit check reads the nodes' GPU labels (kube.KubeClient.list_nodes).
+    assert kube.KubeClient.list_nodes
+    need("", "nodes", "list")
     need("", "events", "create")
     # kopf itself: CRD discovery, and namespace names when it serves a list of namespaces.
     need("apiextensions.k8s.io", "customresourcedefinitions", "list", "watch")

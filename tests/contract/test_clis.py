@@ -128,3 +128,73 @@ def test_a_kubeconfig_whose_context_names_no_cluster_is_refused() -> None:
     # Merged as kubectl merges: the second file may define what the first names.
     first = {"current-context": "c", "contexts": good["contexts"]}
     assert config_problem([first, {"clusters": good["clusters"]}], "x") is None
+
+
+# --- `llmendpoints-operator fit`: the operator's fit check, locally ------------------------------
+
+
+@pytest.fixture(scope="module")
+def hub():
+    import model_shapes
+    from fake_hub import HeaderHub, VirtualRepo
+
+    def repo(config: dict, shards: int, **kwargs: object) -> VirtualRepo:
+        sharded = model_shapes.shards(model_shapes.llama_tensors(config), shards)
+        headers = {f: model_shapes.header(ts) for f, ts in sharded.items()}
+        return VirtualRepo(config, headers, model_shapes.index(sharded), **kwargs)
+
+    stand_in = HeaderHub()
+    stand_in.repos["meta-llama/Meta-Llama-3-70B"] = repo(model_shapes.LLAMA_3_70B, 30)
+    stand_in.repos["acme/private"] = repo(model_shapes.LLAMA_31_8B, 4, token="hf_secret")
+    with stand_in:
+        yield stand_in
+
+
+def _fit(hub, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return _run("operator", "fit", *args, "--json", HF_ENDPOINT=hub.url, **env)
+
+
+def test_fit_answers_as_the_operator_does(hub) -> None:
+    import json
+
+    import model_shapes
+
+    refused = _fit(hub, "meta-llama/Meta-Llama-3-70B", "--gpu-memory", "81559Mi",
+                   "--gpu-product", "NVIDIA-H100-80GB-HBM3")  # fmt: skip
+    assert refused.returncode == 1, refused.stderr
+    answer = json.loads(refused.stdout)
+    assert (answer["status"], answer["reason"]) == ("False", "WeightsDoNotFit")
+    assert "spec.engine.tensorParallelSize: 2" in answer["message"]
+    fits = _fit(hub, "meta-llama/Meta-Llama-3-70B", "--gpus", "4", "--tensor-parallel-size",
+                "4", "--gpu-memory", "80GiB")  # fmt: skip
+    assert fits.returncode == 0, fits.stderr
+    numbers = json.loads(fits.stdout)["fit"]
+    assert numbers["weightsBytes"] == model_shapes.LLAMA_3_70B_TOTAL
+    assert numbers["kvCacheBytesPerToken"] == 327_680
+    assert numbers["revision"] == hub.repos["meta-llama/Meta-Llama-3-70B"].commit
+    assert hub.violations == []
+
+
+def test_fit_reads_private_models_with_hf_token(hub) -> None:
+    import json
+
+    without = _fit(hub, "acme/private", "--gpu-memory", "80GiB")
+    assert without.returncode == 3, without.stderr
+    assert "401" in json.loads(without.stdout)["message"]
+    with_token = _fit(hub, "acme/private", "--gpu-memory", "80GiB", HF_TOKEN="hf_secret")
+    assert with_token.returncode == 0, with_token.stderr
+
+
+def test_fit_reads_a_local_folder_and_refuses_bad_arguments(tmp_path: Path) -> None:
+    from llmendpoints_runtime.demo import write_demo_model
+
+    folder = write_demo_model(tmp_path / "demo")
+    result = _run("operator", "fit", str(folder), "--gpu-memory", "16Gi")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ModelFits: True (Fits)")
+    bad = _run("operator", "fit", str(folder), "--gpu-memory", "lots")
+    assert bad.returncode == 2
+    assert "'lots' is not an amount of memory" in bad.stderr
+    flag = _run("operator", "fit", str(folder), "--gpu-memory", "16Gi", "--max-num-seqs", "many")
+    assert flag.returncode == 2
+    assert "--max-num-seqs takes an integer" in flag.stderr

@@ -5,13 +5,14 @@ backend (bench/gateway_standin.py) for failures that a real engine cannot be mad
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -20,6 +21,7 @@ import httpx
 import runtime_process
 import yaml
 from ports import free_port
+from proc_kit import wait_until
 from runtime_process import RuntimeServer, ServedProcess, clean_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -97,6 +99,38 @@ def launch_standin(
 
 
 @contextlib.contextmanager
+def key_counting_gateways(
+    log_dir: Path,
+    endpoints_file: Path,
+    queue_url: str,
+    ready: Callable[[Process], bool],
+    what: str,
+    timeout: float,
+) -> Iterator[list[Process]]:
+    """Two gateway processes (g1, g2) on one endpoints file and one queue, their metrics
+    labelled by key (the quota and metering tests count per key), each up and ``ready``."""
+    procs = [
+        launch_gateway(
+            log_dir,
+            GATEWAY_ENDPOINTS_FILE=str(endpoints_file),
+            JOBS_QUEUE_URL=queue_url,
+            GATEWAY_ID=f"g{i}",
+            GATEWAY_METRICS_KEY_LABELS="1",
+        )
+        for i in (1, 2)
+    ]
+    try:
+        for proc in procs:
+            proc.wait_http("/health")
+        for proc in procs:
+            wait_until(lambda proc=proc: ready(proc), timeout, what, interval=0.05)
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@contextlib.contextmanager
 def running_standins(log_dir: Path, *names: str) -> Iterator[dict[str, Process]]:
     """Stand-ins by name, started together and ready."""
     procs = {name: launch_standin(log_dir, name) for name in names}
@@ -157,3 +191,41 @@ def webhook_receiver(answer_after: float = 0.0) -> Iterator[tuple[str, list[dict
     finally:
         server.shutdown()
         server.server_close()
+
+
+# ------------------------------------------------------------------ clients that hang up
+
+
+def chat_body(size: int, pad: int = 200_000) -> bytes:
+    """A chat request of exactly ``size`` bytes for the stand-in, whose answer carries ``pad``
+    bytes: more than a client that hangs up after the status line reads."""
+    request = {"model": "one", "standin_pad": pad, "messages": [{"role": "user"}]}
+    filler = size - len(json.dumps({**request, "messages": [{"role": "user", "content": ""}]}))
+    request["messages"][0]["content"] = "x" * filler
+    body = json.dumps(request).encode()
+    assert len(body) == size
+    return body
+
+
+async def _send_and_hang_up(port: int, head: bytes, body: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head)
+    writer.write(body)
+    await writer.drain()
+    status = await reader.readline()
+    writer.transport.abort()
+    return status.split(b" ")[1] if status else b"closed"
+
+
+def hang_up_round(port: int, key: str, body: bytes, clients: int) -> list[bytes]:
+    """``clients`` at once each send the whole chat request, read only the answer's status
+    line and close with the rest unread (the kernel resets the connection); their statuses."""
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+
+    async def together() -> list[bytes]:
+        return await asyncio.gather(*(_send_and_hang_up(port, head, body) for _ in range(clients)))
+
+    return asyncio.run(together())

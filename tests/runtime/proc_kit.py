@@ -19,6 +19,20 @@ def _read(pid: int, name: str) -> str:
         return ""
 
 
+def rss_mib(pid: int) -> float:
+    """Resident memory of one process, MiB."""
+    for line in _read(pid, "status").splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process (all its threads) so far."""
+    fields = _read(pid, "stat").rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def engine_core_pids(runtime_pid: int) -> list[int]:
     """vLLM's engine-core processes under the runtime (vLLM titles them VLLM::EngineCore)."""
     return [
@@ -49,6 +63,22 @@ def wait_until(condition, timeout: float, what: str, interval: float = 0.2):
             return value
         time.sleep(interval)
     raise AssertionError(f"{what}: not within {timeout} s")
+
+
+def stopped(pid: int) -> bool:
+    """Every thread of ``pid`` is in the stopped state: a SIGSTOP has taken effect. On a loaded
+    machine it takes a while (each thread stops when it next gets a CPU), and until then a
+    thread of the "frozen" process can still answer."""
+    states = [_read_state(task) for task in (Path("/proc") / str(pid) / "task").glob("*")]
+    return bool(states) and all(state == "T" for state in states)
+
+
+def _read_state(task: Path) -> str:
+    try:
+        stat = (task / "stat").read_text()
+    except OSError:
+        return "T"  # a thread that ended answers nothing either
+    return stat[stat.rfind(")") + 2 :].split(maxsplit=1)[0]
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@ The operator's permissions, least privilege. No wildcards: every resource and ve
 each rule says why the operator needs it. Secrets: create only. The operator *references* the
 user's Secrets (HF token via secretKeyRef, API keys as a mounted volume) and the kubelet resolves
 them for the runtime pod; the one Secret it writes is each endpoint's generated admin key, created
-once. It can never read, list, watch, update or delete a Secret.
+once. It never lists, watches, updates or deletes a Secret, and reads one only when you turn on
+fit.readTokenSecrets (the fit check then reads the hub token an endpoint names).
 */}}
 
 {{/* Cluster-scoped, read-only: what kopf needs to find the LLMEndpoint resource. */}}
@@ -13,6 +14,13 @@ once. It can never read, list, watch, update or delete a Secret.
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
   verbs: [list, watch]
+{{- if .Values.fit.enabled }}
+# The fit check reads the GPU feature discovery labels (nvidia.com/gpu.memory, .product, .count)
+# and taints of the nodes an endpoint's pods may run on. Read-only.
+- apiGroups: [""]
+  resources: [nodes]
+  verbs: [list]
+{{- end }}
 {{- end }}
 
 {{/*
@@ -33,11 +41,25 @@ writes, so a new child kind or watch cannot ship without its permission.
   verbs: [patch]
 # Each endpoint's serving workload: watched (its rollout feeds the status), created, kept in line
 # with the spec by server-side apply; replica changes (autoscaler, bounds, pins) are merge patches.
-# Never deleted by the operator: garbage collection removes it with its LLMEndpoint (owner
-# reference).
+# Deleted by the operator only when spec.resources.nodes turns the endpoint into LeaderWorkerSet
+# groups (or back); otherwise garbage collection removes it with its LLMEndpoint (owner reference).
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [list, watch, create, patch]
+  verbs: [list, watch, create, patch, delete]
+# A multi-node endpoint's workload (spec.resources.nodes > 1): one LeaderWorkerSet of groups, the
+# same verbs as a Deployment (its replicas, the groups, are merge patches of the object itself,
+# not of its scale subresource). Harmless where LeaderWorkerSet is not installed (the operator
+# then says so in the endpoint's status).
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets]
+  verbs: [list, watch, create, patch, delete]
+# Pods are read, never written: a multi-node endpoint's pods are listed while one of its groups is
+# not ready (the status names the pod and node that keeps it from being ready); runtime and
+# download pods are watched for cold start -- a runtime pod's first Ready is a start to record
+# (status.coldStart), a download pod's termination message its attempt's report.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch]
 # The shared model cache: watched (its binding feeds the status's CacheReady condition), created
 # and deleted when spec.cache no longer asks for a claim the operator created.
 - apiGroups: [""]
@@ -73,6 +95,14 @@ writes, so a new child kind or watch cannot ship without its permission.
 - apiGroups: [""]
   resources: [secrets]
   verbs: [create]
+{{- if and .Values.fit.enabled .Values.fit.readTokenSecrets }}
+# fit.readTokenSecrets: the fit check reads the hub token of spec.model.hfTokenSecretRef to check
+# private and gated models. Any Secret of the namespace by name (RBAC cannot narrow it to the ones
+# endpoints name); never listed or watched.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+{{- end }}
 # Kubernetes Events on notable transitions (created, invalid spec, rolled out, scaled, degraded);
 # a new runtime pod's Events are listed once, for its image pull (status.coldStart).
 - apiGroups: [""]
@@ -88,9 +118,4 @@ writes, so a new child kind or watch cannot ship without its permission.
 - apiGroups: [apps]
   resources: [daemonsets]
   verbs: [create, patch, delete]
-# Runtime and download pods are watched, never written: a runtime pod's first Ready is a cold
-# start to record (status.coldStart), a download pod's termination message its attempt's report.
-- apiGroups: [""]
-  resources: [pods]
-  verbs: [list, watch]
 {{- end }}
