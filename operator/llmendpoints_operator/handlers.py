@@ -543,6 +543,7 @@ async def endpoint_pod_changed(
     others = running.reconciler.indexes.endpoint_pods.get(key, ())
     from_zero = not any(
         coldstart_record.is_ready(p)
+        and coldstart_record.serves(p)  # another replica: a Deployment's pod or a group's leader
         and p["metadata"].get("uid") != pod["metadata"].get("uid")
         and (p["metadata"].get("labels") or {}).get(coldstart_manifests.LABEL_COMPONENT)
         == "inference"

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmendpoints_operator import manifests as base
 from llmendpoints_operator.coldstart.manifests import DOWNLOAD_BACKOFF_LIMIT
 
 CONDITION = "Downloaded"
@@ -135,6 +136,14 @@ def container_status(pod: Mapping[str, Any], name: str) -> Mapping[str, Any]:
 
 def is_ready(pod: Mapping[str, Any]) -> bool:
     return condition_time(pod, "Ready") is not None
+
+
+def serves(pod: Mapping[str, Any]) -> bool:
+    """A replica's pod: a Deployment's, or a multi-node group's leader. A group's worker serves
+    no request (its leader is Ready only once every worker has joined it), so its start is part
+    of its group's, recorded with the leader's."""
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    return labels.get(base.LWS_WORKER_INDEX_LABEL, base.LEADER_INDEX) == base.LEADER_INDEX
 
 
 def _seconds(later: datetime.datetime | None, earlier: datetime.datetime | None) -> float | None:

@@ -82,13 +82,15 @@ class ColdStartRecorder:
         self._recorded: OrderedDict[str, None] = OrderedDict()
 
     def wants(self, pod: Mapping[str, Any], endpoint: Mapping[str, Any] | None) -> bool:
-        """A runtime pod that just turned Ready and is not recorded yet (cheap: called on every
-        pod event). Not a pod that was Ready before the last record, nor one Ready for longer
-        than RECENT_SECONDS: an operator that restarts sees every running pod again, and their
-        starts are history (recorded then, or lost while it was down)."""
+        """A replica's pod (not a group's worker) that just turned Ready and is not recorded yet
+        (cheap: called on every pod event). Not a pod that was Ready before the last record, nor
+        one Ready for longer than RECENT_SECONDS: an operator that restarts sees every running
+        pod again, and their starts are history (recorded then, or lost while it was down)."""
         meta = pod.get("metadata") or {}
         ready = record.condition_time(pod, "Ready")
         if endpoint is None or ready is None or meta.get("uid") in self._recorded:
+            return False
+        if not record.serves(pod):  # a group's worker: its leader's start is the group's
             return False
         if (self._clock() - ready).total_seconds() > RECENT_SECONDS:
             return False

@@ -17,6 +17,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from llmendpoints_operator import groups
 from llmendpoints_operator.coldstart import manifests as cs
 from llmendpoints_operator.coldstart import record
 from llmendpoints_operator.config import OperatorSettings
@@ -424,3 +425,39 @@ def test_history_is_not_recorded_again_after_an_operator_restart() -> None:
     assert not recorder.wants(_pod(), _endpoint_with(same))  # that very record
     older = {"pod": "llama-old", "readyAt": "2026-01-01T00:00:10Z"}
     assert recorder.wants(_pod(), _endpoint_with(older))
+
+
+def test_a_groups_worker_is_not_a_cold_start_of_its_own() -> None:
+    """A multi-node group is one replica: its leader's Ready is the start (the leader is Ready
+    once every worker has joined); a worker's Ready is neither recorded nor another replica."""
+    recorder = _recorder("2026-01-01T00:01:45Z")
+    index = "leaderworkerset.sigs.k8s.io/worker-index"
+    worker = _pod(metadata={"name": "llama-group-0-1", "labels": {index: "1"}})
+    leader = _pod(metadata={"name": "llama-group-0", "labels": {index: "0"}})
+    assert not record.serves(worker)
+    assert record.serves(leader) and record.serves(_pod())  # a Deployment's pod has no index
+    assert not recorder.wants(worker, _endpoint_with(None))
+    assert recorder.wants(leader, _endpoint_with(None))
+
+
+def test_a_multinode_endpoint_prepulls_where_its_leaders_and_workers_may_run() -> None:
+    """A group's workers run the same image on other nodes than its leader: the pre-pull covers
+    every node either template may use, and one download fills the cache both mount."""
+    ep = _endpoint(_with(resources__nodes=2, resources__gpus=8))
+    lws = groups.build_leader_worker_set(ep, SETTINGS, replicas=None)
+    prepull = cs.build_prepull_daemonset(ep, SETTINGS)["spec"]["template"]["spec"]
+    job = cs.build_download_job(ep, SETTINGS)["spec"]["template"]["spec"]
+    (claim,) = (v["persistentVolumeClaim"]["claimName"] for v in job["volumes"])
+    for role in ("leaderTemplate", "workerTemplate"):
+        pod = lws["spec"]["leaderWorkerTemplate"][role]["spec"]
+        assert prepull["nodeSelector"] == pod["nodeSelector"]
+        assert prepull["affinity"] == {"nodeAffinity": pod["affinity"]["nodeAffinity"]}
+        assert all(t in prepull["tolerations"] for t in pod["tolerations"])
+        assert prepull["initContainers"][0]["image"] == pod["containers"][0]["image"]
+        assert prepull["imagePullSecrets"] == pod["imagePullSecrets"]
+        claims = {
+            v["persistentVolumeClaim"]["claimName"]
+            for v in pod["volumes"]
+            if "persistentVolumeClaim" in v
+        }
+        assert claim in claims
