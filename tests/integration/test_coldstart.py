@@ -9,6 +9,8 @@ Kubernetes API (and a real nats-server: scale to zero needs the queue).
 - status.coldStart.last is filled from a runtime pod's conditions, its Pulled Event and the
   runtime's start-up phases on its /metrics (a stand-in server on the pod's control port), and
   the operator's histograms count it.
+- A multi-node endpoint (``nodes: 2``): the same pre-pull for leaders and workers, one download;
+  a group's worker is not a start of its own, the leader's is the group's.
 
 kmock has no controllers: the test plays the Job controller and the kubelet (pods, statuses,
 Events), as the other integration tests play the Deployment controller.
@@ -275,6 +277,13 @@ def _runtime_pod(name: str, control_port: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+async def _last_cold_start(cluster: Cluster, operator: Operator, name: str) -> dict[str, Any]:
+    def last() -> dict[str, Any] | None:
+        return (_status(cluster, name).get("coldStart") or {}).get("last")
+
+    return await until(operator, last, "status.coldStart.last")
+
+
 async def test_a_cold_start_is_recorded_phase_by_phase(cluster, operator):
     name = "timed"
     spec = {**SPEC, "cache": None}
@@ -304,11 +313,7 @@ async def test_a_cold_start_is_recorded_phase_by_phase(cluster, operator):
         }
         await cluster.create(EVENTS, NS, pulled)
         await cluster.create(PODS, NS, pod)
-        last = await until(
-            operator,
-            lambda: (_status(cluster, name).get("coldStart") or {}).get("last"),
-            "status.coldStart.last",
-        )
+        last = await _last_cold_start(cluster, operator, name)
     finally:
         await runner.cleanup()
 
@@ -343,3 +348,31 @@ async def test_a_cold_start_is_recorded_phase_by_phase(cluster, operator):
         "the update reconciled",
     )
     assert _status(cluster, name)["coldStart"]["last"] == last
+
+
+async def test_a_multi_node_endpoint_prepulls_for_its_workers_and_records_its_leaders_start(
+    cluster, operator
+):
+    """nodes: 2 -- one DaemonSet with the placement leaders and workers share (LeaderWorkerSet
+    need not be installed for it), one download Job for the shared cache; a group's worker
+    turning Ready is not a start of its own, nor another replica: the leader's start is the
+    group's, from zero."""
+    name = "wide"
+    spec = {**SPEC, "resources": {**SPEC["resources"], "gpus": 8, "nodes": 2}}
+    await cluster.create(LLMEP, NS, endpoint(name, NS, spec))
+    ds = await until(operator, lambda: cluster.get(DAEMONSETS, NS, f"{name}-prepull"), "prepull")
+    pod = ds["spec"]["template"]["spec"]
+    assert (
+        pod["nodeSelector"] == {"pool": "l4"} and pod["initContainers"][0]["image"] == RUNTIME_IMAGE
+    )
+    assert {"key": "dedicated", "operator": "Equal", "value": "llm"} in pod["tolerations"]
+    await until(operator, lambda: _jobs(cluster, name), "the download Job")
+
+    index = "leaderworkerset.sigs.k8s.io/worker-index"
+    worker, leader = _runtime_pod(name, free_port()), _runtime_pod(name, free_port())
+    worker["metadata"]["name"], leader["metadata"]["name"] = f"{name}-group-0-1", f"{name}-group-0"
+    worker["metadata"]["labels"][index], leader["metadata"]["labels"][index] = "1", "0"
+    await cluster.create(PODS, NS, worker)
+    await cluster.create(PODS, NS, leader)
+    last = await _last_cold_start(cluster, operator, name)
+    assert last["pod"] == f"{name}-group-0" and last["fromZero"] is True
