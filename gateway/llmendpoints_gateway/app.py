@@ -118,6 +118,7 @@ class Gateway:
             settings.hold_timeout_seconds,
             token_secret=token_secret,
             default_max_tokens=settings.default_token_reservation,
+            hold_keepalive_seconds=settings.hold_keepalive_seconds,
         )
         self.routes = self._route_table()
 

@@ -45,6 +45,16 @@ class GatewaySettings(EdgeSettings, BatchEnv):
         description="How long a request waits for an endpoint with no ready replica (outlasts "
         "a cold start: pod scheduling, image pull, weight load) before a 503.",
     )
+    hold_keepalive_seconds: float = Field(
+        10.0,
+        ge=0,
+        le=14,
+        validation_alias="GATEWAY_HOLD_KEEPALIVE_SECONDS",
+        description="A held streamed request gets its response head after 1 s, then an SSE "
+        "comment (`: waiting for a replica`) this often until the answer starts, so proxies "
+        "with idle timeouts keep it (at most 14: a byte at least every 15 s); 0: no comments, "
+        "the head comes with the replica's answer.",
+    )
     hold_queue_length: int = Field(
         1000,
         ge=0,

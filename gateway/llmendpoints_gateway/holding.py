@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -22,7 +24,11 @@ from collections.abc import Awaitable, Callable
 from llmendpoints_common.errors import ServiceUnavailableError
 from llmendpoints_edge.body import ClientGone
 
+logger = logging.getLogger("llmendpoints.gateway.holding")
+
 RETRY_AFTER_SECONDS = 5
+# A cold start longer than this is not a reason to tell a client to stay away longer.
+MAX_RETRY_AFTER_SECONDS = 900
 # Before an endpoint's pod even starts its startup budget: scheduling, a node scaled up, the image
 # pulled. Added to spec.engine.startupTimeoutSeconds for the hold of a discovered endpoint.
 SCHEDULING_MARGIN_SECONDS = 300.0
@@ -38,6 +44,16 @@ def hold_timeout(setting: float, startup_timeout: float | None) -> float:
     if startup_timeout is None:
         return setting
     return max(setting, startup_timeout + SCHEDULING_MARGIN_SECONDS)
+
+
+def retry_after(cold_start: float | None, waited: float) -> int:
+    """Retry-After for a request refused while its endpoint wakes (pure): what is left of the
+    endpoint's measured cold start after ``waited`` seconds of this wake-up, at least
+    RETRY_AFTER_SECONDS (also when no cold start was measured yet, or it is overdue)."""
+    if cold_start is None:
+        return RETRY_AFTER_SECONDS
+    left = math.ceil(cold_start - waited)
+    return min(max(left, RETRY_AFTER_SECONDS), MAX_RETRY_AFTER_SECONDS)
 
 
 def unavailable(message: str, retry_after: int = RETRY_AFTER_SECONDS) -> ServiceUnavailableError:
@@ -87,6 +103,18 @@ class HoldQueue:
         # (seconds held, outcome: released, timeout, shutdown, client_gone): the hold-time
         # histogram. A request refused because the queue is full was never held.
         self._on_held = on_held
+        # The endpoint's cold start as the operator measured it (status.coldStart.last), and
+        # as this gateway saw it (the last wake-up: first request held -> replica ready); the
+        # Retry-After of a refused request is what is left of it. ``waking_since``: when the
+        # current wake-up's first request was held (None: no wake-up under way).
+        self.cold_start: float | None = None
+        self.observed_cold_start: float | None = None
+        self.waking_since: float | None = None
+
+    def retry_after(self) -> int:
+        measured = self.cold_start if self.cold_start is not None else self.observed_cold_start
+        since = self.waking_since
+        return retry_after(measured, 0.0 if since is None else time.monotonic() - since)
 
     def __len__(self) -> int:
         return len(self._waiters)
@@ -100,20 +128,23 @@ class HoldQueue:
             self._on_reject("queue_full")
             raise unavailable(
                 f"endpoint {self.endpoint!r} has no ready replica and its hold queue is full "
-                f"({self.max_length} requests); retry later"
+                f"({self.max_length} requests); retry later",
+                self.retry_after(),
             )
         if self._by_key.get(key, 0) >= self.per_key:
             self._on_reject("key_share")
             raise unavailable(
                 f"endpoint {self.endpoint!r} has no ready replica and this key already has "
                 f"{self.per_key} requests waiting for it (its share of the hold queue); retry "
-                "later"
+                "later",
+                self.retry_after(),
             )
         if not self.budget.take(size):
             self._on_reject("bytes")
             raise unavailable(
                 f"endpoint {self.endpoint!r} has no ready replica and the gateway holds as "
-                f"many request bytes as it may ({self.budget.max_bytes}); retry later"
+                f"many request bytes as it may ({self.budget.max_bytes}); retry later",
+                self.retry_after(),
             )
 
     async def wait(
@@ -129,6 +160,8 @@ class HoldQueue:
                 disconnected.close()  # never awaited: closed, not left to the collector's warning
             raise
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.waking_since is None:
+            self.waking_since = time.monotonic()
         self._waiters.append(waiter)
         self._by_key[key] = self._by_key.get(key, 0) + 1
         self._on_change(len(self._waiters))
@@ -151,7 +184,8 @@ class HoldQueue:
             outcome = "timeout"
             self._on_reject("timeout")
             raise unavailable(
-                f"endpoint {self.endpoint!r} has had no ready replica for {timeout:.0f} s; retry later"
+                f"endpoint {self.endpoint!r} has had no ready replica for {timeout:.0f} s; retry later",
+                self.retry_after(),
             )
         finally:
             gone.cancel()
@@ -169,6 +203,16 @@ class HoldQueue:
             self._on_held(time.monotonic() - started, outcome)
 
     def release_all(self) -> None:
+        if self.waking_since is not None and self._waiters:
+            self.observed_cold_start = time.monotonic() - self.waking_since
+            logger.info(
+                "endpoint %s: a replica is ready; %d held request(s) released after a %.1f s "
+                "wait (the gateway's view of this cold start)",
+                self.endpoint,
+                len(self._waiters),
+                self.observed_cold_start,
+            )
+        self.waking_since = None
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
@@ -178,6 +222,7 @@ class HoldQueue:
     def close(self) -> None:
         """Shutting down: every waiter gets a 503 with Retry-After; new ones too."""
         self._closed = True
+        self.waking_since = None
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():

@@ -25,6 +25,7 @@ from llmendpoints_edge.body import ClientGone, parsed_object
 from llmendpoints_edge.paths import encode
 
 from llmendpoints_gateway.access import Access
+from llmendpoints_gateway.held_stream import HeldStream
 from llmendpoints_gateway.keys import Key
 from llmendpoints_gateway.limiter import Limiter
 from llmendpoints_gateway.metering import BodyUsage, metered_request, with_usage_option
@@ -71,6 +72,7 @@ class OpenAIRoutes:
         *,
         token_secret: bytes | None = None,
         default_max_tokens: int = 1024,
+        hold_keepalive_seconds: float = 0.0,
     ):
         self.registry = registry
         self.access = access
@@ -80,6 +82,7 @@ class OpenAIRoutes:
         self.hold_timeout_seconds = hold_timeout_seconds
         self.token_secret = token_secret
         self.default_max_tokens = default_max_tokens
+        self.hold_keepalive_seconds = hold_keepalive_seconds
         self._tokens: dict[str, str] = {}
 
     def token(self, endpoint: str) -> str | None:
@@ -190,9 +193,21 @@ class OpenAIRoutes:
         headers = upstream_headers(
             scope["headers"], state.request_id, token=self.token(ep.id), caller=caller
         )
-        await self._forward(
-            ep, route, path_qs, headers, body, receive, send, state, meter, caller, raw_body(scope)
-        )
+        held = HeldStream(send, self.hold_keepalive_seconds) if metered.stream else None
+        try:
+            await self._forward(
+                ep, route, path_qs, headers, body, receive, send, state, meter, caller,
+                raw_body(scope), held,
+            )  # fmt: skip
+        except APIError as exc:
+            # Past the commit point the status line is gone: the error ends the stream. The
+            # access log and metrics still get exc's status (the app's handler sets it).
+            if held is None or not await held.fail(exc):
+                raise
+            state.status = exc.status_code
+        finally:
+            if held is not None:
+                await held.close()
 
     async def _forward(
         self,
@@ -207,8 +222,11 @@ class OpenAIRoutes:
         meter: Callable[[int, bool], Meter | None],
         caller: str,
         raw: Any = None,
+        held: HeldStream | None = None,
     ) -> None:
         disconnected = Disconnect(receive)
+        if held is not None:
+            send = held.send
         failures: list[UpstreamFailed] = []
         tried: frozenset[str] = frozenset()
         try:
@@ -222,8 +240,11 @@ class OpenAIRoutes:
                         exclude=tried,
                         key=caller,
                         size=len(body),
+                        on_hold=held.arm if held is not None else None,
                     ) as lease:
                         state.replica, state.outcome = lease.replica, str(lease.outcome)
+                        if held is not None:
+                            await held.released()
                         result = await disconnected.run(
                             forward(
                                 self.pool,
@@ -235,7 +256,8 @@ class OpenAIRoutes:
                                 send,
                                 retriable_503=len(ep.ready) > 1 and not tried,
                                 meter=meter,
-                                raw=raw,
+                                # A committed stream's answer passes through held.send.
+                                raw=None if held is not None and held.committed else raw,
                             )
                         )
                 except NoReplicaLeft:

@@ -255,6 +255,7 @@ class Registry:
         namespace: str = DEFAULT_NAMESPACE,
         startup_timeout: float | None = None,
         created: float | None = None,
+        cold_start: float | None = None,
     ) -> Endpoint:
         """``created``: the endpoint's creation time (epoch seconds; Kubernetes), or for static
         endpoints their position in the file (so the first entry listing a model keeps it);
@@ -290,6 +291,7 @@ class Registry:
             ep.router.strategy = strategy
             ep.created = created
         ep.startup_timeout = startup_timeout
+        ep.hold.cold_start = cold_start  # status.coldStart.last: the Retry-After of refusals
         self._index()
         return ep
 
@@ -375,6 +377,7 @@ class Registry:
         exclude: frozenset[str] = frozenset(),
         key: str = "",
         size: int = 0,
+        on_hold: Callable[[], None] | None = None,
     ) -> _Leasing:
         """A replica of ``ep`` for one request (KubeAI's ``getBestAddr`` and its ``done``), as
         ``async with registry.lease(...) as lease``: while the endpoint has none ready the
@@ -383,8 +386,9 @@ class Registry:
         when ``gone()`` completes first); the chosen replica carries the request in its load
         until the block ends. A retry passes the replicas already tried as ``exclude``:
         NoReplicaLeft when none is left. ``route``: what a prefix-aware endpoint scores
-        replicas by (``route_key``)."""
-        return _Leasing(self, ep, route, hold_timeout, gone, exclude, key, size)
+        replicas by (``route_key``). ``on_hold()`` is called when the request starts waiting
+        (a held stream's keep-alive, held_stream.py)."""
+        return _Leasing(self, ep, route, hold_timeout, gone, exclude, key, size, on_hold)
 
     async def _take(
         self,
@@ -395,6 +399,7 @@ class Registry:
         exclude: frozenset[str],
         key: str,
         size: int,
+        on_hold: Callable[[], None] | None,
     ) -> Lease:
         while True:
             choice = self.choose(ep, route, exclude)
@@ -402,6 +407,8 @@ class Registry:
                 break
             if exclude:
                 raise NoReplicaLeft()
+            if on_hold is not None:
+                on_hold()
             await ep.hold.wait(ep.hold_seconds(hold_timeout), gone(), key=key, size=size)
         replica, outcome = choice
         if exclude:

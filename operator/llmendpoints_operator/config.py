@@ -207,6 +207,27 @@ class OperatorSettings(BaseSettings):
         "https://huggingface.co.",
     )
 
+    # -- cold start (coldstart/; docs/operator.md, "Cold start") -----------------------------
+    prepull_images: bool = Field(
+        True,
+        description="Endpoints with spec.scaling.minReplicas 0 get a DaemonSet that pulls their "
+        "runtime image on every node their pods may use (same nodeSelector, node affinity and "
+        "tolerations), so a scale from zero does not wait for the pull. False: no pre-pulls.",
+    )
+    pause_image: str = Field(
+        "registry.k8s.io/pause:3.10",
+        min_length=1,
+        description="The image that keeps a pre-pull pod (and so the pulled runtime image) on "
+        "its node; mirror it for clusters without access to registry.k8s.io.",
+    )
+    download_ahead: bool = Field(
+        True,
+        description="Endpoints with spec.scaling.minReplicas 0, a Hub model and a model cache "
+        "(spec.cache) get a Job that downloads the weights into the cache when the endpoint is "
+        "created or its model changes, so the first cold start skips the download (the "
+        "Downloaded condition). False: the first replica downloads them.",
+    )
+
     # -- cluster-admin policy (policy.py; docs/security.md). Lists are comma-separated; unset
     # means no restriction, an empty value allows nothing. Globs: `*` any run of characters,
     # `?` one character.

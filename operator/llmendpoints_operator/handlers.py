@@ -43,6 +43,10 @@ from llmendpoints_operator.autoscaling.adapter_watch import AdapterStatusWatcher
 from llmendpoints_operator.autoscaling.controller import Autoscaler
 from llmendpoints_operator.autoscaling.metrics import AutoscalerMetrics
 from llmendpoints_operator.autoscaling.outside import NatsOutside
+from llmendpoints_operator.autoscaling.scrape import MetricsScraper
+from llmendpoints_operator.coldstart import manifests as coldstart_manifests
+from llmendpoints_operator.coldstart import record as coldstart_record
+from llmendpoints_operator.coldstart.recorder import ColdStartMetrics, ColdStartRecorder
 from llmendpoints_operator.config import OperatorSettings
 from llmendpoints_operator.events import EventPoster
 from llmendpoints_operator.fit.checker import FitChecker
@@ -85,6 +89,8 @@ class Running:
     reconciler: Reconciler = field(init=False)
     autoscaler: Autoscaler = field(init=False)
     adapter_watcher: AdapterStatusWatcher = field(init=False)
+    cold_starts: ColdStartRecorder = field(init=False)
+    cold_start_scraper: MetricsScraper = field(default_factory=lambda: MetricsScraper(5.0))
     fit_checker: FitChecker = field(init=False)
     jobs_queue: JobsQueue | None = None
 
@@ -122,6 +128,9 @@ class Running:
             kube=self.api, post_event=self.events.post, metrics=AutoscalerMetrics(registry)
         )
         self.adapter_watcher = AdapterStatusWatcher(kube=self.api)
+        self.cold_starts = ColdStartRecorder(
+            kube=self.api, fetch=self.cold_start_scraper.fetch, metrics=ColdStartMetrics(registry)
+        )
         if self.jobs_queue is not None:  # held requests, queued jobs and nudges live in NATS
             self.autoscaler.set_outside(
                 NatsOutside(self.jobs_queue, on_nudge=self.autoscaler.nudge)
@@ -150,6 +159,7 @@ class Running:
             await self.autoscaler.close()
             await self.adapter_watcher.close()
             await self.fit_checker.close()
+        await self.cold_start_scraper.close()
         if self.events_task is not None:
             # What the last reconciles had to say still reaches the API, while it is reachable.
             await self.events.flush(EVENT_FLUSH_SECONDS)
@@ -273,6 +283,57 @@ async def runtime_groups(
     """A multi-node endpoint's LeaderWorkerSet (its replicas are groups)."""
     state = status.DeploymentState.from_leader_worker_set(body)
     return {(namespace, labels[manifests.LABEL_ENDPOINT]): state}
+
+
+@kopf.index("batch", "v1", "jobs", labels=CHILD_LABELS)
+async def download_jobs(
+    namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[Key, dict[str, Any]]:
+    """The endpoints' download Jobs (coldstart/): the Downloaded condition reads them."""
+    if labels.get(coldstart_manifests.LABEL_COMPONENT) != coldstart_manifests.COMPONENT_DOWNLOAD:
+        return {}
+    meta = body.get("metadata") or {}
+    job = {"metadata": {"name": meta.get("name")}, "status": dict(body.get("status") or {})}
+    return {(namespace, labels[manifests.LABEL_ENDPOINT]): job}
+
+
+# Runtime pods (their cold starts) and download pods (the attempts' reports); not the pre-pull
+# pods, one per node.
+POD_COMPONENTS = ("inference", coldstart_manifests.COMPONENT_DOWNLOAD)
+POD_LABELS = {manifests.LABEL_MANAGED_BY: manifests.MANAGED_BY}
+
+
+def _indexed_pod(labels: Mapping[str, str], **_: Any) -> bool:
+    return labels.get(coldstart_manifests.LABEL_COMPONENT) in POD_COMPONENTS
+
+
+def _pod_snapshot(body: Mapping[str, Any]) -> dict[str, Any]:
+    meta = body.get("metadata") or {}
+    return {
+        "metadata": {
+            k: meta[k]
+            for k in ("name", "namespace", "uid", "labels", "creationTimestamp")
+            if k in meta
+        },
+        "spec": {
+            "nodeName": (body.get("spec") or {}).get("nodeName"),
+            "containers": [
+                {"name": c.get("name"), "ports": c.get("ports") or []}
+                for c in (body.get("spec") or {}).get("containers") or ()
+            ],
+        },
+        "status": dict(body.get("status") or {}),
+    }
+
+
+@kopf.index("", "v1", "pods", labels=POD_LABELS, when=_indexed_pod)
+async def endpoint_pods(
+    namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[Key, dict[str, Any]]:
+    """Runtime and download pods by endpoint (the instance label: download pods are not in the
+    endpoint's pod selector)."""
+    endpoint = labels.get("app.kubernetes.io/instance")
+    return {(namespace, endpoint): _pod_snapshot(body)} if endpoint else {}
 
 
 @kopf.index("", "v1", "persistentvolumeclaims")
@@ -436,3 +497,56 @@ async def claim_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) ->
         endpoint = reconciler.indexes.endpoint(key)
         if endpoint is not None:
             await reconciler.child_changed(endpoint)
+
+
+@kopf.on.event("batch", "v1", "jobs", labels=CHILD_LABELS)
+async def download_job_changed(
+    namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **_: Any
+) -> None:
+    """A download Job progressed: its endpoint's Downloaded condition says so."""
+    if labels.get(coldstart_manifests.LABEL_COMPONENT) != coldstart_manifests.COMPONENT_DOWNLOAD:
+        return
+    await _publish(memo, (namespace, labels[manifests.LABEL_ENDPOINT]))
+
+
+async def _publish(memo: kopf.Memo, key: Key) -> None:
+    reconciler = _running(memo).reconciler
+    endpoint = reconciler.indexes.endpoint(key)
+    if endpoint is not None:
+        await reconciler.child_changed(endpoint)
+
+
+@kopf.on.event("", "v1", "pods", labels=POD_LABELS, when=_indexed_pod)
+async def endpoint_pod_changed(
+    type: str,
+    namespace: str,
+    labels: Mapping[str, str],
+    body: kopf.Body,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    """A download attempt ended (its report: the Downloaded condition), or a runtime pod turned
+    Ready for the first time (its cold start: status.coldStart.last)."""
+    endpoint_name = labels.get("app.kubernetes.io/instance")
+    if type == "DELETED" or not endpoint_name:
+        return
+    key = (namespace, endpoint_name)
+    component = labels.get(coldstart_manifests.LABEL_COMPONENT)
+    if component == coldstart_manifests.COMPONENT_DOWNLOAD:
+        return await _publish(memo, key)
+    running = _running(memo)
+    endpoint = running.reconciler.indexes.endpoint(key)
+    pod = _pod_snapshot(body)
+    if not running.cold_starts.wants(pod, endpoint):
+        return
+    assert endpoint is not None  # wants()
+    others = running.reconciler.indexes.endpoint_pods.get(key, ())
+    from_zero = not any(
+        coldstart_record.is_ready(p)
+        and coldstart_record.serves(p)  # another replica: a Deployment's pod or a group's leader
+        and p["metadata"].get("uid") != pod["metadata"].get("uid")
+        and (p["metadata"].get("labels") or {}).get(coldstart_manifests.LABEL_COMPONENT)
+        == "inference"
+        for p in others
+    )
+    await running.cold_starts.record(pod, endpoint, from_zero=from_zero)

@@ -51,6 +51,10 @@ PLURALS: dict[tuple[str, str], str] = {
     # says which pod keeps it from being ready).
     ("v1", "Pod"): "pods",
     ("discovery.k8s.io/v1", "EndpointSlice"): "endpointslices",
+    # Cold start (coldstart/): the download Job, the pre-pull DaemonSet; Events read for a
+    # pod's image pull.
+    ("batch/v1", "Job"): "jobs",
+    ("apps/v1", "DaemonSet"): "daemonsets",
 }
 
 
@@ -158,12 +162,19 @@ class KubeClient:
             return json.loads(text) if text else {}
 
     async def list(
-        self, api_version: str, kind: str, namespace: str, *, label_selector: str
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        *,
+        label_selector: str = "",
+        field_selector: str | None = None,
     ) -> list[dict[str, Any]]:
+        params = {"labelSelector": label_selector}
+        if field_selector is not None:
+            params["fieldSelector"] = field_selector
         result = await self._request(
-            "GET",
-            object_path(api_version, kind, namespace),
-            params={"labelSelector": label_selector},
+            "GET", object_path(api_version, kind, namespace), params=params
         )
         return list(result.get("items") or [])
 

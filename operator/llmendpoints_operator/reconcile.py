@@ -58,6 +58,9 @@ from llmendpoints_operator.adapter_status import STATUS_KEY as ADAPTERS_KEY
 from llmendpoints_operator.admission import admit
 from llmendpoints_operator.autoscaling.controller import STATUS_KEY as AUTOSCALING_KEY
 from llmendpoints_operator.autoscaling.controller import Subject
+from llmendpoints_operator.coldstart import children as coldstart
+from llmendpoints_operator.coldstart.record import with_download
+from llmendpoints_operator.coldstart.recorder import STATUS_KEY as COLD_START_KEY
 from llmendpoints_operator.config import OperatorSettings
 from llmendpoints_operator.events import PostEvent
 from llmendpoints_operator.fit.checker import FitChecker
@@ -65,8 +68,9 @@ from llmendpoints_operator.fit.verdict import Fit
 from llmendpoints_operator.jobs_queue import JobsQueue
 from llmendpoints_operator.spec import Endpoint, InvalidSpecError
 
-# status keys written by others (the autoscaler; the adapter watcher), never by a reconcile
-_OTHER_WRITERS = (AUTOSCALING_KEY, ADAPTERS_KEY)
+# status keys written by others (the autoscaler; the adapter watcher; the cold-start
+# recorder), never by a reconcile
+_OTHER_WRITERS = (AUTOSCALING_KEY, ADAPTERS_KEY, COLD_START_KEY)
 logger = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (namespace, endpoint name)
@@ -131,6 +135,8 @@ class Indexes:
     claim_phases: Index  # (namespace, claim) -> phase
     claim_users: Index  # (namespace, claim) -> endpoint name
     model_claims: Index  # served model name -> model_names.Claim of each endpoint declaring it
+    download_jobs: Index = field(default_factory=dict)  # Key -> its download Jobs (coldstart/)
+    endpoint_pods: Index = field(default_factory=dict)  # Key -> its runtime and download pods
     # Key -> status.DeploymentState of the endpoint's LeaderWorkerSet (multi-node endpoints)
     runtime_groups: Index = field(default_factory=dict)
 
@@ -375,8 +381,13 @@ class Reconciler:
 
             created, written = False, None
             if fit is not None and fit.refuses:
+                # Nor pre-pulled or downloaded ahead: what exists stays until it fits or goes.
                 logger.warning("Not rolled out, the model does not fit: %s", fit.message)
             else:
+                await coldstart.reconcile(
+                    ep, endpoint, client, self._settings, self.indexes.download_jobs.get(key, ()),
+                    prune=prune, logger=logger,
+                )  # fmt: skip
                 created, written = await self._write_workload(ep, endpoint, client, logger)
             self._pools[key] = await self._reconcile_inference_pool(ep, endpoint, client, logger)
 
@@ -675,6 +686,7 @@ class Reconciler:
                 if parsed is not None
                 else lenient_cache_state(name, raw_spec, phases)
             )
+            now = self._clock().strftime("%Y-%m-%dT%H:%M:%SZ")
             new = status.compute(
                 name=name,
                 namespace=namespace,
@@ -687,7 +699,7 @@ class Reconciler:
                     workload_problem=self._workload_problems.get(key) if nodes > 1 else None,
                 ),
                 previous=previous,
-                now=self._clock().strftime("%Y-%m-%dT%H:%M:%SZ"),
+                now=now,
                 observed_generation=observed_generation,
                 cluster_domain=self._settings.cluster_domain,
                 gateway_url=self._settings.gateway_url,
@@ -695,6 +707,13 @@ class Reconciler:
                 model_name=self.model_name(snapshot),
                 fit=self._fits.get(key),
             )
+            download = coldstart.download_state(
+                parsed,
+                self._settings,
+                self.indexes.download_jobs.get(key, ()),
+                self.indexes.endpoint_pods.get(key, ()),
+            )
+            new = with_download(new, download, previous, now)
             # Blocks other writers own: the autoscaler's and the adapter watcher's.
             others = {k: v for k, v in previous.items() if k not in _OTHER_WRITERS}
             if status.without_times(new) == status.without_times(others):

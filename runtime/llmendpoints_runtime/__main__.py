@@ -58,6 +58,12 @@ def _line_buffered_output() -> None:
 
 def _serve() -> int:
     _early_environment()
+    from llmendpoints_runtime import compile_cache, startup_report
+
+    # Before vLLM is imported: its engine processes inherit the caches' places, and the file
+    # in which they report their compile (startup_report.py).
+    compile_cache.apply(os.environ)
+    startup_report.prepare(os.environ)
     from llmendpoints_runtime.config import ConfigError, load_config
 
     try:
@@ -167,13 +173,27 @@ def _demo_adapter(path: str, seed: int) -> int:
     return 0
 
 
-def _download() -> int:
+def _write_report(path: str | None, report: dict) -> None:
+    """The download's outcome as one JSON object (the operator's download Job points this at
+    the container's termination message, which Kubernetes keeps on the pod)."""
+    if not path:
+        return
+    import json
+
+    try:
+        Path(path).write_text(json.dumps(report, sort_keys=True)[:4000])
+    except OSError as exc:
+        logger.warning("download report not written to %s: %s", path, exc)
+
+
+def _download(report_path: str | None = None) -> int:
     _early_environment()
     from llmendpoints_runtime.config import ConfigError, load_settings, parse_bool
     from llmendpoints_runtime.download import DownloadError, download_model, model_path_problem
 
     def refuse(variable: str, message: str) -> int:
         print(f"llmendpoints-runtime: configuration error: {variable}: {message}", file=sys.stderr)
+        _write_report(report_path, {"error": f"{variable}: {message}"})
         return 2
 
     model = os.environ.get("MODEL_NAME", "").strip()
@@ -190,8 +210,11 @@ def _download() -> int:
             return refuse(variable, problem)
     if not os.environ.get("HF_TOKEN") and Path(HF_TOKEN_SECRET_FILE).is_file():
         os.environ["HF_TOKEN"] = Path(HF_TOKEN_SECRET_FILE).read_text().strip()
+    import time
+
+    began = time.monotonic()
     try:
-        download_model(
+        done = download_model(
             model,
             revision=os.environ.get("MODEL_REVISION") or None,
             tokenizer=os.environ.get("TOKENIZER_NAME") or None,
@@ -201,7 +224,13 @@ def _download() -> int:
         )
     except DownloadError as exc:
         print(f"llmendpoints-runtime: download failed: {exc}", file=sys.stderr)
+        _write_report(report_path, {"error": str(exc)})
         return 1
+    seconds = round(time.monotonic() - began, 3)
+    _write_report(
+        report_path,
+        {"bytes": done.bytes, "fetchedBytes": done.fetched_bytes, "seconds": seconds},
+    )
     return 0
 
 
@@ -278,8 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     adapter.add_argument(
         "--seed", type=int, default=1, help="different seeds give different adapters (default 1)"
     )
-    commands.add_parser(
+    download = commands.add_parser(
         "download", help="fetch MODEL_NAME (and TOKENIZER_NAME) into the cache under BASE_PATH"
+    )
+    download.add_argument(
+        "--report",
+        metavar="PATH",
+        help="write the outcome there as JSON: bytes, fetchedBytes, seconds (or error)",
     )
     check = commands.add_parser(
         "check-model-server",
@@ -305,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         return _demo_adapter(args.path, args.seed)
     if args.command == "check-model-server":
         return _check_model_server(args)
-    return _download()
+    return _download(args.report)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,14 @@ its work in flight and its shutdown, and hands its routers to ``app.create_app``
 
 from __future__ import annotations
 
+import logging
 import os
 
 from fastapi import APIRouter, Request
 from llmendpoints_common.jobs.models import DEFAULT_EXECUTION_TIMEOUT_MS, DEFAULT_TTL_MS
 from starlette.types import ASGIApp, Scope
 
-from llmendpoints_runtime import adapters, app, control_listener
+from llmendpoints_runtime import adapters, app, control_listener, startup_report
 from llmendpoints_runtime.adapters import AdapterReconciler
 from llmendpoints_runtime.admission import Admission, AdmissionQueue, default_max_concurrency
 from llmendpoints_runtime.app import Runtime
@@ -46,6 +47,8 @@ from llmendpoints_runtime.pod.jobs import PeerJobs, job_id_suffix
 from llmendpoints_runtime.pod.member import PodMember
 from llmendpoints_runtime.pod.metrics import PodView
 from llmendpoints_runtime.sagemaker import build_sagemaker_router
+
+logger = logging.getLogger("llmendpoints.startup")
 
 
 def build_runtime(
@@ -94,7 +97,45 @@ def build_runtime(
     metrics.add_queue_source(lambda: admission.waiting)
     metrics.set_engine_waiting_source(engine.requests_waiting)
     metrics.add_in_flight_source(lambda: admission.running)
+    report_startup(runtime)
     return runtime
+
+
+def report_startup(runtime: Runtime) -> None:
+    """The start-up phases the engine does not time itself: ``startup`` (process start to the
+    engine's start) when the server starts, ``compile`` (what vLLM's processes reported,
+    startup_report.py) once the engine is ready."""
+    metrics = runtime.metrics
+
+    async def startup_phase() -> None:
+        age = startup_report.process_age()
+        if age is not None:
+            metrics.observe_phase("startup", age)
+
+    def compile_phase() -> None:
+        path = os.environ.get(startup_report.ENV)
+        report = startup_report.read(path)
+        startup_report.discard(path)
+        if report.compile_seconds is not None:
+            metrics.observe_phase("compile", report.compile_seconds)
+        if report.compile_source is not None:
+            metrics.compile_source.labels(report.compile_source).set(1)
+        if report.compile_seconds is not None or report.compile_source is not None:
+            logger.info(
+                "compile: %s s, %s",
+                "?" if report.compile_seconds is None else f"{report.compile_seconds:.1f}",
+                _COMPILE_SOURCES.get(report.compile_source or "", "no compile reported"),
+            )
+
+    runtime.on_serving.append(startup_phase)
+    runtime.on_ready.append(compile_phase)
+
+
+_COMPILE_SOURCES = {
+    "cache": "loaded from the compile cache",
+    "compiled": "compiled (saved to the compile cache)",
+    "reload_failed": "the cached compile would not load: compiled again",
+}
 
 
 def create_app(

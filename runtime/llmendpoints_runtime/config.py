@@ -68,6 +68,13 @@ class RuntimeSettings(EdgeSettings, BatchEnv):
         validation_alias="BASE_PATH",
         description="Root of the Hugging Face cache (HF_HOME): the model-cache volume in Kubernetes.",
     )
+    compile_cache_dir: str | None = Field(
+        None,
+        validation_alias="LLMEP_COMPILE_CACHE_DIR",
+        description="Where vLLM's and torch's compile caches go, shared by the replicas that "
+        "mount it (a directory per vLLM, torch and device). Default: `llmendpoints-compile-cache` "
+        "under BASE_PATH; without BASE_PATH, vLLM's own (the pod's HOME). `none`: vLLM's own.",
+    )
     hf_token: SecretStr | None = Field(
         None,
         validation_alias="HF_TOKEN",

@@ -102,9 +102,21 @@ def _blob_bytes(cache_dir: Path) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class Downloaded:
+    """What a download left in the cache: the model's bytes there, and how many of them this
+    download fetched (0: all were cached already)."""
+
+    bytes: int = 0
+    fetched_bytes: int = 0
+
+    def __add__(self, other: Downloaded) -> Downloaded:
+        return Downloaded(self.bytes + other.bytes, self.fetched_bytes + other.fetched_bytes)
+
+
 def _download_repo(
     repo: str, revision: str | None, *, trust_remote_code: bool, log_interval: float
-) -> None:
+) -> Downloaded:
     from huggingface_hub import HfApi, constants, snapshot_download
 
     info = HfApi().model_info(repo, revision=revision, files_metadata=True)
@@ -139,6 +151,8 @@ def _download_repo(
         reporter.join()
     progress.done_bytes = progress.total_bytes
     logger.info(progress.line(repo, time.monotonic() - begin))
+    fetched = max(0, min(progress.total_bytes, _blob_bytes(blobs) - already))
+    return Downloaded(progress.total_bytes, fetched)
 
 
 def download_model(
@@ -149,10 +163,13 @@ def download_model(
     tokenizer_revision: str | None = None,
     trust_remote_code: bool = False,
     log_interval: float = 10.0,
-) -> None:
-    """Make sure the model (and a separate tokenizer) are in the local Hugging Face cache.
+) -> Downloaded:
+    """Make sure the model (and a separate tokenizer) are in the local Hugging Face cache;
+    what the Hub repos' wanted files weigh and what was fetched of it (local directories and
+    an offline cache count nothing).
 
     Raises DownloadError saying why it cannot (naming the variable), never a traceback."""
+    total = Downloaded()
     wanted = [("MODEL_NAME", model, revision)]
     if tokenizer and tokenizer != model:
         wanted.append(("TOKENIZER_NAME", tokenizer, tokenizer_revision))
@@ -164,13 +181,14 @@ def download_model(
             logger.info("HF_HUB_OFFLINE is set: using %s from the local cache", repo)
             continue
         try:
-            _download_repo(
+            total += _download_repo(
                 repo, rev, trust_remote_code=trust_remote_code, log_interval=log_interval
             )
         except DownloadError:
             raise
         except Exception as exc:  # the Hub's errors (not found, gated, network) name the cause
             raise DownloadError(f"{variable} {repo!r}: {_hub_reason(exc)}") from None
+    return total
 
 
 def _require_cached(variable: str, repo: str, revision: str | None) -> None:

@@ -27,7 +27,9 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import generate_latest
 
-PHASES = ("download", "load", "warmup", "ready")
+# startup: process start -> the engine's start (imports, configuration); compile: the part of
+# load vLLM reports as its compile (startup_report.py); ready: the total, start-up to ready.
+PHASES = ("startup", "download", "load", "compile", "warmup", "ready")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Latency buckets from 5 ms to an hour: LLM requests span that whole range (a /runsync or a long
@@ -86,10 +88,19 @@ class RuntimeMetrics:
         )
         self.startup_phase_seconds = Gauge(
             "llmendpoints_startup_phase_seconds",
-            "Duration of each start-up phase (download, load, warmup; ready = total time to ready).",
+            "Duration of each start-up phase: startup (process start to engine start), download, "
+            "load (compile: the part of it vLLM reports as compiling), warmup; ready = the "
+            "engine's start to ready.",
             ["phase"],
             registry=self.registry,
             multiprocess_mode="livemax",
+        )
+        self.compile_source = Gauge(
+            "llmendpoints_startup_compile_source",
+            "1 for where this start-up's compiled model came from: cache (the shared compile "
+            "cache), compiled, or reload_failed (a cached one would not load; compiled again).",
+            ["source"],
+            registry=self.registry,
         )
         self.http_requests = Counter(
             "llmendpoints_http_requests",

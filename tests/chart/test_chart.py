@@ -268,7 +268,7 @@ def test_rbac_grants_what_the_operator_does_and_nothing_else(helm: Path, tmp_pat
             "patch",
             "delete",
         },
-        ("", "pods"): {"list"},
+        ("", "pods"): {"list", "watch"},
         ("", "persistentvolumeclaims"): {"list", "watch", "create", "patch", "delete"},
         ("", "services"): {"create", "patch"},
         ("", "configmaps"): {"create", "patch", "delete"},
@@ -277,8 +277,10 @@ def test_rbac_grants_what_the_operator_does_and_nothing_else(helm: Path, tmp_pat
         ("networking.k8s.io", "ingresses"): {"create", "patch", "delete"},
         ("inference.networking.k8s.io", "inferencepools"): {"create", "patch", "delete"},
         ("discovery.k8s.io", "endpointslices"): {"list"},
-        ("", "events"): {"create"},
+        ("", "events"): {"create", "list"},
         ("", "nodes"): {"list"},
+        ("batch", "jobs"): {"list", "watch", "create", "delete"},
+        ("apps", "daemonsets"): {"create", "patch", "delete"},
     }
     binding = only(docs, "ClusterRoleBinding")
     account = only(docs, "ServiceAccount")
@@ -620,6 +622,8 @@ CHILD_RESOURCES = {
     "PodDisruptionBudget": ("policy", "poddisruptionbudgets"),
     "Ingress": ("networking.k8s.io", "ingresses"),
     "InferencePool": ("inference.networking.k8s.io", "inferencepools"),
+    "DaemonSet": ("apps", "daemonsets"),  # coldstart: the pre-pull
+    "Job": ("batch", "jobs"),  # coldstart: the download
     "LeaderWorkerSet": ("leaderworkerset.x-k8s.io", "leaderworkersets"),
 }
 
@@ -635,6 +639,7 @@ def test_rbac_covers_what_the_operator_code_watches_and_writes(
     import llmendpoints_operator.handlers  # noqa: F401  (registers the kopf handlers)
     from llmendpoints_operator import groups, kube, manifests, spec
     from llmendpoints_operator.autoscaling import controller
+    from llmendpoints_operator.coldstart import manifests as coldstart
     from llmendpoints_operator.config import OperatorSettings
 
     docs = render(helm, tmp_path, VALUE_SETS[values])
@@ -663,6 +668,12 @@ def test_rbac_covers_what_the_operator_code_watches_and_writes(
     children = [*manifests.build_children(endpoint, OperatorSettings())]
     children.append(manifests.build_deployment(endpoint, OperatorSettings(), replicas=2))
     children.append(manifests.build_inference_pool(endpoint, OperatorSettings()))
+    # A scale-to-zero endpoint with a cache: its download Job and pre-pull DaemonSet.
+    to_zero = {**every_child, "scaling": {"minReplicas": 0, "maxReplicas": 3}}
+    to_zero["cache"] = {"size": "10Gi"}
+    zero = spec.parse("chat", "team-a", to_zero, scale_to_zero=True)
+    children.append(coldstart.build_download_job(zero, OperatorSettings()))
+    children.append(coldstart.build_prepull_daemonset(zero, OperatorSettings()))
     # A multi-node endpoint's workload, and one of either kind deleted when nodes changes.
     every_child["resources"] = {"gpus": 8, "nodes": 2}
     in_groups = spec.parse("chat", "team-a", every_child)
@@ -672,8 +683,13 @@ def test_rbac_covers_what_the_operator_code_watches_and_writes(
     built = {child["kind"] for child in children}
     assert set(CHILD_RESOURCES) >= built, f"unknown child kinds {built - set(CHILD_RESOURCES)}"
     assert built == set(CHILD_RESOURCES), "the example should produce every kind of child"
-    for kind in built:
+    for kind in built - {"Job"}:
         need(*CHILD_RESOURCES[kind], "create", "patch")
+    # The download Job is created once (its pod template is immutable), deleted for a new
+    # model; the pre-pull DaemonSet is deleted when no longer wanted; a pod's Events listed.
+    need(*CHILD_RESOURCES["Job"], "create", "delete")
+    need(*CHILD_RESOURCES["DaemonSet"], "delete")
+    need("", "events", "list")
     for ref in manifests.optional_children("chat"):
         need(*CHILD_RESOURCES[ref.kind], "delete")
     # The InferencePool is optional too: deleted when the spec stops asking for it.

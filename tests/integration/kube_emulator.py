@@ -73,6 +73,10 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "subresources": {"status"}},
     "networking.k8s.io/v1/ingresses": {"kind": "Ingress", "subresources": {"status"}},
     "discovery.k8s.io/v1/endpointslices": {"kind": "EndpointSlice"},  # the autoscaler reads them
+    # Cold start (coldstart/): the download Job, the pre-pull DaemonSet, the pods it records.
+    "batch/v1/jobs": {"kind": "Job", "subresources": {"status"}},
+    "apps/v1/daemonsets": {"kind": "DaemonSet", "subresources": {"status"}},
+    "v1/pods": {"kind": "Pod", "subresources": {"status"}},
     "v1/nodes": {"kind": "Node", "namespaced": False},  # the fit check reads their GPU labels
 }
 
@@ -84,6 +88,9 @@ CHILD_RESOURCES = {
     "PersistentVolumeClaim": "v1/persistentvolumeclaims",
     "PodDisruptionBudget": "policy/v1/poddisruptionbudgets",
     "Ingress": "networking.k8s.io/v1/ingresses",
+    "Job": "batch/v1/jobs",
+    "DaemonSet": "apps/v1/daemonsets",
+    "Pod": "v1/pods",
 }
 
 

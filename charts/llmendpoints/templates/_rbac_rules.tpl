@@ -53,11 +53,13 @@ writes, so a new child kind or watch cannot ship without its permission.
 - apiGroups: [leaderworkerset.x-k8s.io]
   resources: [leaderworkersets]
   verbs: [list, watch, create, patch, delete]
-# A multi-node endpoint's pods, listed while one of its groups is not ready: the status names the
-# pod (and node) that keeps it from being ready.
+# Pods are read, never written: a multi-node endpoint's pods are listed while one of its groups is
+# not ready (the status names the pod and node that keeps it from being ready); runtime and
+# download pods are watched for cold start -- a runtime pod's first Ready is a start to record
+# (status.coldStart), a download pod's termination message its attempt's report.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list]
+  verbs: [list, watch]
 # The shared model cache: watched (its binding feeds the status's CacheReady condition), created
 # and deleted when spec.cache no longer asks for a claim the operator created.
 - apiGroups: [""]
@@ -101,8 +103,19 @@ writes, so a new child kind or watch cannot ship without its permission.
   resources: [secrets]
   verbs: [get]
 {{- end }}
-# Kubernetes Events on notable transitions (created, invalid spec, rolled out, scaled, degraded).
+# Kubernetes Events on notable transitions (created, invalid spec, rolled out, scaled, degraded);
+# a new runtime pod's Events are listed once, for its image pull (status.coldStart).
 - apiGroups: [""]
   resources: [events]
-  verbs: [create]
+  verbs: [create, list]
+# Cold start (endpoints with minReplicas 0): the download Job fills the model cache ahead; it is
+# watched (the Downloaded condition), created once per model and deleted when the model changes.
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [list, watch, create, delete]
+# ... and the pre-pull DaemonSet puts the runtime image on the nodes: applied, deleted when the
+# endpoint keeps a replica (or pre-pulls are turned off).
+- apiGroups: [apps]
+  resources: [daemonsets]
+  verbs: [create, patch, delete]
 {{- end }}

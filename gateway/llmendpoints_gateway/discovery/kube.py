@@ -99,10 +99,24 @@ class EndpointView:
     # metadata.creationTimestamp (epoch seconds; None: unknown): the oldest claimant keeps a
     # model name (llmendpoints_common.model_names, the operator's rule too).
     created: float | None = None
+    # The last cold start's length (status.coldStart.last.seconds, else the autoscaler's
+    # status.autoscaling.coldStart.seconds): the Retry-After of a request refused while it wakes.
+    cold_start: float | None = None
 
     @property
     def id(self) -> str:
         return f"{self.namespace}/{self.name}"
+
+
+def last_cold_start(status: Mapping[str, Any]) -> float | None:
+    for block in (
+        (status.get("coldStart") or {}).get("last"),
+        (status.get("autoscaling") or {}).get("coldStart"),
+    ):
+        seconds = (block or {}).get("seconds") if isinstance(block, Mapping) else None
+        if isinstance(seconds, int | float) and seconds > 0:
+            return float(seconds)
+    return None
 
 
 def endpoint_view(obj: Mapping[str, Any]) -> EndpointView:
@@ -123,8 +137,9 @@ def endpoint_view(obj: Mapping[str, Any]) -> EndpointView:
     startup = float(startup) if isinstance(startup, int | float) else DEFAULT_STARTUP_TIMEOUT
     created = creation_time(meta.get("creationTimestamp"))
     return EndpointView(
-        meta.get("namespace", ""), name, (model,), routing, secret, startup, created
-    )
+        meta.get("namespace", ""), name, (model,), routing, secret, startup, created,
+        last_cold_start(obj.get("status") or {}),
+    )  # fmt: skip
 
 
 def is_operator_slice(obj: Mapping[str, Any]) -> bool:
@@ -445,6 +460,7 @@ class KubeDiscovery:
         self.registry.upsert(
             view.name, view.models, view.routing, namespace=view.namespace,
             startup_timeout=view.startup_timeout, created=view.created,
+            cold_start=view.cold_start,
         )  # fmt: skip
         await self._load_keys(view)
         self._publish_ready(view)

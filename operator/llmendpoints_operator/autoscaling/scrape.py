@@ -175,17 +175,33 @@ class MetricsScraper:
                 adapters.append(result[2])
         return ScrapeResult(observe(read, failed=len(errors)), errors, tuple(adapters))
 
-    async def _read(
-        self, target: ScrapeTarget
-    ) -> tuple[float, float, Mapping[str, PodAdapter]] | str:
+    async def fetch(self, url: str) -> str:
+        """One page's text (a new pod's /metrics, for its start-up phases); raises on an error,
+        a timeout or a body over MAX_BODY_BYTES."""
+        session = self._open()
+        async with session.get(url) as response:
+            if response.status != 200:
+                raise aiohttp.ClientResponseError(response.request_info, (), status=response.status)
+            body = await response.content.read(MAX_BODY_BYTES + 1)
+        if len(body) > MAX_BODY_BYTES:
+            raise ValueError(f"body larger than {MAX_BODY_BYTES} bytes")
+        return body.decode("utf-8", errors="replace")
+
+    def _open(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             # A fresh connection per read: pod IPs are recycled, and a kept-alive connection to
             # a pod that is gone would turn into a failed scrape.
             self._session = aiohttp.ClientSession(
                 timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True)
             )
+        return self._session
+
+    async def _read(
+        self, target: ScrapeTarget
+    ) -> tuple[float, float, Mapping[str, PodAdapter]] | str:
+        session = self._open()
         try:
-            async with self._session.get(target.url) as response:
+            async with session.get(target.url) as response:
                 if response.status != 200:
                     return f"HTTP {response.status}"
                 body = await response.content.read(MAX_BODY_BYTES + 1)

@@ -541,3 +541,57 @@ def test_a_multi_node_status_survives_the_schema(schema: dict[str, Any]) -> None
     )
     assert written["groups"]["lastFailure"]["node"] == "gpu-7"
     assert _pruned(written, schema["properties"]["status"]) == []
+
+
+def test_a_cold_start_and_a_download_survive_the_schema(schema: dict[str, Any]) -> None:
+    """status.coldStart.last with every phase and status.download with every key, as the
+    recorder and the reconcile write them, are kept by the API server (its phases were once
+    pruned: their properties sat one level too shallow)."""
+    import json
+
+    from llmendpoints_operator.coldstart import record
+
+    def at(second: int) -> str:
+        return f"2026-01-01T00:{second // 60:02d}:{second % 60:02d}Z"
+
+    pod = {
+        "metadata": {"name": "llama-x", "creationTimestamp": at(0)},
+        "spec": {"nodeName": "gpu-1"},
+        "status": {
+            "conditions": [
+                {"type": "PodScheduled", "status": "True", "lastTransitionTime": at(2)},
+                {"type": "Ready", "status": "True", "lastTransitionTime": at(100)},
+            ],
+            "containerStatuses": [
+                {"name": "runtime", "restartCount": 1, "state": {"running": {"startedAt": at(40)}}}
+            ],
+        },
+    }
+    pulled = {
+        "reason": "Pulled",
+        "message": 'Successfully pulled image "r:1" in 34.5s (34.5s including waiting)',
+        "involvedObject": {"name": "llama-x", "fieldPath": "spec.containers{runtime}"},
+    }
+    phases = ("startup", "download", "load", "compile", "warmup", "ready")
+    metrics = "".join(f'llmendpoints_startup_phase_seconds{{phase="{p}"}} 5\n' for p in phases)
+    metrics += 'llmendpoints_startup_compile_source{source="cache"} 1\n'
+    startup = record.parse_runtime_startup(metrics)
+    last = record.cold_start(pod, [pulled], startup, container="runtime", from_zero=True)
+    assert last is not None and len(last["phases"]) == 9 and "restarts" in last
+
+    def attempt(phase: str, message: str, code: int) -> dict[str, Any]:
+        state = {"terminated": {"exitCode": code, "message": message}}
+        return {
+            "metadata": {"name": f"a-{code}", "creationTimestamp": at(code)},
+            "status": {"phase": phase, "containerStatuses": [{"name": "download", "state": state}]},
+        }
+
+    report = json.dumps({"bytes": 10, "fetchedBytes": 10, "seconds": 1.5})
+    job = {"metadata": {"name": "llama-download-x"}, "status": {"succeeded": 1}}
+    job["status"]["completionTime"] = at(50)
+    pods = [attempt("Failed", json.dumps({"error": "401"}), 1), attempt("Succeeded", report, 0)]
+    done = record.download_state(job, pods, model="m").block
+    retrying = record.download_state({**job, "status": {"failed": 1}}, pods[:1], model="m").block
+    written = {"coldStart": {"last": last}, "download": {**done, **retrying}}
+    assert {"failedAttempts", "lastError", "bytes", "completedAt"} <= set(written["download"])
+    assert _pruned(written, schema["properties"]["status"]) == []
