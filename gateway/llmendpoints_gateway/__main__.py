@@ -50,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     # A worker of several (GATEWAY_WORKERS > 1), as its supervisor starts it (workers.py).
-    for option in ("--worker", "--listen-fd", "--metrics-fd", "--supervisor-pid", "--drain-fd"):
+    for option in (
+        "--worker", "--listen-fd", "--metrics-fd", "--supervisor-pid", "--drain-fd",
+        "--board-fd", "--wake-fd",
+    ):  # fmt: skip
         serve_cmd.add_argument(option, help=argparse.SUPPRESS)
     usage = commands.add_parser(
         "usage",
@@ -83,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         worker = WorkerSlot(
             int(index), int(count), int(args.listen_fd), int(args.metrics_fd),
             int(args.supervisor_pid), int(args.drain_fd),
+            int(args.board_fd or -1), int(args.wake_fd or -1),
         )  # fmt: skip
         die_with_supervisor(worker.supervisor_pid)
     from llmendpoints_gateway.server import serve

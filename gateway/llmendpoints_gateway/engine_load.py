@@ -1,4 +1,4 @@
-"""Each ready replica's engine load, kept fresh in the background: what scoring.py weighs.
+"""Each ready replica's engine load: what scoring.py weighs.
 
 `parse_engine_metrics` (pure) reads, from one pod's /metrics (the runtime's own series followed by
 vLLM's), what the engine reports about itself:
@@ -11,29 +11,22 @@ vLLM's), what the engine reports about itself:
 - ``vllm:cache_config_info`` (num_gpu_blocks x block_size: how many tokens its KV cache holds,
   which sizes the prefix index's memory of that replica).
 
-`EngineLoadFeed` scrapes every replica it is given every `interval` seconds (the gateway's
-GATEWAY_ENGINE_LOAD_INTERVAL_SECONDS, 1 s: a sample is at most about a second old when read), all at once with bounded concurrency and a short
-timeout; a replica that fails keeps its last sample, which ages (the scorer ignores old ones);
-replicas no longer given are dropped. No per-request round trip: the request path only reads
-the latest samples.
+Who reads, where and how often: pod_reader.py (each pod's control port, one reader per gateway
+pod, only while its endpoints have traffic). A replica that fails keeps its last sample, which
+ages (the scorer ignores old ones). No per-request round trip: the request path only reads the
+latest samples.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 import math
-import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
-import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmendpoints_gateway.scoring import EngineState
-
-logger = logging.getLogger("llmendpoints.gateway.engine_load")
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -178,102 +171,34 @@ def hit_rate(before: EngineLoad | None, after: EngineLoad) -> tuple[float, float
     return after.prefix_hits - before.prefix_hits, after.prefix_queries - before.prefix_queries
 
 
-@dataclass
-class _Replica:
-    load: EngineLoad | None = None
-    error: str | None = None
-    failures: int = 0
+def load_to_json(load: EngineLoad) -> dict:
+    """One sample as JSON (what the pod's reader publishes to the other workers: pod_board.py)."""
+    return {
+        "running": load.running,
+        "waiting": load.waiting,
+        "kv_usage": load.kv_usage,
+        "prefix_queries": load.prefix_queries,
+        "prefix_hits": load.prefix_hits,
+        "active_adapters": sorted(load.active_adapters),
+        "max_lora": load.max_lora,
+        "ready_adapters": sorted(load.ready_adapters),
+        "block_size": load.block_size,
+        "num_gpu_blocks": load.num_gpu_blocks,
+        "taken_at": load.taken_at,  # time.monotonic(): one clock for every process of a host
+    }
 
 
-@dataclass
-class EngineLoadFeed:
-    """Keeps the engine load of the replicas `targets()` returns (replica base URL -> its
-    /metrics URL is `<replica>/metrics`). Start with `run()` as a task; `get` reads.
-
-    `on_sample(replica, previous, new)` is called for every fresh sample (the gateway counts the
-    engine-reported prefix-cache hits there, and resets its sent-since-sample counts)."""
-
-    targets: Callable[[], Iterable[str]]
-    interval: float = 0.5
-    timeout: float = 0.8
-    concurrency: int = 32
-    on_sample: Callable[[str, EngineLoad | None, EngineLoad], None] | None = None
-    clock: Callable[[], float] = time.monotonic
-    _replicas: dict[str, _Replica] = field(default_factory=dict)
-    _session: aiohttp.ClientSession | None = None
-    _task: asyncio.Task | None = None
-
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self.run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self.close()
-
-    def get(self, replica: str) -> EngineLoad | None:
-        state = self._replicas.get(replica)
-        return state.load if state else None
-
-    def loads(self) -> dict[str, EngineLoad]:
-        return {r: s.load for r, s in self._replicas.items() if s.load is not None}
-
-    def errors(self) -> dict[str, str]:
-        return {r: s.error for r, s in self._replicas.items() if s.error}
-
-    async def run(self) -> None:
-        """Scrape every `interval` until cancelled."""
-        try:
-            while True:
-                started = self.clock()
-                await self.scrape_once()
-                await asyncio.sleep(max(0.0, self.interval - (self.clock() - started)))
-        finally:
-            await self.close()
-
-    async def scrape_once(self) -> None:
-        replicas = list(dict.fromkeys(self.targets()))
-        for gone in [r for r in self._replicas if r not in replicas]:
-            del self._replicas[gone]
-        if not replicas:
-            return
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout),
-                connector=aiohttp.TCPConnector(limit=self.concurrency),
-            )
-        limit = asyncio.Semaphore(self.concurrency)
-        await asyncio.gather(*(self._scrape(self._session, r, limit) for r in replicas))
-
-    async def _scrape(
-        self, session: aiohttp.ClientSession, replica: str, limit: asyncio.Semaphore
-    ) -> None:
-        state = self._replicas.setdefault(replica, _Replica())
-        async with limit:
-            try:
-                async with session.get(replica.rstrip("/") + "/metrics") as response:
-                    if response.status != 200:
-                        raise EngineMetricsError(f"HTTP {response.status}")
-                    body = await response.content.read(MAX_BODY_BYTES + 1)
-                    if len(body) > MAX_BODY_BYTES:
-                        raise EngineMetricsError(f"/metrics larger than {MAX_BODY_BYTES} bytes")
-                load = parse_engine_metrics(body.decode("utf-8", "replace"), self.clock())
-            except (aiohttp.ClientError, TimeoutError, EngineMetricsError) as exc:
-                state.failures += 1
-                state.error = str(exc) or type(exc).__name__
-                if state.failures == 1 or state.failures % 60 == 0:
-                    logger.info("engine load of %s not read: %s", replica, state.error)
-                return
-        if replica not in self._replicas:
-            return  # dropped while we were reading it
-        previous, state.load, state.error, state.failures = state.load, load, None, 0
-        if self.on_sample is not None:
-            self.on_sample(replica, previous, load)
-
-    async def close(self) -> None:
-        if self._session is not None:
-            with contextlib.suppress(Exception):
-                await self._session.close()
-            self._session = None
+def load_from_json(data: Mapping[str, Any]) -> EngineLoad:
+    return EngineLoad(
+        running=float(data["running"]),
+        waiting=float(data["waiting"]),
+        kv_usage=float(data["kv_usage"]),
+        prefix_queries=float(data.get("prefix_queries", 0.0)),
+        prefix_hits=float(data.get("prefix_hits", 0.0)),
+        active_adapters=frozenset(data.get("active_adapters") or ()),
+        max_lora=data.get("max_lora"),
+        ready_adapters=frozenset(data.get("ready_adapters") or ()),
+        block_size=data.get("block_size"),
+        num_gpu_blocks=data.get("num_gpu_blocks"),
+        taken_at=float(data.get("taken_at", 0.0)),
+    )

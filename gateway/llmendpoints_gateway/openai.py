@@ -159,8 +159,10 @@ class OpenAIRoutes:
             ep = self.registry.by_model(model)
             if ep is None:
                 raise model_not_found(model)
-            # A key never learns what models other tenants' endpoints serve.
-            self.access.check(key, ep, state, hidden=model_not_found(model))
+            # A key never learns what models other tenants' endpoints serve (the refusal is
+            # built only for a refused request).
+            if not self.access.allows(key, ep):
+                self.access.check(key, ep, state, hidden=model_not_found(model))
         elif isinstance(model, str):
             state.model = model
         state.endpoint = ep.id

@@ -25,12 +25,13 @@ from llmendpoints_gateway.batches import BatchGateway
 from llmendpoints_gateway.config import GatewaySettings
 from llmendpoints_gateway.discovery.kube import KubeDiscovery
 from llmendpoints_gateway.discovery.static import StaticDiscovery
-from llmendpoints_gateway.engine_load import EngineLoadFeed
 from llmendpoints_gateway.jobs import JobGateway
 from llmendpoints_gateway.keys import KeyRing
 from llmendpoints_gateway.limiter import Limiter
 from llmendpoints_gateway.metrics import GatewayMetrics
 from llmendpoints_gateway.metrics_server import MetricsServer
+from llmendpoints_gateway.pod_board import Activity, PodBoard
+from llmendpoints_gateway.pod_reader import PodReader
 from llmendpoints_gateway.queue import SharedQueue
 from llmendpoints_gateway.registry import Registry
 from llmendpoints_gateway.route_sharing import RouteSharing
@@ -41,8 +42,17 @@ from llmendpoints_gateway.workers import DrainBoard, PodDrain, WorkerSlot
 
 def build(settings: GatewaySettings, worker: WorkerSlot | None = None) -> Gateway:
     """The gateway's parts; ``worker``: this process is one of several (workers.py), which
-    share the pod's hold bounds and report the engines' own counters once (worker 0)."""
+    share the pod's hold bounds and its pod reader (pod_board.py) and report the engines' own
+    counters once (worker 0)."""
     metrics = GatewayMetrics(key_labels=settings.metrics_key_labels)
+    # An endpoint stays "active" (its engines read) this long after its last request.
+    grace = 2 * settings.idle_probe_interval_seconds
+    board = (
+        PodBoard(worker.board_fd, worker.count, worker.wake_fd)
+        if worker is not None and worker.board_fd >= 0
+        else None
+    )
+    activity = board.activity(worker.index, grace) if board and worker else Activity.private(grace)
     registry = Registry(
         metrics,
         worker.share(settings.hold_queue_length) if worker else settings.hold_queue_length,
@@ -50,7 +60,19 @@ def build(settings: GatewaySettings, worker: WorkerSlot | None = None) -> Gatewa
         hold_key_share=settings.hold_key_share,
         hold_max_bytes=worker.share(settings.hold_max_bytes) if worker else settings.hold_max_bytes,
         count_engine_hits=worker is None or worker.index == 0,
+        activity=activity,
     )
+    # Each pod's readiness and engine load, from its control port, once per gateway pod.
+    reader = PodReader(
+        registry,
+        activity,
+        load_interval=settings.engine_load_interval_seconds,
+        probe_interval=settings.probe_interval_seconds,
+        idle_interval=settings.idle_probe_interval_seconds,
+        board=board,
+    )
+    if settings.engine_load_interval_seconds > 0:
+        registry.feed = reader
     keys = KeyRing.from_settings(
         settings.api_keys.get_secret_value() if settings.api_keys else None,
         settings.api_keys_file,
@@ -70,9 +92,7 @@ def build(settings: GatewaySettings, worker: WorkerSlot | None = None) -> Gatewa
     publisher = UsagePublisher(queue) if queue is not None else None
     metering = Metering(settings.gateway_id, metrics, limiter, keys, registry, publisher)
     if settings.endpoints_file:
-        discovery = StaticDiscovery(
-            settings.endpoints_file, registry, settings.probe_interval_seconds
-        )
+        discovery = StaticDiscovery(settings.endpoints_file, registry, reader)
     else:
         discovery = KubeDiscovery(
             registry,
@@ -127,15 +147,7 @@ def build(settings: GatewaySettings, worker: WorkerSlot | None = None) -> Gatewa
             )
             registry.on_record = sharing.record
             parts.append(sharing)
-    parts += [limiter, discovery]
-    if settings.engine_load_interval_seconds > 0:
-        # One feed per process over every endpoint's replicas (the scorer's engine load).
-        registry.feed = EngineLoadFeed(
-            targets=registry.engine_targets,
-            interval=settings.engine_load_interval_seconds,
-            on_sample=registry.engine_sampled,
-        )
-        parts.append(registry.feed)
+    parts += [limiter, discovery, reader]
     if worker is not None:
         sock = socket.socket(fileno=worker.metrics_fd)
         parts.append(MetricsServer(metrics, "127.0.0.1", sock.getsockname()[1], sock))
