@@ -31,6 +31,7 @@ import math
 import mmap
 import os
 import struct
+import time
 import zlib
 from collections.abc import Callable
 
@@ -75,13 +76,19 @@ class Activity:
         return cls(buffer, 0, 1, wake, grace)
 
     def busy(self, slot: int) -> None:
-        """An endpoint (its slot) has work in this worker now."""
-        if self._mine[slot] != math.inf:
-            self._mine[slot] = math.inf
-            with contextlib.suppress(OSError):
-                os.eventfd_write(self.wake_fd, 1)
-            for wake in self.on_busy:
-                wake()
+        """An endpoint (its slot) has work in this worker now. The reader is woken only when
+        the endpoint had been idle past the grace (it may be asleep for a slow tick): a request
+        that follows another within seconds costs a float compare, not a wake-up."""
+        was = self._mine[slot]
+        if was == math.inf:
+            return
+        self._mine[slot] = math.inf
+        if was > time.monotonic() - self.grace:
+            return
+        with contextlib.suppress(OSError):
+            os.eventfd_write(self.wake_fd, 1)
+        for wake in self.on_busy:
+            wake()
 
     def idle(self, slot: int, now: float) -> None:
         """This worker's last request of the endpoint ended (or left the hold)."""
@@ -145,6 +152,11 @@ class PodBoard:
         struct.pack_into("I", self._map, 8, len(blob))
         self._map[_BLOB : _BLOB + len(blob)] = blob
         struct.pack_into("Q", self._map, 0, seq + 2)
+
+    def close(self) -> None:
+        """This process's hold on the board (its lock goes with it, as with its process)."""
+        os.close(self._lock_fd)
+        self.leading = False
 
     def seq(self) -> int:
         return struct.unpack_from("Q", self._map, 0)[0]
