@@ -23,8 +23,10 @@ Measured, per run (psutil, user + system of one process):
   work included) and **net** of its own idle rate (measured first, below), the way the two
   figures in issue 33 were made;
 - the runtime API process's CPU per request for the same requests (the runtime's main process,
-  not its engine, not its control-port process) -- through a router vs direct: what a router
-  adds to the pod's serving process per request;
+  not its engine, not its control-port process), net of its own idle rate (all routers
+  stopped) -- through a router vs direct: what a router adds to the pod's serving process per
+  request. During each run every other router is SIGSTOPped: only the measured one talks to the
+  runtime (and uses the machine);
 - idle: each router alone for ``--idle-seconds`` (every other router SIGSTOPped), its own CPU per
   second and what it adds per second to the runtime's API process and to its control-port
   process, against all routers stopped.
@@ -89,6 +91,16 @@ class Router:
 
     def cpu(self) -> float:
         return process_cpu(self.pid)
+
+    def times(self) -> tuple[float, float]:
+        """(user, system) CPU seconds of its processes (psutil: 10 ms ticks)."""
+        main = psutil.Process(self.pid)
+        user = system = 0.0
+        for process in [main, *main.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                t = process.cpu_times()
+                user, system = user + t.user, system + t.system
+        return user, system
 
     def rss(self) -> int:
         return psutil.Process(self.pid).memory_info().rss
@@ -271,7 +283,10 @@ class Run:
     median_ttft_ms: float
     router_cpu_ms_gross: float | None  # per request
     router_cpu_ms_net: float | None
+    router_user_ms: float | None  # the gross figure's user / system split (psutil: 10 ms ticks)
+    router_system_ms: float | None
     runtime_api_cpu_ms: float
+    runtime_api_cpu_ms_net: float  # less the runtime's own idle rate (all routers stopped)
     runtime_control_cpu_ms: float
 
 
@@ -322,6 +337,7 @@ def one_run(
     requests = load.num_prompts + load.warmups
     load_avg = os.getloadavg()[0]
     own0 = router.cpu() if router else 0.0
+    times0 = router.times() if router else (0.0, 0.0)
     api0, control0 = runtime.api_cpu(), runtime.control_cpu()
     started = time.perf_counter()
     data = chat_client(
@@ -335,6 +351,10 @@ def one_run(
     wall = time.perf_counter() - started
     gross = (router.cpu() - own0) if router else None
     net = gross - idle[side].router_ms_per_s / 1000 * wall if router and gross is not None else None
+    times1 = router.times() if router else (0.0, 0.0)
+    api = runtime.api_cpu() - api0
+    api_net = api - idle["none"].runtime_api_ms_per_s / 1000 * wall
+    per = 1000 / requests
     return Run(
         side=side,
         round=round_,
@@ -346,7 +366,10 @@ def one_run(
         median_ttft_ms=round(float(data["median_ttft_ms"]), 2),
         router_cpu_ms_gross=None if gross is None else round(gross * 1000 / requests, 4),
         router_cpu_ms_net=None if net is None else round(net * 1000 / requests, 4),
-        runtime_api_cpu_ms=round((runtime.api_cpu() - api0) * 1000 / requests, 4),
+        router_user_ms=round((times1[0] - times0[0]) * per, 4) if router else None,
+        router_system_ms=round((times1[1] - times0[1]) * per, 4) if router else None,
+        runtime_api_cpu_ms=round(api * per, 4),
+        runtime_api_cpu_ms_net=round(api_net * per, 4),
         runtime_control_cpu_ms=round((runtime.control_cpu() - control0) * 1000 / requests, 4),
     )
 
@@ -406,7 +429,13 @@ def cpu_part(args, out: Path) -> dict:
         runs: list[Run] = []
         for round_ in range(args.rounds):
             for side in rotated(sides, round_):
-                run = one_run(side, round_, by_name.get(side), runtime, model, load, out, idle)
+                router = by_name.get(side)
+                # Only the measured router talks to the runtime meanwhile: the others'
+                # probes would land in its API process's CPU (and the machine's).
+                with stopped([r for r in routers if r is not router]):
+                    if router is not None:
+                        wait_routable(router, rv.SERVED_NAME)
+                    run = one_run(side, round_, router, runtime, model, load, out, idle)
                 runs.append(run)
                 print(f"  {json.dumps(asdict(run))}", flush=True)
     return {
@@ -457,6 +486,7 @@ def summarize(runs: list[Run], idle: dict[str, Idle]) -> dict:
         mine = [by[(side, n)] for n in rounds if (side, n) in by]
         entry = {
             "runtime_api_cpu_ms": _spread([r.runtime_api_cpu_ms for r in mine]),
+            "runtime_api_cpu_ms_net": _spread([r.runtime_api_cpu_ms_net for r in mine]),
             "runtime_control_cpu_ms": _spread([r.runtime_control_cpu_ms for r in mine]),
             "median_ttft_ms": _spread([r.median_ttft_ms for r in mine]),
             "request_throughput": _spread([r.request_throughput for r in mine]),
@@ -466,6 +496,8 @@ def summarize(runs: list[Run], idle: dict[str, Idle]) -> dict:
         if side != "direct":
             entry["router_cpu_ms_gross"] = _spread([r.router_cpu_ms_gross for r in mine])
             entry["router_cpu_ms_net"] = _spread([r.router_cpu_ms_net for r in mine])
+            entry["router_user_ms"] = _spread([r.router_user_ms for r in mine])
+            entry["router_system_ms"] = _spread([r.router_system_ms for r in mine])
             entry["idle"] = asdict(idle[side])
             entry["idle_added_runtime_api_ms_per_s"] = round(
                 idle[side].runtime_api_ms_per_s - idle["none"].runtime_api_ms_per_s, 3
@@ -492,7 +524,7 @@ def summarize(runs: list[Run], idle: dict[str, Idle]) -> dict:
     for side in sides:
         if side != "direct":
             out["ratios"][f"runtime API via {side}/direct"] = ratio(
-                side, "direct", "runtime_api_cpu_ms"
+                side, "direct", "runtime_api_cpu_ms_net"
             )
     return out
 
@@ -508,17 +540,23 @@ def cpu_markdown(result: dict, argv: list[str]) -> str:
         f"tokens in, {load['output_len']} out, {load['concurrency']} in flight, one runtime "
         f"(demo model, control port on).",
         "",
-        "| side | router CPU ms/req gross (range) | net of idle (range) | router idle ms/s | "
-        "runtime API ms/req (range) | runtime API ms/s added idle | control port ms/s added idle "
-        "| median TTFT ms | req/s | failed | load avg |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| side | router CPU ms/req gross (range) | net of idle (range) | user / system ms/req "
+        "| router idle ms/s | runtime API ms/req net of its idle (range) | runtime API ms/s "
+        "added idle | control port ms/s added idle | median TTFT ms | req/s | failed | load avg |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for side, e in s["sides"].items():
         gross = _cell(e.get("router_cpu_ms_gross"))
         net = _cell(e.get("router_cpu_ms_net"))
         idle = f"{e['idle']['router_ms_per_s']:.2f}" if "idle" in e else "-"
+        split = (
+            f"{e['router_user_ms']['median']:.2f} / {e['router_system_ms']['median']:.2f}"
+            if "router_user_ms" in e
+            else "-"
+        )
         lines.append(
-            f"| {side} | {gross} | {net} | {idle} | {_cell(e['runtime_api_cpu_ms'])} | "
+            f"| {side} | {gross} | {net} | {split} | {idle} | "
+            f"{_cell(e['runtime_api_cpu_ms_net'])} | "
             f"{e.get('idle_added_runtime_api_ms_per_s', '-')} | "
             f"{e.get('idle_added_runtime_control_ms_per_s', '-')} | "
             f"{e['median_ttft_ms']['median']} | {e['request_throughput']['median']} | "
