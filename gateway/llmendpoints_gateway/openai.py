@@ -254,6 +254,9 @@ class OpenAIRoutes:
                 return
         except asyncio.CancelledError:
             if disconnected.gone:
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()  # the disconnect's own cancellation, answered here
                 if state.meter is not None and state.meter.ended:
                     return  # it left after the stream's last event: answered (state.status)
                 raise ClientGone() from None

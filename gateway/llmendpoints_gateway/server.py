@@ -171,6 +171,7 @@ def serve(settings: GatewaySettings, worker: WorkerSlot | None = None) -> None:
         settings,
         loop="uvloop",
         access_log=False,  # the gateway writes its own access line with routing fields
+        proxy_headers=False,  # it logs no client address: no X-Forwarded-* layer per request
         backlog=4096,
         sockets=[socket.socket(fileno=worker.listen_fd)] if worker else None,
     )
