@@ -94,14 +94,6 @@ async def send_error(send: Send, exc: APIError, body: dict[str, Any] | None = No
     await send_json(send, exc.status_code, exc.body() if body is None else body, exc.headers)
 
 
-async def send_closing(send: Send, exc: APIError) -> None:
-    """Answer with ``exc`` and close the connection (uvicorn closes on ``Connection: close``):
-    for answers sent before a body was read, so the server does not go on receiving (and
-    discarding) the rest of it."""
-    exc.headers["connection"] = "close"
-    await send_error(send, exc)
-
-
 def declares_body(scope: Scope) -> bool:
     """Whether the request says a body follows (a non-zero Content-Length, or chunked)."""
     for name, value in scope["headers"]:

@@ -30,15 +30,13 @@ import gc
 import logging
 import signal
 import socket
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import uvicorn
 from llmendpoints_common.errors import APIError, RequestTimeoutError
 
 from llmendpoints_edge.asgi import RAW_BODY
-
-if TYPE_CHECKING:  # settings.py reads this module's defaults
-    from llmendpoints_edge.settings import EdgeSettings
+from llmendpoints_edge.settings import DEFAULT_MAX_HEADER_BYTES, EdgeSettings
 
 try:  # what uvicorn's "auto" picks when httptools is installed (it is, with both components)
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _HTTPProtocol
@@ -131,10 +129,6 @@ class DrainingServer(uvicorn.Server):
             )
         self.should_exit = True
         self._wake_main_loop()
-
-
-# The request line and headers of one request (nginx's default large buffers hold 32 KiB).
-DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 
 
 class RawBody:

@@ -15,7 +15,9 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llmendpoints_edge.keys import parse_key_list
-from llmendpoints_edge.server import DEFAULT_MAX_HEADER_BYTES
+
+# The request line and headers of one request (nginx's default large buffers hold 32 KiB).
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 
 
 class EdgeSettings(BaseSettings):
@@ -151,7 +153,3 @@ def settings_variables(settings: type[BaseSettings]) -> dict[str, str]:
         str(info.validation_alias): info.description or ""
         for info in settings.model_fields.values()
     }
-
-
-def shared_variables() -> frozenset[str]:
-    return frozenset(settings_variables(EdgeSettings))

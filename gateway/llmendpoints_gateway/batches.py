@@ -4,7 +4,7 @@ and RunPod's ``/v2/{endpoint}/batch...``, for every endpoint, with no runtime po
 The verbs are ``llmendpoints_common.batch.api.BatchAPI``'s (a pod without the queue serves the
 same), over the queue's store (``NatsBatchStore``: records in ``LLMEP_BATCHES``, contents in the
 object store ``LLMEP_FILES``) and its batch lane (``QueueLines``: each request a job of the
-endpoint, in ``llmep.jobs.<ns>.<name>.batch``). Every gateway replica also runs the batch drivers
+endpoint, in ``llmep.ep.<ns>.<name>.jobs.batch.*``). Every gateway replica also runs the batch drivers
 (``BatchDrivers``): each batch is driven by the replica holding its lease, and by another when
 that one goes.
 

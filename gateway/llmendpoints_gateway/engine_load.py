@@ -113,21 +113,8 @@ def parse_engine_metrics(text: str, taken_at: float = 0.0) -> EngineLoad:
                     ready.add(sample.labels.get("adapter", ""))
     except ValueError as exc:
         raise EngineMetricsError(f"unparsable metrics: {exc}") from exc
-    missing = [n for n in (RUNNING, WAITING, KV_USAGE) if n not in sums]
-    if missing:
-        raise EngineMetricsError(f"missing {', '.join(missing)}")
-    for name in (RUNNING, WAITING, KV_USAGE):
-        if not math.isfinite(sums[name]) or sums[name] < 0:
-            raise EngineMetricsError(f"{name} is {sums[name]}")
-    active: frozenset[str] = frozenset()
-    max_lora = None
-    if lora is not None:
-        labels = lora[1]
-        names = (
-            f"{labels.get('running_lora_adapters', '')},{labels.get('waiting_lora_adapters', '')}"
-        )
-        active = frozenset(a.strip() for a in names.split(",") if a.strip())
-        max_lora = _int(labels.get("max_lora"))
+    _check_gauges(sums)
+    active, max_lora = _lora_batches(lora[1] if lora is not None else None)
     return EngineLoad(
         running=sums[RUNNING],
         waiting=sums[WAITING],
@@ -141,6 +128,24 @@ def parse_engine_metrics(text: str, taken_at: float = 0.0) -> EngineLoad:
         num_gpu_blocks=_int(cache.get("num_gpu_blocks")),
         taken_at=taken_at,
     )
+
+
+def _check_gauges(sums: Mapping[str, float]) -> None:
+    missing = [n for n in (RUNNING, WAITING, KV_USAGE) if n not in sums]
+    if missing:
+        raise EngineMetricsError(f"missing {', '.join(missing)}")
+    for name in (RUNNING, WAITING, KV_USAGE):
+        if not math.isfinite(sums[name]) or sums[name] < 0:
+            raise EngineMetricsError(f"{name} is {sums[name]}")
+
+
+def _lora_batches(labels: Mapping[str, str] | None) -> tuple[frozenset[str], int | None]:
+    """The adapters running or waiting in the engine's batches, and its LoRA slots per batch,
+    from ``vllm:lora_requests_info``'s labels (none: LoRA off)."""
+    if labels is None:
+        return frozenset(), None
+    names = f"{labels.get('running_lora_adapters', '')},{labels.get('waiting_lora_adapters', '')}"
+    return frozenset(a.strip() for a in names.split(",") if a.strip()), _int(labels.get("max_lora"))
 
 
 def _wanted(line: str) -> bool:

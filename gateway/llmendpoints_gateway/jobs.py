@@ -7,7 +7,8 @@ llmendpoints_common.queue). The verbs are the ones the runtime serves too
 answers, same errors with the job's ``id``. This module only adds what a front door across
 endpoints does around them: the caller's key name as the job's owner (an admin key reaches every
 job), the key's limits (a submission is a request; a /runsync holds a concurrency slot while it
-waits), metering, and a nudge to the autoscaler when the endpoint has no ready replica. A job
+waits), the job's admission (the gateway's word on whose it is and what it may be billed, where
+no pod may write: llmendpoints_common.jobs.admission), metering, and a nudge to the autoscaler when the endpoint has no ready replica. A job
 this gateway moves into a final state (a /cancel, a /purge-queue) has its webhook sent from
 here, as a runtime pod sends those of the jobs it runs. Checks that need the model (sampling
 parameter values, image support) happen in the runtime, which fails the job with the reason.
@@ -20,6 +21,7 @@ from urllib.parse import parse_qsl
 
 from llmendpoints_common.destinations import DestinationPolicy
 from llmendpoints_common.errors import NotFoundError, ServiceUnavailableError
+from llmendpoints_common.jobs import admission
 from llmendpoints_common.jobs.api import JobCall, JobVerbs, split_verb
 from llmendpoints_common.jobs.record import JobRecord
 from llmendpoints_common.jobs.service import status_body
@@ -85,7 +87,9 @@ class JobGateway:
             )
         verbs = self._verbs.get(endpoint)
         if verbs is None:
-            service = QueueJobService(connection, endpoint, on_final=self._ended)
+            service = QueueJobService(
+                connection, endpoint, on_final=self._ended, admitted_by=admission.GATEWAY
+            )
             verbs = self._verbs[endpoint] = JobVerbs(service, webhook_policy=self.webhook_policy)
         return verbs
 

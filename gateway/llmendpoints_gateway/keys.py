@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+from llmendpoints_common.jobs.admission import ENDPOINT_KEY_PREFIX
 from llmendpoints_common.jobs.service import key_owner
 from llmendpoints_edge.keys import WatchedFile, key_from_headers, parse_key_list
 
@@ -145,6 +146,13 @@ def _key_entry(entry: Any, where: str, *, require_name: bool = False) -> tuple[b
         name = hashed_name(secret or "")
     if not isinstance(name, str) or not name:
         raise KeyFileError(f"{where}.name: a non-empty string is required")
+    if name.startswith(ENDPOINT_KEY_PREFIX):
+        # What a job accepted at an endpoint's own pod is billed to (jobs/admission.py): a
+        # gateway key of that name would be billed for them.
+        raise KeyFileError(
+            f"{where}.name: {name!r} starts with {ENDPOINT_KEY_PREFIX!r}, which names the "
+            "endpoints' own keys in usage records; choose another name"
+        )
     endpoints = entry.get("endpoints")
     if endpoints is not None and not (
         isinstance(endpoints, list) and all(isinstance(e, str) for e in endpoints)
@@ -174,23 +182,17 @@ def secret_api_key(obj: Mapping[str, Any]) -> tuple[bytes, Key]:
     Secret and the field, never the key."""
     meta = obj.get("metadata") or {}
     where = f"Secret {meta.get('namespace', '')}/{meta.get('name', '')}"
-    data: dict[str, str] = {}
-    for field_name, encoded in (obj.get("data") or {}).items():
-        try:
-            data[field_name] = base64.b64decode(encoded).decode("utf-8").strip()
-        except (ValueError, UnicodeDecodeError):
-            raise KeyFileError(f"{where}: {field_name}: not base64 UTF-8 text") from None
+    data = _secret_text(obj.get("data") or {}, where)
     entry: dict[str, Any] = {"name": data.get("name") or meta.get("name")}
     for field_name in ("key", "keySha256"):
         if field_name in data:
             entry[field_name] = data[field_name]
     if "endpoints" in data:
         entry["endpoints"] = [e.strip() for e in data["endpoints"].split(",") if e.strip()]
-    limits: dict[str, Any] = {}
-    for field_name in _SECRET_LIMITS:
-        if field_name in data:
-            raw = data[field_name]
-            limits[field_name] = int(raw) if raw.isdigit() else raw
+    # A number where it is one; anything else goes on as given, for _key_entry to refuse.
+    limits = {
+        f: int(data[f]) if data[f].isdigit() else data[f] for f in _SECRET_LIMITS if f in data
+    }
     if limits:
         entry["limits"] = limits
     if "admin" in data:
@@ -198,6 +200,16 @@ def secret_api_key(obj: Mapping[str, Any]) -> tuple[bytes, Key]:
             raise KeyFileError(f"{where}: admin: must be true or false")
         entry["admin"] = data["admin"].lower() == "true"
     return _key_entry(entry, where, require_name=True)
+
+
+def _secret_text(data: Mapping[str, str], where: str) -> dict[str, str]:
+    decoded: dict[str, str] = {}
+    for field_name, encoded in data.items():
+        try:
+            decoded[field_name] = base64.b64decode(encoded).decode("utf-8").strip()
+        except (ValueError, UnicodeDecodeError):
+            raise KeyFileError(f"{where}: {field_name}: not base64 UTF-8 text") from None
+    return decoded
 
 
 def parse_endpoints_file_keys(text: str) -> dict[bytes, Key] | None:

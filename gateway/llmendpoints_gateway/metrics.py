@@ -100,6 +100,14 @@ class GatewayMetrics:
             ["endpoint"],
             registry=r,
         )
+        self.jobs_unbilled = Counter(
+            "llmendpoints_gateway_jobs_unbilled",
+            "Finished job records the usage meter billed to nobody: their admission disagrees "
+            "(another owner, another endpoint, no admission, a run not admitted, more tokens "
+            "than admitted) -- a pod's forgery, or a bug; the gateway's log says which.",
+            ["endpoint"],
+            registry=r,
+        )
         self.hold_rejected = Counter(
             "llmendpoints_gateway_hold_rejected",
             "Held requests answered 503, by reason: queue_full, timeout, shutdown.",

@@ -30,6 +30,13 @@ class _Family:
     type: str | None = None
     samples: dict[str, float] = field(default_factory=dict)  # "name{labels}" -> value
 
+    def add(self, series: str, value: float, *, keep_max: bool) -> None:
+        before = self.samples.get(series)
+        if before is None:
+            self.samples[series] = value
+        else:
+            self.samples[series] = max(before, value) if keep_max else before + value
+
 
 def merge(expositions: Sequence[str], maximum: Iterable[str] = MAXIMUM) -> str:
     """The expositions (Prometheus text format 0.0.4, as prometheus_client writes it) as one:
@@ -37,32 +44,32 @@ def merge(expositions: Sequence[str], maximum: Iterable[str] = MAXIMUM) -> str:
     take_max = frozenset(maximum)
     families: dict[str, _Family] = {}
     for text in expositions:
-        current = families.setdefault("", _Family())  # samples before any # line (none here)
         name = ""
+        current = families.setdefault(name, _Family())  # samples before any # line (none here)
         for line in text.splitlines():
-            if not line:
-                continue
             if line.startswith("#"):
-                parts = line.split(" ", 3)
-                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
-                    name = parts[2]
-                    current = families.setdefault(name, _Family())
-                    if parts[1] == "HELP" and current.help is None:
-                        current.help = line
-                    elif parts[1] == "TYPE" and current.type is None:
-                        current.type = line
-                continue
-            series, _, value = line.rpartition(" ")
-            number = float(value)
-            before = current.samples.get(series)
-            if before is None:
-                current.samples[series] = number
-            elif name in take_max:
-                current.samples[series] = max(before, number)
-            else:
-                current.samples[series] = before + number
+                name, current = _heading(line, families, name, current)
+            elif line:
+                series, _, value = line.rpartition(" ")
+                current.add(series, float(value), keep_max=name in take_max)
     lines: list[str] = []
     for family in families.values():
         lines += [line for line in (family.help, family.type) if line is not None]
         lines += [f"{series} {floatToGoString(value)}" for series, value in family.samples.items()]
     return "\n".join(lines) + "\n" if lines else ""
+
+
+def _heading(
+    line: str, families: dict[str, _Family], name: str, current: _Family
+) -> tuple[str, _Family]:
+    """A ``# HELP`` or ``# TYPE`` line opens its family (or returns to it: the first worker's
+    text is kept); any other comment leaves the current one."""
+    parts = line.split(" ", 3)
+    if len(parts) < 3 or parts[1] not in ("HELP", "TYPE"):
+        return name, current
+    family = families.setdefault(parts[2], _Family())
+    if parts[1] == "HELP" and family.help is None:
+        family.help = line
+    elif parts[1] == "TYPE" and family.type is None:
+        family.type = line
+    return parts[2], family

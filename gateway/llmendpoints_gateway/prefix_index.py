@@ -109,14 +109,6 @@ def block_hashes(
     return hashes
 
 
-def request_blocks(
-    model: str, path: str, body: Mapping[str, Any], chunk_chars: int = CHUNK_CHARS
-) -> list[int]:
-    """A request's block hashes ([] when it has no prompt, or one shorter than a chunk)."""
-    text = render_prompt(path, body)
-    return [] if text is None else block_hashes(model, text, chunk_chars)
-
-
 @dataclass(frozen=True)
 class Capacity:
     """How many blocks of a replica's prompts its engine can hold."""

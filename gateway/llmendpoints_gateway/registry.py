@@ -300,7 +300,7 @@ class Registry:
                 on_held=lambda seconds, outcome: metrics.held_for(endpoint_id, seconds, outcome),
             )
             ep = Endpoint(
-                name, models, Router(strategy, self.load_factor), hold, namespace, created=created
+                name, models, Router(strategy), hold, namespace, created=created
             )  # fmt: skip
             if self.closed:
                 hold.close()
@@ -449,7 +449,7 @@ class Registry:
         """The replica for one request (None: no ready replica left), and how it was chosen.
         Prefix-aware: scored, then its blocks recorded as the chosen replica's."""
         if ep.router.strategy is not Strategy.PREFIX_AWARE or ep.router.ring is None:
-            return ep.router.choose(None, ep.loads, exclude)
+            return ep.router.choose(ep.loads, exclude)
         if route is None:  # the endpoint turned prefix-aware while the request was held
             route = RouteKey("", (), 0, None)
         now = time.monotonic()

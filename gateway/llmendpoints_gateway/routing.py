@@ -1,20 +1,22 @@
-"""PURE: which replica gets a request.
+"""PURE: the building blocks of routing -- the hash ring, the load bound, the keys a request is
+placed by -- and the two strategies that look at no prompt.
 
 Three strategies per endpoint (``spec.routing``):
 
-- ``prefix-aware`` (default): consistent hashing with bounded loads (Mirrokni, Thorup and
-  Zadimoghaddam, 2016). Each replica owns many points on a hash ring; a request's prefix key
-  hashes to a point and walks clockwise to the first replica whose in-flight count is below
-  ``ceil(load_factor * (total + 1) / replicas)``. Requests that share a prefix land on the same
-  replica (its vLLM prefix cache stays warm) until that replica carries more than its share,
-  then they spill to the next replica on the ring -- the same one for every such request, so
-  the spill is cache-friendly too. Adding or removing a replica moves only the keys on its own
-  points: about 1/N of them.
+- ``prefix-aware`` (default): scored by scoring.py over the registry's prefix index (the longest
+  prompt prefix each replica was sent, its engine's queue and KV cache, adapters). Two pieces of
+  it live here. ``load_bound``: bounded loads (Mirrokni, Thorup and Zadimoghaddam, 2016) -- no
+  replica takes a request while it carries ``ceil(load_factor * (total + 1) / replicas)`` of this
+  gateway's in-flight requests, so a hot prefix spills instead of piling up. And a request's
+  home: ``home_key`` hashed onto a consistent-hash ring (``HashRing``: each replica owns many
+  points; adding or removing one moves only about 1/N of the keys), whose clockwise order is
+  where a prompt no replica holds a block of goes -- so conversations that share an instruction
+  meet where it will be cached, in every gateway process alike.
 - ``least-loaded``: the replica with the fewest in-flight requests from this gateway.
 - ``round-robin``: in turn.
 
-Loads are this gateway replica's own in-flight counts: no coordination between gateway
-replicas is needed and every count is exact for the traffic it sees.
+Loads here are this gateway process's own in-flight counts: exact for the traffic it sees, with
+no coordination between processes.
 """
 
 from __future__ import annotations
@@ -93,24 +95,6 @@ def load_bound(total_in_flight: int, replicas: int, load_factor: float) -> int:
     return max(1, math.ceil(load_factor * (total_in_flight + 1) / max(1, replicas)))
 
 
-def choose_bounded(
-    ring: HashRing,
-    key_hash: int,
-    loads: Mapping[str, int],
-    load_factor: float = DEFAULT_LOAD_FACTOR,
-    exclude: frozenset[str] = frozenset(),
-) -> tuple[str, Outcome] | None:
-    candidates = [r for r in ring.walk(key_hash) if r not in exclude]
-    if not candidates:
-        return None
-    bound = load_bound(sum(loads.get(r, 0) for r in candidates), len(candidates), load_factor)
-    for i, replica in enumerate(candidates):
-        if loads.get(replica, 0) < bound:
-            return replica, (Outcome.AFFINITY if i == 0 else Outcome.SPILLED)
-    # Unreachable in theory (the bound leaves room somewhere); stay total anyway.
-    return least_loaded(candidates, loads), Outcome.SPILLED
-
-
 def least_loaded(replicas: Sequence[str], loads: Mapping[str, int]) -> str:
     return min(replicas, key=lambda r: (loads.get(r, 0), r))
 
@@ -187,7 +171,6 @@ class Router:
     """One endpoint's routing state: its strategy, ready replicas and their ring."""
 
     strategy: Strategy = Strategy.PREFIX_AWARE
-    load_factor: float = DEFAULT_LOAD_FACTOR
     ring: HashRing | None = None
     _turn: int = 0
 
@@ -196,11 +179,10 @@ class Router:
             self.ring = HashRing(replicas)
 
     def choose(
-        self,
-        key: bytes | None,
-        loads: Mapping[str, int],
-        exclude: frozenset[str] = frozenset(),
+        self, loads: Mapping[str, int], exclude: frozenset[str] = frozenset()
     ) -> tuple[str, Outcome] | None:
+        """Round-robin or least-loaded (prefix-aware endpoints are scored by the registry, and
+        balance by load here only when they have nothing else to go by)."""
         if self.ring is None:
             return None
         replicas = sorted(r for r in self.ring.replicas if r not in exclude)
@@ -209,6 +191,4 @@ class Router:
         if self.strategy is Strategy.ROUND_ROBIN:
             self._turn += 1
             return replicas[self._turn % len(replicas)], Outcome.ROUND_ROBIN
-        if self.strategy is Strategy.PREFIX_AWARE and key is not None:
-            return choose_bounded(self.ring, hash64(key), loads, self.load_factor, exclude)
         return least_loaded(replicas, loads), Outcome.LEAST_LOADED

@@ -125,7 +125,8 @@ def build(settings: GatewaySettings, worker: WorkerSlot | None = None) -> Gatewa
             webhook_max_concurrency=settings.webhook_max_concurrency,
             nudge=signals.nudge_soon,
         )
-        parts += [queue, signals, gateway.jobs, publisher, JobUsageMeter(queue, metering.job_usage)]
+        meter = JobUsageMeter(queue, metering.job_usage, on_refused=metering.job_unbilled)
+        parts += [queue, signals, gateway.jobs, publisher, meter]
         if settings.batch_enabled:
             gateway.batches = BatchGateway(
                 queue,

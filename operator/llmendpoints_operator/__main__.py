@@ -28,11 +28,19 @@ import asyncio
 import contextlib
 import logging
 import os
+import pathlib
+import re
 import sys
+import time
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from llmendpoints_operator import __version__
+from llmendpoints_operator.fit import cli as fit_cli
+
+if TYPE_CHECKING:
+    from llmendpoints_common.queue.natsjwt import AccountLimits
 
 
 def _settings_help() -> str:
@@ -54,6 +62,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_run(commands)
+    _add_queue_auth(commands)
+    fit_cli.add_parser(commands)
+    return parser
+
+
+def _add_run(commands: argparse._SubParsersAction) -> None:
     run = commands.add_parser(
         "run",
         help="run the operator until interrupted",
@@ -89,6 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("-v", "--verbose", action="store_true", help="log debug details")
 
+
+def _add_queue_auth(commands: argparse._SubParsersAction) -> None:
     auth = commands.add_parser("queue-auth", help="NATS keys, server trust and creds files")
     actions = auth.add_subparsers(dest="action", required=True)
     keys = actions.add_parser("keys", help="write a new installation's four nkey seeds")
@@ -107,6 +124,21 @@ def _parser() -> argparse.ArgumentParser:
         help="a cluster route, nats://host:6222 (repeatable): routes.conf then makes routes "
         "authenticate with the keys folder's `cluster-password`",
     )
+    server.add_argument(
+        "--max-file-store",
+        default="-1",
+        help="each server's JetStream file storage, as its nats.conf's max_file_store says it "
+        "(bytes, 10G = 10^10, 10Gi = 10 x 2^30): the account may hold no more, times "
+        "--replicas (-1: no account total)",
+    )
+    server.add_argument(
+        "--max-memory-store",
+        default="256Mi",
+        help="the account's JetStream memory storage per server (default 256Mi)",
+    )
+    server.add_argument(
+        "--replicas", type=int, default=1, help="servers in the JetStream cluster (default 1)"
+    )
     creds = actions.add_parser("creds", help="mint a role's creds file")
     creds.add_argument(
         "--keys-dir", required=True, help="folder with `account` and `account-signing`"
@@ -114,16 +146,10 @@ def _parser() -> argparse.ArgumentParser:
     creds.add_argument("--role", required=True, choices=["runtime", "gateway", "operator", "admin"])
     creds.add_argument("--endpoint", help="NS/NAME: the endpoint of a runtime credential")
     creds.add_argument("--out", required=True, help="file to write (mode 0600)")
-    from llmendpoints_operator.fit import cli as fit_cli
-
-    fit_cli.add_parser(commands)
-    return parser
 
 
 def _write_private(path: str, text: str) -> None:
     """Write a secret file readable by its owner only (replaced whole, never half-written)."""
-    import os
-
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
@@ -131,10 +157,43 @@ def _write_private(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _queue_auth(args: argparse.Namespace) -> int:
-    import pathlib
-    import time
+_DECIMAL = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
+
+def _size(text: str, flag: str) -> int:
+    """Bytes from a size as nats.conf reads it: ``123``, ``10G`` (powers of 1000) or ``10GB``,
+    ``10Gi``, ``10GiB`` (powers of 1024); -1 for none."""
+    value = text.strip().upper()
+    if value == "-1":
+        return -1
+    match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([KMGT]?)(I?B?)", value)
+    if match is None or (match.group(3) and not match.group(2)):
+        raise ValueError(f"{flag}: {text!r} is not a size (bytes, or e.g. 10G, 10Gi)")
+    number, unit, binary = match.groups()
+    factor = 1024 ** "KMGT".index(unit) * 1024 if binary else _DECIMAL[unit]
+    return int(float(number) * factor)
+
+
+def _account_limits(args: argparse.Namespace) -> AccountLimits:
+    """The account's JetStream bounds from server-config's arguments (untiered limits count a
+    stream replicated R times R times: the totals are per server times the replicas)."""
+    from llmendpoints_common.queue.natsjwt import AccountLimits
+
+    replicas = max(1, args.replicas)
+
+    def total(per_server: int) -> int:
+        return per_server * replicas if per_server > 0 else -1
+
+    return AccountLimits(
+        disk_storage=total(_size(args.max_file_store, "--max-file-store")),
+        mem_storage=total(_size(args.max_memory_store, "--max-memory-store")),
+        max_ack_pending=10_000,
+    )
+
+
+def _queue_auth(args: argparse.Namespace) -> int:
+    # Here, not at the top: the queue's credential code pulls in nats-py (about 1 s of imports
+    # on a busy node), which `run` and `--version` never use.
     from llmendpoints_common.queue.natsjwt import CredentialsError
     from llmendpoints_common.queue.trust import (
         Installation,
@@ -154,9 +213,8 @@ def _queue_auth(args: argparse.Namespace) -> int:
                 _write_private(str(folder / name), seed + "\n")
         elif args.action == "server-config":
             out = pathlib.Path(args.out_dir)
-            _write_private(
-                str(out / "auth.conf"), server_config(Installation.from_dir(args.keys_dir))
-            )
+            config = server_config(Installation.from_dir(args.keys_dir), _account_limits(args))
+            _write_private(str(out / "auth.conf"), config)
             if args.route:
                 password = (pathlib.Path(args.keys_dir) / "cluster-password").read_text()
                 _write_private(str(out / "routes.conf"), routes_config(password, args.route))
@@ -176,8 +234,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "queue-auth":
         return _queue_auth(args)
     if args.command == "fit":
-        from llmendpoints_operator.fit import cli as fit_cli
-
         return fit_cli.main(args)
 
     # Settings are validated before anything starts: a bad LLMEP_OPERATOR_* value names itself.

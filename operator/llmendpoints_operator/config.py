@@ -96,7 +96,7 @@ class OperatorSettings(BaseSettings):
         None,
         description="Folder holding the queue account's keys (files `account` and "
         "`account-signing`; the chart mounts them): the operator mints with them a NATS "
-        "credential per endpoint (Secret <endpoint>-queue-creds, allowed only that endpoint's "
+        "credential per endpoint (Secret <endpoint>-queue-creds-v2, allowed only that endpoint's "
         "subjects, records and consumers) and its own. Unset: one password in the URL for "
         "everyone (weaker; docs/security.md).",
     )
@@ -112,9 +112,25 @@ class OperatorSettings(BaseSettings):
         None,
         ge=1024 * 1024,
         description="Bound of the queue's object store of batch files and results "
-        "(OBJ_LLMEP_FILES), set when the operator creates the streams (the chart sets it from "
-        "queue.nats.batchFilesMaxBytes); uploads and results beyond it get 507. Unset: only "
-        "the NATS server's storage bounds it.",
+        "(OBJ_LLMEP_FILES), set by the operator on the stream (the chart sets it from "
+        "queue.nats.batchFilesMaxBytes); uploads and results beyond it get 507. Unset: 1 GiB.",
+    )
+    jobs_queue_endpoint_max_bytes: int = Field(
+        128 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="Bytes each endpoint's own queue may hold: its job records and results, "
+        "stream chunks, idempotency keys and admissions (the stream LLMEP_RECORDS_<ns>_<name>), "
+        "reserved for it alone on every NATS server, so a full endpoint (or its pods filling "
+        "it) stops no other. Beyond it that endpoint's new jobs get 503 naming this setting. "
+        "The operator sets it on existing endpoints' streams too. Every endpoint reserves it "
+        "(and 8 MiB for its jobs): size the NATS storage for your endpoints (docs/jobs.md).",
+    )
+    jobs_queue_usage_max_bytes: int | None = Field(
+        None,
+        ge=1024 * 1024,
+        description="Bytes of usage records kept (the stream LLMEP_USAGE; the chart sets it "
+        "from queue.nats.usageMaxBytes): beyond, the oldest records go, as they do after 400 "
+        "days. Export them before (llmendpoints-gateway usage). Unset: 1 GiB.",
     )
     jobs_max_queued_per_owner: int = Field(
         1_000,

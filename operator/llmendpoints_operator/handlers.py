@@ -9,8 +9,11 @@ reconcile (reconcile.py) and the autoscaler (autoscaling/controller.py).
   resync repeats it every LLMEP_OPERATOR_RESYNC_SECONDS. An invalid spec is a kopf.PermanentError
   (no retries until the spec changes again); an API refusal a kopf.TemporaryError (retried).
 - Children's state reaches the status without polling: kopf indexes keep the runtime
-  Deployments and the PersistentVolumeClaims in memory, and their watch events re-publish the
-  owning endpoint's status (a Deployment becoming available turns the endpoint Ready).
+  Deployments, the LeaderWorkerSets of multi-node endpoints and the PersistentVolumeClaims in
+  memory, and their watch events re-publish the owning endpoint's status (a Deployment becoming
+  available turns the endpoint Ready). Where LeaderWorkerSet is not installed its handlers wait:
+  kopf starts watching once the CRD appears, and the endpoints that asked for groups meanwhile
+  are reconciled then.
 - Served model names: an index of who declares each name, and every LLMEndpoint event
   re-publishes the status of the endpoints whose claim it changes (one deleted: the next oldest
   declaring its name gets it, and its ModelNameAvailable condition turns True at once).
@@ -32,9 +35,10 @@ from typing import Any
 
 import kopf
 import prometheus_client
+from llmendpoints_common.identity import EndpointRef
 from llmendpoints_common.model_names import Claim, creation_time, served_model_name
 
-from llmendpoints_operator import kube, manifests, status
+from llmendpoints_operator import groups, kube, manifests, status
 from llmendpoints_operator.autoscaling.adapter_watch import AdapterStatusWatcher, adapter_subjects
 from llmendpoints_operator.autoscaling.controller import Autoscaler
 from llmendpoints_operator.autoscaling.metrics import AutoscalerMetrics
@@ -51,11 +55,13 @@ from llmendpoints_operator.reconcile import (
     Reconciler,
     autoscaled_subjects,
     lenient_cache_state,
+    lenient_nodes,
     snapshot,
 )
 from llmendpoints_operator.spec import InvalidSpecError
 
 LLMEP = (manifests.GROUP, manifests.VERSION, manifests.PLURAL)
+LWS = (groups.LWS_GROUP, "v1", groups.LWS_PLURAL)
 CHILD_LABELS = {
     manifests.LABEL_MANAGED_BY: manifests.MANAGED_BY,
     manifests.LABEL_ENDPOINT: kopf.PRESENT,
@@ -156,10 +162,12 @@ class Running:
 
 def _with_adapters(indexes: Indexes) -> list[Any]:
     """Endpoints whose status.adapters the adapter watcher keeps (autoscaling/adapter_watch.py)."""
-    return adapter_subjects(
-        (next(iter(store), None), getattr(indexes.deployment(key), "ready", 0))
-        for key, store in list(indexes.llmendpoints.items())
-    )
+    pairs = []
+    for key, store in list(indexes.llmendpoints.items()):
+        endpoint = next(iter(store), None)
+        nodes = lenient_nodes((endpoint or {}).get("spec"))
+        pairs.append((endpoint, getattr(indexes.workload(key, nodes > 1), "ready", 0)))
+    return adapter_subjects(pairs)
 
 
 def _running(memo: Any) -> Running:
@@ -258,6 +266,15 @@ async def runtime_deployments(
     return {(namespace, labels[manifests.LABEL_ENDPOINT]): status.DeploymentState.from_object(body)}
 
 
+@kopf.index(*LWS, labels=CHILD_LABELS)
+async def runtime_groups(
+    namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[Key, status.DeploymentState]:
+    """A multi-node endpoint's LeaderWorkerSet (its replicas are groups)."""
+    state = status.DeploymentState.from_leader_worker_set(body)
+    return {(namespace, labels[manifests.LABEL_ENDPOINT]): state}
+
+
 @kopf.index("", "v1", "persistentvolumeclaims")
 async def claim_phases(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Key, str]:
     # A claim without a status has just been created: Kubernetes reports it Pending.
@@ -321,6 +338,28 @@ async def model_name_claim_seen(
     await _running(memo).reconciler.model_claims_changed((namespace, name), served, logger)
 
 
+def _is_deletion(type: str | None, **_: Any) -> bool:
+    return type == "DELETED"
+
+
+@kopf.on.event(*LLMEP, when=_is_deletion)
+async def endpoint_deleted(
+    namespace: str, name: str, logger: logging.Logger, memo: kopf.Memo, **_: Any
+) -> None:
+    """A deleted endpoint's own queue goes with it: its jobs, and the storage NATS reserved for
+    it (every endpoint's streams reserve their bound; queue/topology.py)."""
+    queue = _running(memo).jobs_queue
+    if queue is None:
+        return
+    try:
+        removed = await asyncio.wait_for(queue.drop_endpoint(EndpointRef(namespace, name)), 10.0)
+    except Exception as exc:  # NATS down: an admin removes them (docs/install.md)
+        logger.warning("The queue streams of %s/%s were not deleted: %s", namespace, name, exc)
+        return
+    if removed:
+        logger.info("Deleted the queue streams of %s/%s", namespace, name)
+
+
 # --- the InferencePool API appearing ----------------------------------------------------------
 
 
@@ -328,21 +367,24 @@ async def model_name_claim_seen(
     "apiextensions.k8s.io",
     "v1",
     "customresourcedefinitions",
-    when=lambda name, **_: name == manifests.INFERENCE_POOL_CRD,
+    when=lambda name, **_: name in (manifests.INFERENCE_POOL_CRD, groups.LWS_CRD),
 )
-async def inference_pool_api_changed(
-    type: str, logger: logging.Logger, memo: kopf.Memo, **_: Any
+async def optional_api_changed(
+    type: str, name: str, logger: logging.Logger, memo: kopf.Memo, **_: Any
 ) -> None:
-    """The InferencePool CRD was installed (or became established): endpoints that asked for a
-    pool while it was missing get it now rather than at their next resync."""
+    """The InferencePool or the LeaderWorkerSet CRD was installed (or became established):
+    endpoints that asked for a pool, or for groups, while it was missing get them now rather
+    than at their next resync."""
     if type == "DELETED":
-        return  # the API server deletes the pools with it; the next reconcile reports it
+        return  # the API server deletes the objects with it; the next reconcile reports it
     reconciler = _running(memo).reconciler
-    for endpoint in reconciler.waiting_for_pool_api():
+    if name == groups.LWS_CRD:
+        waiting, trigger = reconciler.waiting_for_groups_api(), "leaderworkerset-api"
+    else:
+        waiting, trigger = reconciler.waiting_for_pool_api(), "inference-pool-api"
+    for endpoint in waiting:
         with contextlib.suppress(InvalidSpecError, kube.ApiError):
-            await reconciler.reconcile(
-                endpoint, prune=True, logger=logger, trigger="inference-pool-api"
-            )
+            await reconciler.reconcile(endpoint, prune=True, logger=logger, trigger=trigger)
 
 
 # --- children's events -> the owner's status --------------------------------------------------
@@ -350,28 +392,40 @@ async def inference_pool_api_changed(
 
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
 async def deployment_changed(
-    type: str,
-    namespace: str,
-    labels: Mapping[str, str],
-    logger: logging.Logger,
-    memo: kopf.Memo,
+    type: str, namespace: str, labels: Mapping[str, str], logger: logging.Logger, memo: kopf.Memo,
     **_: Any,
+) -> None:  # fmt: skip
+    await _workload_changed(
+        type, (namespace, labels[manifests.LABEL_ENDPOINT]), False, logger, memo
+    )
+
+
+@kopf.on.event(*LWS, labels=CHILD_LABELS)
+async def groups_changed(
+    type: str, namespace: str, labels: Mapping[str, str], logger: logging.Logger, memo: kopf.Memo,
+    **_: Any,
+) -> None:  # fmt: skip
+    await _workload_changed(type, (namespace, labels[manifests.LABEL_ENDPOINT]), True, logger, memo)
+
+
+async def _workload_changed(
+    type: str, key: Key, multinode: bool, logger: logging.Logger, memo: kopf.Memo
 ) -> None:
     reconciler = _running(memo).reconciler
-    key = (namespace, labels[manifests.LABEL_ENDPOINT])
     endpoint = reconciler.indexes.endpoint(key)
     if endpoint is None or endpoint["metadata"].get("deletionTimestamp"):
         return  # not ours (anymore): garbage collection is deleting it
     if type == "DELETED":
+        if (lenient_nodes(endpoint.get("spec")) > 1) != multinode:
+            return  # the reconcile replaced it with a workload of the other kind
         # Someone deleted a serving workload: put it back now rather than at the next resync.
-        logger.warning("Deployment of %s/%s was deleted; recreating it", *key)
+        logger.warning("Workload of %s/%s was deleted; recreating it", *key)
         with contextlib.suppress(InvalidSpecError):
             await reconciler.reconcile(
                 endpoint, prune=False, logger=logger, trigger="deployment-deleted"
             )
         return
-    if not reconciler.reconciling(key):
-        await reconciler.publish_status(endpoint)
+    await reconciler.child_changed(endpoint)
 
 
 @kopf.on.event("", "v1", "persistentvolumeclaims")
@@ -380,5 +434,5 @@ async def claim_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) ->
     for endpoint_name in list(reconciler.indexes.claim_users.get((namespace, name), ())):
         key = (namespace, endpoint_name)
         endpoint = reconciler.indexes.endpoint(key)
-        if endpoint is not None and not reconciler.reconciling(key):
-            await reconciler.publish_status(endpoint)
+        if endpoint is not None:
+            await reconciler.child_changed(endpoint)

@@ -43,9 +43,12 @@ PLURALS: dict[tuple[str, str], str] = {
     ("networking.k8s.io/v1", "Ingress"): "ingresses",
     # Optional: only when the Gateway API Inference Extension's CRDs are installed.
     ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
+    # Optional: a multi-node endpoint's groups, only where LeaderWorkerSet is installed.
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkersets",
     ("llmendpoints.dev/v1alpha1", "LLMEndpoint"): "llmendpoints",
     ("v1", "Event"): "events",  # posted by events.py
-    # Read only: where the autoscaler finds the ready pods to scrape.
+    # Read only: a multi-node endpoint's pods, listed while a group is not ready (the status
+    # says which pod keeps it from being ready).
     ("v1", "Pod"): "pods",
     ("discovery.k8s.io/v1", "EndpointSlice"): "endpointslices",
 }

@@ -41,6 +41,23 @@ RUNTIME_MANAGED: dict[str, str] = {
     # build that setting without the file): a token of the author's choosing would let anyone
     # who knows it name any caller to the pods.
     "GATEWAY_TOKEN_FILE": "the operator writes the endpoint's gateway token",
+    # A multi-node group: LeaderWorkerSet says who is who (a variable already set is not
+    # overwritten by it), and the runtime derives vLLM's launch flags from that and the sizes.
+    "LWS_*": "LeaderWorkerSet sets it in a multi-node endpoint's pods",
+    "NNODES": "the runtime derives it from spec.resources.nodes",
+    "NODE_RANK": "the runtime derives it from the pod's place in its group",
+    "MASTER_ADDR": "the runtime derives it from the group's leader",
+    "MASTER_PORT": "the runtime derives it from LLMEP_MULTINODE_PORT",
+    "HEADLESS": "the runtime runs a group's workers headless",
+    "DATA_PARALLEL_SIZE_LOCAL": "the runtime derives it from spec.engine.dataParallelSize",
+    "DATA_PARALLEL_RANK": "the runtime derives it from spec.engine.dataParallelSize",
+    "DATA_PARALLEL_START_RANK": "the runtime derives it from the pod's place in its group",
+    "DATA_PARALLEL_ADDRESS": "the runtime derives it from the group's leader",
+    "DATA_PARALLEL_RPC_PORT": "the runtime derives it from LLMEP_MULTINODE_PORT",
+    # The leader's API server balances over every data-parallel rank and reports their queue,
+    # which the autoscaler and the gateway read: an external balancer would split both.
+    "DATA_PARALLEL_HYBRID_LB": "the replica's API server balances its data-parallel ranks",
+    "DATA_PARALLEL_EXTERNAL_LB": "the replica's API server balances its data-parallel ranks",
 }
 
 # Other names under which the runtime (worker-vllm's and vLLM's spellings) reads a variable the
@@ -71,12 +88,15 @@ _EVERYTHING = {
     "engine": {
         "dtype": "auto",
         "maxModelLen": 1,
-        "tensorParallelSize": 2,
+        "tensorParallelSize": 1,
+        "pipelineParallelSize": 2,
+        "dataParallelSize": 2,
+        "enableExpertParallel": True,
         "gpuMemoryUtilization": 0.5,
         "quantization": "q",
         "enablePrefixCaching": True,
     },
-    "resources": {"gpus": 2},
+    "resources": {"gpus": 2, "nodes": 2},
     "cache": {"size": "1Gi"},
     "api": {
         "apiKeysSecretRef": {"name": "keys", "key": "k"},

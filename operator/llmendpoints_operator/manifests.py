@@ -37,6 +37,10 @@ ANNOTATION_CHAT_TEMPLATE_HASH = f"{GROUP}/chat-template-sha256"
 CONTAINER_NAME = "runtime"
 HTTP_PORT = 8000
 HTTP_PORT_NAME = "http"
+# A multi-node group's leader: torch.distributed's master port (LLMEP_MULTINODE_PORT; the runtime
+# takes the ports after it for what else it needs, e.g. the data-parallel RPC port).
+MULTINODE_PORT = 29500
+MULTINODE_PORT_NAME = "multinode"
 # The runtime's control port (LLMEP_CONTROL_PORT): /health, /ready, /ping and /metrics answered
 # by a process of their own, whatever the event loop carries. The kubelet's probes and the
 # autoscaler's scrape go there: a loaded pod stays visible to both (docs/operator.md).
@@ -48,7 +52,7 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 API_KEYS_DIR = "/etc/llmendpoints/api-keys"
 API_KEYS_FILE = "api-keys"
 ADAPTERS_DIR = "/etc/llmendpoints/adapters"
-# The endpoint's own NATS credential for the shared job queue (Secret <endpoint>-queue-creds):
+# The endpoint's own NATS credential for the shared job queue (Secret <endpoint>-queue-creds-v2):
 # a creds file when the operator mints per-endpoint credentials, else the password URL.
 QUEUE_CREDS_DIR = "/etc/llmendpoints/queue"
 QUEUE_CREDS_FILE = "queue.creds"
@@ -92,12 +96,35 @@ def admin_key_secret_name(endpoint_name: str) -> str:
     return f"{endpoint_name}-admin-key"
 
 
+# The credential's permissions' generation: a Secret is created once and never updated (the
+# operator may not), so permissions that change get a new Secret name -- minted anew, and the
+# pods rolled onto it -- while the NATS servers refuse credentials minted before
+# (queue/trust.py REVOKED_BEFORE). 2: each endpoint's own streams (issue 28).
+QUEUE_CREDS_GENERATION = 2
+
+
 def queue_creds_secret_name(endpoint_name: str) -> str:
-    return f"{endpoint_name}-queue-creds"
+    return f"{endpoint_name}-queue-creds-v{QUEUE_CREDS_GENERATION}"
 
 
 def selector_labels(endpoint_name: str) -> dict[str, str]:
     return {LABEL_ENDPOINT: endpoint_name}
+
+
+# What LeaderWorkerSet's webhook labels each pod of a group with: its place in the group.
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+LWS_GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
+LEADER_INDEX = "0"
+
+
+def serving_selector(ep: Endpoint) -> dict[str, str]:
+    """The pods that serve requests: every pod of a single-node endpoint, the leaders of a
+    multi-node one's groups (a worker serves no HTTP; a group is one replica). The Service (so
+    its EndpointSlices, which the gateway and the autoscaler read) and the InferencePool select
+    these."""
+    if ep.spec.resources.nodes == 1:
+        return selector_labels(ep.name)
+    return {**selector_labels(ep.name), LWS_WORKER_INDEX_LABEL: LEADER_INDEX}
 
 
 def labels(endpoint_name: str) -> dict[str, str]:
@@ -110,9 +137,9 @@ def labels(endpoint_name: str) -> dict[str, str]:
     }
 
 
-def selector_string(endpoint_name: str) -> str:
-    """The pod selector in the string form the scale subresource publishes (status.selector)."""
-    return ",".join(f"{key}={value}" for key, value in selector_labels(endpoint_name).items())
+def selector_string(labels: dict[str, str]) -> str:
+    """A pod selector in the string form the scale subresource publishes (status.selector)."""
+    return ",".join(f"{key}={value}" for key, value in labels.items())
 
 
 def _metadata(ep: Endpoint, name: str, annotations: dict[str, str] | None = None) -> dict[str, Any]:
@@ -131,10 +158,26 @@ def _arg_value(value: str | int | float | bool) -> str:
 
 
 def tensor_parallel_size(ep: Endpoint) -> int | None:
-    """Explicit tensorParallelSize, else one shard per requested GPU when there are several."""
+    """Explicit tensorParallelSize, else the derived one when it is more than 1 (parallelism.py)."""
     if ep.spec.engine.tensor_parallel_size is not None:
         return ep.spec.engine.tensor_parallel_size
-    return ep.spec.resources.gpus if ep.spec.resources.gpus > 1 else None
+    tensor = ep.spec.parallelism.tensor
+    return tensor if tensor > 1 else None
+
+
+def parallel_env(ep: Endpoint) -> list[tuple[str, str | None]]:
+    """The sizes that are not 1 and, for a multi-node replica, how the group meets (the same on
+    leader and workers; LeaderWorkerSet adds who is who: docs/contracts.md)."""
+    sizes = ep.spec.parallelism
+    multinode = sizes.multinode
+    return [
+        ("TENSOR_PARALLEL_SIZE", _opt(tensor_parallel_size(ep))),
+        ("PIPELINE_PARALLEL_SIZE", _opt(sizes.pipeline if sizes.pipeline > 1 else None)),
+        ("DATA_PARALLEL_SIZE", _opt(sizes.data if sizes.data > 1 else None)),
+        ("ENABLE_EXPERT_PARALLEL", _bool(True) if sizes.expert else None),
+        ("LLMEP_NODES", str(sizes.nodes) if multinode else None),
+        ("LLMEP_MULTINODE_PORT", str(MULTINODE_PORT) if multinode else None),
+    ]
 
 
 def build_env(ep: Endpoint) -> list[dict[str, Any]]:
@@ -153,7 +196,7 @@ def build_env(ep: Endpoint) -> list[dict[str, Any]]:
         ("TRUST_REMOTE_CODE", _bool(True) if model.trust_remote_code else None),
         ("DTYPE", engine.dtype),
         ("MAX_MODEL_LEN", _opt(engine.max_model_len)),
-        ("TENSOR_PARALLEL_SIZE", _opt(tensor_parallel_size(ep))),
+        *parallel_env(ep),
         ("GPU_MEMORY_UTILIZATION", _opt(engine.gpu_memory_utilization)),
         ("QUANTIZATION", engine.quantization),
         (
@@ -411,7 +454,19 @@ def _queue_volumes(ep: Endpoint, settings: OperatorSettings) -> tuple[list, list
     return [volume], [{"name": "queue-creds", "mountPath": QUEUE_CREDS_DIR, "readOnly": True}]
 
 
-def build_pod_template(ep: Endpoint, settings: OperatorSettings) -> dict[str, Any]:
+def _ports(role: str) -> list[dict[str, Any]]:
+    """A worker of a group serves no HTTP: only its probes and /metrics on the control port."""
+    http = {"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}
+    control = {"name": CONTROL_PORT_NAME, "containerPort": CONTROL_PORT, "protocol": "TCP"}
+    multinode = {"name": MULTINODE_PORT_NAME, "containerPort": MULTINODE_PORT, "protocol": "TCP"}
+    return {"leader": [http, control, multinode], "worker": [control]}.get(role, [http, control])
+
+
+def build_pod_template(
+    ep: Endpoint, settings: OperatorSettings, *, role: str = "server"
+) -> dict[str, Any]:
+    """The runtime pod. `role`: server (a Deployment's pod), or a group's leader or worker, which
+    run the same container and differ only in the ports they declare."""
     spec = ep.spec
     engine = spec.engine
     volumes, mounts = _volumes(ep)
@@ -424,10 +479,7 @@ def build_pod_template(ep: Endpoint, settings: OperatorSettings) -> dict[str, An
         "image": engine.image or settings.runtime_image,
         "command": ["llmendpoints-runtime"],
         "args": ["serve"],
-        "ports": [
-            {"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"},
-            {"name": CONTROL_PORT_NAME, "containerPort": CONTROL_PORT, "protocol": "TCP"},
-        ],
+        "ports": _ports(role),
         "env": [*build_env(ep), *queue_env(ep, settings), *gateway_token_env(settings)],
         "resources": _resources(ep, settings),
         "volumeMounts": mounts,
@@ -526,7 +578,7 @@ def build_service(ep: Endpoint) -> dict[str, Any]:
         "metadata": _metadata(ep, service_name(ep.name), svc.annotations),
         "spec": {
             "type": svc.type,
-            "selector": selector_labels(ep.name),
+            "selector": serving_selector(ep),
             "ports": [
                 {
                     "name": HTTP_PORT_NAME,
@@ -581,7 +633,11 @@ def build_cache_claim(ep: Endpoint) -> dict[str, Any] | None:
 
 
 def build_pdb(ep: Endpoint) -> dict[str, Any] | None:
-    """One voluntary disruption at a time, once the endpoint may run more than one replica."""
+    """One voluntary disruption at a time, once the endpoint may run more than one replica.
+
+    It selects every pod, a group's workers too: evicting any pod of a group takes the whole
+    group down (RecreateGroupOnPodRestart), so with one pod budget a drain disrupts one group,
+    then waits until it is back."""
     if ep.spec.scaling.upper <= 1:
         return None
     return {
@@ -592,7 +648,11 @@ def build_pdb(ep: Endpoint) -> dict[str, Any] | None:
             "maxUnavailable": 1,
             "selector": {"matchLabels": selector_labels(ep.name)},
             # Pods still loading a model do not count against the budget; evicting them is cheap.
-            "unhealthyPodEvictionPolicy": "IfHealthyBudget",
+            # A group's pods are unready together while it restarts: with IfHealthyBudget, a
+            # group that never comes up (no GPU free, say) would block every drain.
+            "unhealthyPodEvictionPolicy": (
+                "IfHealthyBudget" if ep.spec.resources.nodes == 1 else "AlwaysAllow"
+            ),
         },
     }
 
@@ -702,14 +762,14 @@ def build_inference_pool(ep: Endpoint, settings: OperatorSettings) -> dict[str, 
     """One InferencePool selecting the endpoint's pods on the runtime's port, or None when the
     endpoint does not ask for one.
 
-    The selector is the Deployment's (and the Service's) own: the pool follows the pods through
-    rollouts and scaling, and a gateway's endpoint picker reads their /metrics and sends
+    The selector is the Service's own (a multi-node endpoint's group leaders): the pool follows
+    the pods through rollouts and scaling, and a gateway's endpoint picker reads their /metrics and sends
     /v1/completions and /v1/chat/completions to them directly. appProtocol is left out: its
     default is HTTP/1.1, which the runtime speaks, and CRDs before v1.4 do not know the field."""
     if not wants_inference_pool(ep, settings):
         return None
     spec: dict[str, Any] = {
-        "selector": {"matchLabels": selector_labels(ep.name)},
+        "selector": {"matchLabels": serving_selector(ep)},
         "targetPorts": [{"number": HTTP_PORT}],
     }
     ref = ep.spec.api.inference_pool.endpoint_picker_ref
@@ -761,6 +821,13 @@ def build_children(ep: Endpoint, settings: OperatorSettings) -> list[dict[str, A
         build_ingress(ep),
     ]
     return [obj for obj in built if obj is not None]
+
+
+def first_replicas(ep: Endpoint, carried: int | None) -> int:
+    """The replica count a new workload starts with: minReplicas (or the pin), or `carried` -
+    the count of the workload it replaces - within the bounds."""
+    wanted = replicas_to_write(ep, carried)
+    return wanted if wanted is not None else carried if carried is not None else 0
 
 
 def replicas_to_write(ep: Endpoint, current: int | None) -> int | None:

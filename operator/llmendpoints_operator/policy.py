@@ -14,10 +14,11 @@ no; tests/chart/test_admission_policy.py evaluates its CEL against the same case
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmendpoints_operator.config import OperatorSettings, split_list
-from llmendpoints_operator.spec import Endpoint, Problem
+from llmendpoints_operator.spec import Endpoint, EndpointSpec, Problem
 
 
 def glob_regex(glob: str) -> str:
@@ -66,105 +67,136 @@ def _allowed(globs: tuple[str, ...]) -> str:
     return ", ".join(globs) if globs else "nothing"
 
 
-def check(ep: Endpoint, policy: ClusterPolicy) -> list[Problem]:
-    """Every field of the spec that the cluster policy does not allow."""
-    spec = ep.spec
-    problems: list[Problem] = []
+def _not_allowed(
+    field: str, value: str, globs: tuple[str, ...] | None, value_name: str, setting: str
+) -> list[Problem]:
+    """A name the policy's globs must match (None: no restriction)."""
+    if globs is None or matches_any(value, globs):
+        return []
+    return [
+        Problem(
+            field,
+            f"{value!r} is not allowed by {_policy(value_name, setting)}: allowed are "
+            f"{_allowed(globs)}",
+        )
+    ]
 
+
+def _image(spec: EndpointSpec, policy: ClusterPolicy) -> list[Problem]:
     image = spec.engine.image
     if (
-        image is not None
-        and policy.allowed_images is not None
-        and image != policy.runtime_image
-        and not matches_any(image, policy.allowed_images)
+        image is None
+        or policy.allowed_images is None
+        or image == policy.runtime_image
+        or matches_any(image, policy.allowed_images)
     ):
-        problems.append(
-            Problem(
-                "spec.engine.image",
-                f"{image!r} is not allowed by {_policy('allowedImages', 'ALLOWED_IMAGES')}: "
-                f"allowed are {_allowed(policy.allowed_images)} and the operator's runtime image "
-                f"{policy.runtime_image}",
-            )
+        return []
+    return [
+        Problem(
+            "spec.engine.image",
+            f"{image!r} is not allowed by {_policy('allowedImages', 'ALLOWED_IMAGES')}: "
+            f"allowed are {_allowed(policy.allowed_images)} and the operator's runtime image "
+            f"{policy.runtime_image}",
         )
+    ]
 
+
+def _service_type(spec: EndpointSpec, policy: ClusterPolicy) -> list[Problem]:
     service_type = spec.api.service.type
-    if (
-        policy.allowed_service_types is not None
-        and service_type not in policy.allowed_service_types
-    ):
-        problems.append(
-            Problem(
-                "spec.api.service.type",
-                f"{service_type} is not allowed by "
-                f"{_policy('allowedServiceTypes', 'ALLOWED_SERVICE_TYPES')}: allowed are "
-                f"{_allowed(policy.allowed_service_types)}",
-            )
+    if policy.allowed_service_types is None or service_type in policy.allowed_service_types:
+        return []
+    return [
+        Problem(
+            "spec.api.service.type",
+            f"{service_type} is not allowed by "
+            f"{_policy('allowedServiceTypes', 'ALLOWED_SERVICE_TYPES')}: allowed are "
+            f"{_allowed(policy.allowed_service_types)}",
         )
+    ]
 
-    if not policy.allow_env_value_from:
-        for index, var in enumerate(spec.engine.env):
-            source = var.value_from or {}
-            for kind in ("secretKeyRef", "configMapKeyRef"):
-                if kind in source:
-                    problems.append(
-                        Problem(
-                            f"spec.engine.env[{index}].valueFrom.{kind}",
-                            f"{var.name} reads a {kind.removesuffix('KeyRef')} "
-                            f"({kind}), which "
-                            f"{_policy('allowEnvValueFrom', 'ALLOW_ENV_VALUE_FROM')} forbids; "
-                            "use the spec's own fields (model.hfTokenSecretRef, "
-                            "api.apiKeysSecretRef)",
-                        )
-                    )
 
-    if spec.model.trust_remote_code and not policy.allow_trust_remote_code:
-        problems.append(
-            Problem(
-                "spec.model.trustRemoteCode",
-                "running a model repository's own code is forbidden by "
-                f"{_policy('allowTrustRemoteCode', 'ALLOW_TRUST_REMOTE_CODE')}",
-            )
+def _env_value_from(spec: EndpointSpec, policy: ClusterPolicy) -> list[Problem]:
+    if policy.allow_env_value_from:
+        return []
+    return [
+        Problem(
+            f"spec.engine.env[{index}].valueFrom.{kind}",
+            f"{var.name} reads a {kind.removesuffix('KeyRef')} ({kind}), which "
+            f"{_policy('allowEnvValueFrom', 'ALLOW_ENV_VALUE_FROM')} forbids; use the spec's own "
+            "fields (model.hfTokenSecretRef, api.apiKeysSecretRef)",
         )
+        for index, var in enumerate(spec.engine.env)
+        for kind in ("secretKeyRef", "configMapKeyRef")
+        if kind in (var.value_from or {})
+    ]
 
-    priority_class = spec.resources.priority_class_name
-    if (
-        priority_class is not None
-        and policy.allowed_priority_classes is not None
-        and not matches_any(priority_class, policy.allowed_priority_classes)
-    ):
-        problems.append(
-            Problem(
-                "spec.resources.priorityClassName",
-                f"{priority_class!r} is not allowed by "
-                f"{_policy('allowedPriorityClasses', 'ALLOWED_PRIORITY_CLASSES')}: allowed are "
-                f"{_allowed(policy.allowed_priority_classes)}",
-            )
+
+def _trust_remote_code(spec: EndpointSpec, policy: ClusterPolicy) -> list[Problem]:
+    if not spec.model.trust_remote_code or policy.allow_trust_remote_code:
+        return []
+    return [
+        Problem(
+            "spec.model.trustRemoteCode",
+            "running a model repository's own code is forbidden by "
+            f"{_policy('allowTrustRemoteCode', 'ALLOW_TRUST_REMOTE_CODE')}",
         )
+    ]
 
-    if policy.allowed_ingress_annotations is not None:
-        for key in sorted(spec.api.ingress.annotations):
-            if not matches_any(key, policy.allowed_ingress_annotations):
-                problems.append(
-                    Problem(
-                        f"spec.api.ingress.annotations[{key}]",
-                        f"the annotation key is not allowed by "
-                        f"{_policy('allowedIngressAnnotations', 'ALLOWED_INGRESS_ANNOTATIONS')}: "
-                        f"allowed are {_allowed(policy.allowed_ingress_annotations)}",
-                    )
-                )
 
+def _priority_class(spec: EndpointSpec, policy: ClusterPolicy) -> list[Problem]:
+    name = spec.resources.priority_class_name
+    if name is None:
+        return []
+    return _not_allowed(
+        "spec.resources.priorityClassName",
+        name,
+        policy.allowed_priority_classes,
+        "allowedPriorityClasses",
+        "ALLOWED_PRIORITY_CLASSES",
+    )
+
+
+def _ingress_annotations(spec: EndpointSpec, policy: ClusterPolicy) -> list[Problem]:
+    globs = policy.allowed_ingress_annotations
+    if globs is None:
+        return []
+    return [
+        Problem(
+            f"spec.api.ingress.annotations[{key}]",
+            f"the annotation key is not allowed by "
+            f"{_policy('allowedIngressAnnotations', 'ALLOWED_INGRESS_ANNOTATIONS')}: "
+            f"allowed are {_allowed(globs)}",
+        )
+        for key in sorted(spec.api.ingress.annotations)
+        if not matches_any(key, globs)
+    ]
+
+
+def _existing_claim(spec: EndpointSpec, policy: ClusterPolicy) -> list[Problem]:
     claim = spec.cache.existing_claim if spec.cache is not None else None
-    if (
-        claim is not None
-        and policy.allowed_existing_claims is not None
-        and not matches_any(claim, policy.allowed_existing_claims)
-    ):
-        problems.append(
-            Problem(
-                "spec.cache.existingClaim",
-                f"{claim!r} is not allowed by "
-                f"{_policy('allowedExistingClaims', 'ALLOWED_EXISTING_CLAIMS')}: allowed are "
-                f"{_allowed(policy.allowed_existing_claims)}",
-            )
-        )
-    return problems
+    if claim is None:
+        return []
+    return _not_allowed(
+        "spec.cache.existingClaim",
+        claim,
+        policy.allowed_existing_claims,
+        "allowedExistingClaims",
+        "ALLOWED_EXISTING_CLAIMS",
+    )
+
+
+# One pure check per rule of the policy, in the order a spec's fields are read.
+RULES: tuple[Callable[[EndpointSpec, ClusterPolicy], list[Problem]], ...] = (
+    _image,
+    _service_type,
+    _env_value_from,
+    _trust_remote_code,
+    _priority_class,
+    _ingress_annotations,
+    _existing_claim,
+)
+
+
+def check(ep: Endpoint, policy: ClusterPolicy) -> list[Problem]:
+    """Every field of the spec that the cluster policy does not allow."""
+    return [problem for rule in RULES for problem in rule(ep.spec, policy)]

@@ -7,14 +7,21 @@ it to kopf; tests drive it with a fake client and plain dicts as indexes.
 
 - `reconcile` admits the spec (admission.admit: parse, managed variables, cluster policy), creates
   the endpoint's admin-key Secret once, applies every child with a fixed name and an owner reference,
-  writes the Deployment's replicas only as manifests.replicas_to_write says, deletes the optional
-  children the spec no longer asks for, and publishes the status. Idempotent: running it twice
-  changes nothing. An invalid spec publishes the status (Ready=False/InvalidSpec naming the
-  field), creates nothing, and raises InvalidSpecError; an API refusal raises kube.ApiError.
+  writes the workload's replicas only as manifests.replicas_to_write says, deletes the optional
+  children the spec no longer asks for, and publishes the status.
+- The workload is a Deployment, or for a multi-node endpoint a LeaderWorkerSet of groups
+  (groups.py); a change of spec.resources.nodes between 1 and more replaces one with the other
+  (the new one first, with the old one's replica count). The LeaderWorkerSet API is optional in a
+  cluster: missing (or forbidden), it becomes the status's Ready=False reason, never a failed
+  reconcile, and the endpoint's other children are written all the same.
+- Idempotent: running it twice changes nothing. An invalid spec publishes the status
+  (Ready=False/InvalidSpec naming the field), creates nothing, and raises InvalidSpecError; an
+  API refusal raises kube.ApiError.
 - The fit check (fit/checker.py) runs on every reconcile, beside the children's writes: a model
-  that does not fit (ModelFits False) gets no Deployment -- none is created, and an existing one,
-  running the last spec that did fit, is left as it is (its pods keep serving; the new spec is not
-  rolled out). Unknown rolls out. The check is bounded in time and never fails a reconcile.
+  that does not fit (ModelFits False) gets no workload (Deployment or LeaderWorkerSet) -- none is
+  created, and an existing one, running the last spec that did fit, is left as it is (its pods
+  keep serving; the new spec is not rolled out). Unknown rolls out. The check is bounded in time
+  and never fails a reconcile.
 - `publish_status` computes the status from the indexes (status.compute, pure) and writes it
   when it changed, posting Events for notable transitions.
 - A served model name belongs to the oldest endpoint declaring it (llmendpoints_common.
@@ -37,7 +44,7 @@ import secrets
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import kopf
@@ -46,7 +53,7 @@ from llmendpoints_common.identity import EndpointRef
 from llmendpoints_common.model_names import Claim, creation_time, owner, served_model_name
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 
-from llmendpoints_operator import kube, manifests, status
+from llmendpoints_operator import groups, kube, manifests, status
 from llmendpoints_operator.adapter_status import STATUS_KEY as ADAPTERS_KEY
 from llmendpoints_operator.admission import admit
 from llmendpoints_operator.autoscaling.controller import STATUS_KEY as AUTOSCALING_KEY
@@ -60,6 +67,7 @@ from llmendpoints_operator.spec import Endpoint, InvalidSpecError
 
 # status keys written by others (the autoscaler; the adapter watcher), never by a reconcile
 _OTHER_WRITERS = (AUTOSCALING_KEY, ADAPTERS_KEY)
+logger = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (namespace, endpoint name)
 
@@ -92,6 +100,10 @@ Index = Mapping[Any, Collection[Any]]
 class KubeApi(Protocol):
     """The part of kube.KubeClient the reconcile uses."""
 
+    async def list(
+        self, api_version: str, kind: str, namespace: str, *, label_selector: str
+    ) -> list[dict[str, Any]]: ...
+
     async def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]: ...
 
     async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]: ...
@@ -119,6 +131,8 @@ class Indexes:
     claim_phases: Index  # (namespace, claim) -> phase
     claim_users: Index  # (namespace, claim) -> endpoint name
     model_claims: Index  # served model name -> model_names.Claim of each endpoint declaring it
+    # Key -> status.DeploymentState of the endpoint's LeaderWorkerSet (multi-node endpoints)
+    runtime_groups: Index = field(default_factory=dict)
 
     @classmethod
     def of(cls, kwargs: Mapping[str, Any]) -> Indexes:
@@ -130,6 +144,13 @@ class Indexes:
 
     def deployment(self, key: Key) -> status.DeploymentState | None:
         return _one(self.runtime_deployments, key)
+
+    def groups(self, key: Key) -> status.DeploymentState | None:
+        return _one(self.runtime_groups, key)
+
+    def workload(self, key: Key, multinode: bool) -> status.DeploymentState | None:
+        """The state of the workload of the kind the spec asks for."""
+        return self.groups(key) if multinode else self.deployment(key)
 
 
 def _one(index: Index, key: Any) -> Any:
@@ -156,6 +177,13 @@ def snapshot(body: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def lenient_nodes(raw_spec: Mapping[str, Any] | None) -> int:
+    """spec.resources.nodes read from a spec that may be invalid (1 when it cannot be read)."""
+    resources = (raw_spec or {}).get("resources") if isinstance(raw_spec, Mapping) else None
+    nodes = resources.get("nodes", 1) if isinstance(resources, Mapping) else 1
+    return nodes if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes > 0 else 1
+
+
 def lenient_cache_state(
     name: str, raw_spec: Mapping[str, Any], phases: Mapping[str, str]
 ) -> status.CacheState:
@@ -166,6 +194,18 @@ def lenient_cache_state(
     existing = cache.get("existingClaim")
     claim = str(existing) if existing else manifests.cache_claim_name(name)
     return status.CacheState(claim_name=claim, phase=phases.get(claim), existing=bool(existing))
+
+
+def _nulling(previous: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """`new` as a merge patch over `previous`: inside objects both have (status.groups and its
+    lastFailure), the keys `new` no longer has are nulled (a merge patch merges nested objects;
+    lists it replaces)."""
+    out = dict(new)
+    for key, value in new.items():
+        old = previous.get(key)
+        if isinstance(old, Mapping) and isinstance(value, Mapping):
+            out[key] = {**dict.fromkeys(k for k in old if k not in value), **_nulling(old, value)}
+    return out
 
 
 class _ClaimPhases(Mapping[str, str]):
@@ -243,6 +283,10 @@ class Reconciler:
         self._published: dict[Key, dict[str, Any]] = {}
         # What the last reconcile did about each endpoint's InferencePool (status reports it).
         self._pools: dict[Key, status.InferencePoolState] = {}
+        # Why the last reconcile could not write an endpoint's workload (no LeaderWorkerSet API).
+        self._workload_problems: dict[Key, status.WorkloadProblem] = {}
+        # Endpoints a child's event came for while they were being reconciled (child_changed).
+        self._missed: set[Key] = set()
         # The last fit check of each endpoint (status.fit, ModelFits).
         self._fits: dict[Key, Fit] = {}
         # The served model name each endpoint declared when last seen (model_claims_changed).
@@ -266,6 +310,7 @@ class Reconciler:
         try:
             await self._reconcile(endpoint, prune=prune, logger=logger)
             result = "ok"
+            await self._publish_missed(endpoint)
         except InvalidSpecError:
             result = "invalid"
             raise
@@ -278,6 +323,23 @@ class Reconciler:
         then-current indexes, so a publish triggered by a child's event now would be wasted."""
         lock = self._reconcile_locks.get(key)
         return lock is not None and lock.locked()
+
+    async def child_changed(self, endpoint: Mapping[str, Any]) -> None:
+        """A child's watch event: publish the status, or - while a reconcile runs, which
+        publishes what it wrote - once more after it (the event may be newer than the write)."""
+        meta = endpoint["metadata"]
+        key = (meta["namespace"], meta["name"])
+        if self.reconciling(key):
+            self._missed.add(key)
+            return
+        await self.publish_status(endpoint)
+
+    async def _publish_missed(self, endpoint: Mapping[str, Any]) -> None:
+        meta = endpoint["metadata"]
+        key = (meta["namespace"], meta["name"])
+        if key in self._missed and not self.reconciling(key):
+            self._missed.discard(key)
+            await self.publish_status(self.indexes.endpoint(key) or endpoint)
 
     async def _reconcile(
         self, endpoint: Mapping[str, Any], *, prune: bool, logger: logging.Logger
@@ -311,12 +373,11 @@ class Reconciler:
             if fit is not None:
                 self._fits[key] = fit
 
-            current = self.indexes.deployment(key)
             created, written = False, None
             if fit is not None and fit.refuses:
                 logger.warning("Not rolled out, the model does not fit: %s", fit.message)
             else:
-                created, written = await self._write_deployment(ep, endpoint, current, client)
+                created, written = await self._write_workload(ep, endpoint, client, logger)
             self._pools[key] = await self._reconcile_inference_pool(ep, endpoint, client, logger)
 
             if prune:
@@ -332,18 +393,16 @@ class Reconciler:
             await self._ensure_queue_consumers(ep, logger)
             if created:
                 kinds = ", ".join(f"{c['kind']} {c['metadata']['name']}" for c in children)
+                ref = groups.workload_ref(ep)
                 self._post_event(
-                    endpoint,
-                    "Normal",
-                    "Created",
-                    f"created Deployment {manifests.deployment_name(name)}, {kinds}",
+                    endpoint, "Normal", "Created", f"created {ref.kind} {ref.name}, {kinds}"
                 )
             await self.publish_status(
                 endpoint,
                 observed_generation=generation,
                 parsed=ep,
                 # Fresher than the index, whose watch event for our write may not have come yet.
-                deployment=status.DeploymentState.from_object(written) if written else None,
+                deployment=status.workload_state(written) if written else None,
             )
 
     async def _check_fit(self, ep: Endpoint) -> Fit | None:
@@ -400,7 +459,7 @@ class Reconciler:
             await client.create(secret)
         except kube.Conflict:
             ours = self._created[key] | created_secrets(owner)
-            if name in ours or self.indexes.deployment(key):
+            if name in ours or self.indexes.deployment(key) or self.indexes.groups(key):
                 return
             raise NotOurSecret(name, what) from None
         self._created[key].add(name)
@@ -442,16 +501,21 @@ class Reconciler:
         )
 
     async def _ensure_queue_consumers(self, ep: Endpoint, logger: logging.Logger) -> None:
-        """The endpoint's worker consumers in the shared queue (the pods' credential may not
-        create them). Best effort: NATS down does not fail the reconcile; the autoscaler's next
-        read of the endpoint, or the next resync, creates them."""
+        """The endpoint's own queue -- its two streams, with this operator's bounds, its worker
+        consumers and the gateway's usage consumer (the pods' credential may create none).
+        Best effort: NATS down, or its storage fully reserved, does not fail the reconcile; the
+        autoscaler's next read of the endpoint, or the next resync, creates them."""
         if self._jobs_queue is None:
             return
         ref = EndpointRef(ep.namespace, ep.name)
         try:
             await asyncio.wait_for(self._jobs_queue.ensure_endpoint(ref), 5.0)
         except Exception as exc:
-            logger.warning("Queue consumers of %s not created yet: %s", ref.id, exc or type(exc))
+            logger.warning(
+                "The queue of %s (its streams and consumers) is not made yet: %s",
+                ref.id,
+                exc or type(exc),
+            )
 
     async def _reconcile_inference_pool(
         self, ep: Endpoint, owner: Mapping[str, Any], client: KubeApi, logger: logging.Logger
@@ -505,41 +569,72 @@ class Reconciler:
                 return True
         return False
 
-    async def _write_deployment(
+    async def _write_workload(
+        self, ep: Endpoint, owner: Mapping[str, Any], client: KubeApi, logger: logging.Logger
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Write the workload the spec asks for; then delete one of the other kind (the spec's
+        nodes went from 1 to more, or back), whose replica count the new one starts with.
+
+        Returns whether this call created it, and the workload as the API returned it (None:
+        the LeaderWorkerSet API is missing or forbidden, which the status reports)."""
+        key = (ep.namespace, ep.name)
+        multinode = groups.multinode(ep)
+        current = self.indexes.workload(key, multinode)
+        left = self.indexes.workload(key, not multinode)
+        try:
+            created, written = await self._apply_workload(ep, owner, current, left, client)
+        except kube.ApiError as exc:
+            if not multinode or exc.status not in (401, 403, 404):
+                raise
+            logger.warning("LeaderWorkerSet of %s/%s not written: %s", *key, exc)
+            self._workload_problems[key] = (
+                status.groups_api_missing(ep.spec.resources.nodes)
+                if exc.status == 404
+                else status.groups_forbidden(exc.message)
+            )
+            return False, None  # a Deployment left behind keeps serving meanwhile
+        self._workload_problems.pop(key, None)
+        if left is not None:
+            ref = groups.other_workload_ref(ep)
+            if await client.delete(ref.api_version, ref.kind, ep.namespace, ref.name):
+                logger.info(
+                    "Deleted %s %s: spec.resources.nodes is now %d",
+                    ref.kind, ref.name, ep.spec.resources.nodes,
+                )  # fmt: skip
+        return created, written
+
+    async def _apply_workload(
         self,
         ep: Endpoint,
         owner: Mapping[str, Any],
         current: status.DeploymentState | None,
+        left: status.DeploymentState | None,
         client: KubeApi,
     ) -> tuple[bool, dict[str, Any]]:
-        """Create or apply the Deployment; write replicas only as manifests.replicas_to_write says.
-
-        Returns whether this call created it, and the Deployment as the API returned it."""
+        """Create or apply the workload; write replicas only as manifests.replicas_to_write says
+        (a new one: the count of the workload of the other kind it replaces, within bounds)."""
         if current is None:
-            deployment = manifests.build_deployment(
-                ep, self._settings, replicas=manifests.replicas_to_write(ep, None)
-            )
-            kopf.adopt(deployment, owner=owner)
+            first = manifests.first_replicas(ep, left.desired if left is not None else None)
+            workload = groups.build_workload(ep, self._settings, replicas=first)
+            kopf.adopt(workload, owner=owner)
             try:
                 # POST, not apply: replicas is then owned by an Update operation, and later
                 # applies (which leave replicas out) never remove it.
-                return True, await client.create(deployment)
+                return True, await client.create(workload)
             except kube.Conflict:
                 pass  # it exists but our index has not seen it yet: apply, replicas untouched
-        deployment = manifests.build_deployment(ep, self._settings, replicas=None)
-        kopf.adopt(deployment, owner=owner)
-        written = await client.apply(deployment)
+        workload = groups.build_workload(ep, self._settings, replicas=None)
+        kopf.adopt(workload, owner=owner)
+        written = await client.apply(workload)
         if current is not None:
             replicas = manifests.replicas_to_write(ep, current.desired)
             if replicas is not None:
                 # A merge patch (an Update operation, like the create): never part of an apply.
+                ref = groups.workload_ref(ep)
                 written = await client.patch(
-                    "apps/v1",
-                    "Deployment",
-                    ep.namespace,
-                    manifests.deployment_name(ep.name),
+                    ref.api_version, ref.kind, ep.namespace, ref.name,
                     {"spec": {"replicas": replicas}},
-                )
+                )  # fmt: skip
         return False, written
 
     # --- status -------------------------------------------------------------------------------
@@ -566,6 +661,12 @@ class Reconciler:
                 parsed = admit(name, namespace, raw_spec, self._settings)
             except InvalidSpecError as exc:
                 invalid = str(exc)
+        nodes = parsed.spec.resources.nodes if parsed is not None else lenient_nodes(raw_spec)
+        workload = deployment or self.indexes.workload(key, nodes > 1)
+        unready: list[groups.UnreadyPod] = []
+        if nodes > 1 and workload and workload.ready < max(workload.desired, workload.replicas):
+            unready = await self._unready_pods(namespace, name)
+            workload = replace(workload, group_failure_message=groups.failure_message(unready))
         async with self._status_locks[key]:
             previous = self._published.get(key, snapshot.get("status") or {})
             phases = _ClaimPhases(self.indexes.claim_phases, namespace)
@@ -580,7 +681,10 @@ class Reconciler:
                 endpoint=parsed,
                 invalid_message=invalid,
                 observed=status.Observed(
-                    deployment=deployment or self.indexes.deployment(key), cache=cache
+                    deployment=workload,
+                    cache=cache,
+                    unready=tuple(unready),
+                    workload_problem=self._workload_problems.get(key) if nodes > 1 else None,
                 ),
                 previous=previous,
                 now=self._clock().strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -604,7 +708,7 @@ class Reconciler:
                     manifests.KIND,
                     namespace,
                     name,
-                    {"status": {**dict.fromkeys(gone), **new}},
+                    {"status": {**dict.fromkeys(gone), **_nulling(previous, new)}},
                     subresource="status",
                 )
             except kube.NotFound:
@@ -613,6 +717,23 @@ class Reconciler:
             self._published[key] = new
         for event in status.transition_events(previous, new):
             self._post_event(snapshot, event.type, event.reason, event.message)
+
+    async def _unready_pods(self, namespace: str, name: str) -> list[groups.UnreadyPod]:
+        """The pods that keep a multi-node endpoint's groups from being ready (a GET, only
+        while one is not ready: a pod's state reaches nothing the operator watches)."""
+        selector = manifests.selector_string(manifests.selector_labels(name))
+        try:
+            pods = await self._kube().list("v1", "Pod", namespace, label_selector=selector)
+        except kube.ApiError as exc:  # no permission (an older chart): the counts still show
+            logger.info("Pods of %s/%s not read: %s", namespace, name, exc)
+            return []
+        mine = [
+            pod
+            for pod in pods
+            if ((pod.get("metadata") or {}).get("labels") or {}).get(manifests.LABEL_ENDPOINT)
+            == name
+        ]  # the selector's answer, checked (a stand-in API server may not filter)
+        return groups.unready_pods(mine)
 
     def model_name(self, snapshot: Mapping[str, Any]) -> status.ModelNameState:
         """The endpoint's served model name, and the older endpoint keeping it, if any.
@@ -661,6 +782,15 @@ class Reconciler:
                     await self.publish_status(endpoint)
                 except kube.ApiError as exc:  # the resync reports it
                     logger.warning("Status of %s/%s not published: %s", *other, exc)
+
+    def waiting_for_groups_api(self) -> list[dict[str, Any]]:
+        """Multi-node endpoints whose LeaderWorkerSet could not be written for want of its API."""
+        return [
+            endpoint
+            for key, problem in list(self._workload_problems.items())
+            if problem.reason == "LeaderWorkerSetNotInstalled"
+            and (endpoint := self.indexes.endpoint(key)) is not None
+        ]
 
     def waiting_for_pool_api(self) -> list[dict[str, Any]]:
         """Endpoints whose InferencePool could not be created because its API is missing."""
@@ -712,6 +842,9 @@ class Reconciler:
             self._published.pop(key, None)
         for key in [k for k in self._pools if k not in endpoints]:
             self._pools.pop(key, None)
+        for key in [k for k in self._workload_problems if k not in endpoints]:
+            self._workload_problems.pop(key, None)
+        self._missed = {key for key in self._missed if key in endpoints}
         for key in [k for k in self._fits if k not in endpoints]:
             self._fits.pop(key, None)
         for key in [k for k in self._served if k not in endpoints]:
@@ -724,7 +857,8 @@ class Reconciler:
 
 def autoscaled_subjects(indexes: Indexes, settings: OperatorSettings) -> list[Subject]:
     """The endpoints whose size the autoscaler decides now: admitted spec (admission.admit),
-    bounds that leave a choice, no `spec.scaling.replicas` pin, and a Deployment."""
+    bounds that leave a choice, no `spec.scaling.replicas` pin, and a workload (a Deployment, or
+    a LeaderWorkerSet whose replicas are groups: the autoscaler counts a group as one replica)."""
     subjects = []
     for key, store in list(indexes.llmendpoints.items()):
         endpoint = next(iter(store), None)
@@ -733,7 +867,7 @@ def autoscaled_subjects(indexes: Indexes, settings: OperatorSettings) -> list[Su
         raw = (endpoint.get("spec") or {}).get("scaling") or {}
         if not raw.get("maxReplicas") or raw.get("replicas") is not None:
             continue  # a fixed size or a pin (a cheap check before parsing)
-        deployment = indexes.deployment(key)
+        deployment = indexes.workload(key, lenient_nodes(endpoint.get("spec")) > 1)
         if deployment is None:
             continue
         try:
@@ -749,9 +883,10 @@ def autoscaled_subjects(indexes: Indexes, settings: OperatorSettings) -> list[Su
                 kind=manifests.KIND,
                 policy=ep.spec.scaling.policy(),
                 service=manifests.service_name(ep.name),
-                deployment=manifests.deployment_name(ep.name),
+                deployment=groups.workload_ref(ep).name,
                 replicas=deployment.desired,
                 ready_replicas=deployment.ready,
+                workload=(groups.workload_ref(ep).api_version, groups.workload_ref(ep).kind),
             )
         )
     return subjects

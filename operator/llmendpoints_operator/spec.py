@@ -34,6 +34,7 @@ from llmendpoints_operator.autoscaling.policy import (
     ScalingTuning,
     check_min_replicas,
 )
+from llmendpoints_operator.parallelism import Parallelism, ParallelismError, derive
 
 # Validation context key: the operator has a request-holding gateway (minReplicas 0 allowed).
 SCALE_TO_ZERO = "scale_to_zero"
@@ -51,6 +52,10 @@ _DATA_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 # Endpoint names become Service names (DNS-1035 labels) and prefixes of their children's names.
 _ENDPOINT_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 MAX_ENDPOINT_NAME_LENGTH = 49  # 63 (label/Service name limit) - len("-chat-template")
+# A multi-node endpoint's LeaderWorkerSet <name>-group makes StatefulSets <name>-group-<group>,
+# whose pods carry the label controller-revision-hash=<statefulset>-<10 characters>, at most 63
+# characters: 63 - 10 - 1 - 3 (up to 999 groups) - 1 - len("-group").
+MAX_MULTINODE_NAME_LENGTH = 42
 # An environment variable name as Kubernetes accepts it.
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 # An engine flag as written on vLLM's command line without the dashes: max-num-seqs / max_num_seqs.
@@ -169,6 +174,11 @@ MANAGED_VARIABLES: dict[str, str] = {
     "DTYPE": "spec.engine.dtype",
     "MAX_MODEL_LEN": "spec.engine.maxModelLen",
     "TENSOR_PARALLEL_SIZE": "spec.engine.tensorParallelSize",
+    "PIPELINE_PARALLEL_SIZE": "spec.engine.pipelineParallelSize",
+    "DATA_PARALLEL_SIZE": "spec.engine.dataParallelSize",
+    "ENABLE_EXPERT_PARALLEL": "spec.engine.enableExpertParallel",
+    "LLMEP_NODES": "spec.resources.nodes",
+    "LLMEP_MULTINODE_PORT": "(fixed by the operator: 29500)",
     "GPU_MEMORY_UTILIZATION": "spec.engine.gpuMemoryUtilization",
     "QUANTIZATION": "spec.engine.quantization",
     "ENABLE_PREFIX_CACHING": "spec.engine.enablePrefixCaching",
@@ -202,6 +212,9 @@ class EngineSpec(_Model):
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] | None = None
     max_model_len: int | None = Field(None, ge=1)
     tensor_parallel_size: int | None = Field(None, ge=1)
+    pipeline_parallel_size: int | None = Field(None, ge=1)
+    data_parallel_size: int | None = Field(None, ge=1)
+    enable_expert_parallel: bool = False
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     quantization: str | None = Field(None, min_length=1)
     enable_prefix_caching: bool | None = None
@@ -262,6 +275,8 @@ class Toleration(_Model):
 
 class ResourcesSpec(_Model):
     gpus: int = Field(1, ge=0)
+    # Pods per replica: more than one makes each replica a LeaderWorkerSet group.
+    nodes: int = Field(1, ge=1)
     gpu_resource_name: str | None = Field(None, min_length=1)
     # One GPU's memory, for the fit check where the nodes' labels do not say it.
     gpu_memory: Quantity | None = None
@@ -505,13 +520,36 @@ class EndpointSpec(_Model):
             seen.add(adapter.name)
         return self
 
+    @property
+    def parallelism(self) -> Parallelism:
+        """The replica's parallel sizes, derived (parallelism.py); valid once parsed."""
+        engine, resources = self.engine, self.resources
+        return derive(
+            gpus=resources.gpus,
+            nodes=resources.nodes,
+            tensor=engine.tensor_parallel_size,
+            pipeline=engine.pipeline_parallel_size,
+            data=engine.data_parallel_size,
+            expert=engine.enable_expert_parallel,
+        )
+
     @model_validator(mode="after")
     def _parallelism_fits(self) -> EndpointSpec:
-        tp = self.engine.tensor_parallel_size
-        if tp is not None and self.resources.gpus and tp > self.resources.gpus:
+        try:
+            _ = self.parallelism
+        except ParallelismError as exc:
+            raise ValueError(f"engine.{exc.field}: {exc}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _groups_share_the_cache(self) -> EndpointSpec:
+        # A group's pods run on different nodes and all read the weights from the cache.
+        modes = set(self.cache.access_modes) if self.cache and self.cache.size else set()
+        if self.resources.nodes > 1 and modes and not modes & {"ReadWriteMany", "ReadOnlyMany"}:
             raise ValueError(
-                f"engine.tensorParallelSize: {tp} needs {tp} GPUs but resources.gpus is "
-                f"{self.resources.gpus}"
+                f"cache.accessModes: {sorted(modes)} attaches the volume to one node, but the "
+                f"{self.resources.nodes} pods of a group (resources.nodes) run on different nodes "
+                "and all mount it: use ReadWriteMany"
             )
         return self
 
@@ -570,6 +608,19 @@ class Endpoint:
             Problem(f"spec.adapters[{i}].name", f"{a.name!r} is the base model's served name")
             for i, a in enumerate(self.spec.adapters)
             if a.name == self.served_model_name
+        ]
+
+    def check_name(self) -> list[Problem]:
+        """A multi-node endpoint's name prefixes its groups' pods and StatefulSets: shorter."""
+        if self.spec.resources.nodes == 1 or len(self.name) <= MAX_MULTINODE_NAME_LENGTH:
+            return []
+        return [
+            Problem(
+                "metadata.name",
+                f"{self.name!r} is {len(self.name)} characters; a multi-node endpoint "
+                f"(spec.resources.nodes > 1) may have at most {MAX_MULTINODE_NAME_LENGTH}: it "
+                "prefixes the names of its LeaderWorkerSet's StatefulSets and pods",
+            )
         ]
 
 
@@ -631,6 +682,6 @@ def parse(
     if problems or parsed is None:
         raise InvalidSpecError(problems)
     endpoint = Endpoint(name=name, namespace=namespace, spec=parsed)
-    if problems := endpoint.check_adapters():
+    if problems := endpoint.check_adapters() + endpoint.check_name():
         raise InvalidSpecError(problems)
     return endpoint

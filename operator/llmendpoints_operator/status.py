@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llmendpoints_operator import manifests
+from llmendpoints_operator import groups, manifests
 from llmendpoints_operator.autoscaling.record import SCALED_TO_ZERO_ANNOTATION
 from llmendpoints_operator.fit.verdict import Fit
 from llmendpoints_operator.spec import Endpoint
@@ -37,7 +37,8 @@ from llmendpoints_operator.spec import Endpoint
 
 @dataclass(frozen=True)
 class DeploymentState:
-    """What the status needs from the runtime Deployment."""
+    """What the status needs from the runtime workload: a Deployment, or a LeaderWorkerSet
+    (from_leader_worker_set), whose replicas are groups of `group_size` pods."""
 
     desired: int
     replicas: int = 0
@@ -50,6 +51,10 @@ class DeploymentState:
     replica_failure_message: str | None = None  # pods cannot be created (quota, admission)
     # Why the autoscaler scaled it to zero (its annotation, written with replicas: 0).
     scaled_to_zero_reason: str | None = None
+    group_size: int = 1  # pods per replica: more than 1 for a LeaderWorkerSet's groups
+    # A group's pods that fail (crash, cannot be scheduled, ...): read from the pods, not the
+    # LeaderWorkerSet, which says only how many groups are ready (groups.unready_pods).
+    group_failure_message: str | None = None
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> DeploymentState:
@@ -81,10 +86,39 @@ class DeploymentState:
             ),
         )
 
+    @classmethod
+    def from_leader_worker_set(cls, obj: Mapping[str, Any]) -> DeploymentState:
+        """LWS v0.9.0's status counts groups: replicas (created), readyReplicas (every pod
+        ready), updatedReplicas (on the current template). It has no availableReplicas."""
+        spec = obj.get("spec") or {}
+        status = obj.get("status") or {}
+        meta = obj.get("metadata") or {}
+        ready = int(status.get("readyReplicas") or 0)
+        return cls(
+            desired=int(spec.get("replicas", 1)),
+            replicas=int(status.get("replicas") or 0),
+            ready=ready,
+            available=ready,
+            updated=int(status.get("updatedReplicas") or 0),
+            generation=meta.get("generation"),
+            observed_generation=status.get("observedGeneration"),
+            scaled_to_zero_reason=(meta.get("annotations") or {}).get(SCALED_TO_ZERO_ANNOTATION),
+            group_size=int((spec.get("leaderWorkerTemplate") or {}).get("size") or 1),
+        )
+
+    @property
+    def unit(self) -> str:
+        return "replicas" if self.group_size == 1 else "groups"
+
     @property
     def trouble(self) -> str | None:
-        """Why the Deployment cannot reach its replica count, when its controller says so."""
-        return self.replica_failure_message or self.deadline_exceeded_message
+        """Why the workload cannot reach its replica count, when its controller (or, for
+        groups, their pods) says so."""
+        return (
+            self.replica_failure_message
+            or self.deadline_exceeded_message
+            or self.group_failure_message
+        )
 
     @property
     def rolling_out(self) -> bool:
@@ -98,6 +132,13 @@ class DeploymentState:
         return self.updated < self.desired or self.replicas > self.updated
 
 
+def workload_state(obj: Mapping[str, Any]) -> DeploymentState:
+    """A Deployment's or a LeaderWorkerSet's state, by its kind."""
+    if obj.get("kind") == groups.LWS_KIND:
+        return DeploymentState.from_leader_worker_set(obj)
+    return DeploymentState.from_object(obj)
+
+
 @dataclass(frozen=True)
 class CacheState:
     """The model-cache volume: kind none (per-pod scratch) or claim, and the claim's phase."""
@@ -108,9 +149,40 @@ class CacheState:
 
 
 @dataclass(frozen=True)
+class WorkloadProblem:
+    """Why the workload could not be written (a multi-node endpoint's LeaderWorkerSet API
+    missing or forbidden): the Ready condition's reason and message."""
+
+    reason: str
+    message: str
+
+
+def groups_api_missing(nodes: int) -> WorkloadProblem:
+    return WorkloadProblem(
+        "LeaderWorkerSetNotInstalled",
+        f"spec.resources.nodes is {nodes}: a multi-node endpoint runs each replica as a "
+        f"LeaderWorkerSet group, and the LeaderWorkerSet API ({groups.LWS_API_VERSION}) is not "
+        f"installed in this cluster. Install LeaderWorkerSet {groups.LWS_VERSION}: "
+        f'{groups.LWS_INSTALL} (docs/operator.md, "Multi-node endpoints"); the operator '
+        "creates the groups once it is there",
+    )
+
+
+def groups_forbidden(api_message: str) -> WorkloadProblem:
+    return WorkloadProblem(
+        "LeaderWorkerSetForbidden",
+        "the operator may not write LeaderWorkerSets (its RBAC: upgrade the chart, whose role "
+        f"grants them): {api_message}",
+    )
+
+
+@dataclass(frozen=True)
 class Observed:
     deployment: DeploymentState | None
     cache: CacheState
+    # A multi-node endpoint's pods that keep its groups from being ready (groups.unready_pods).
+    unready: tuple[groups.UnreadyPod, ...] = ()
+    workload_problem: WorkloadProblem | None = None
 
 
 # --- the InferencePool (optional child; its API may not be installed) ---------------------------
@@ -407,10 +479,13 @@ def compute(
         else _condition("SpecValid", False, "InvalidSpec", invalid_message or "")
     )
     cache = _cache_condition(observed.cache)
-    available = _available_condition(dep)
+    available = _available_condition(dep, observed.workload_problem)
     progressing = _progressing_condition(dep)
     fit_condition, fit_numbers = _fit_report(fit, previous)
     ready, phase = _ready_and_phase(endpoint, invalid_message, dep, cache, available, progressing)
+    if endpoint is not None and observed.workload_problem is not None:
+        problem = observed.workload_problem
+        ready, phase = _condition("Ready", False, problem.reason, problem.message), "Pending"
     if endpoint is not None and dep is None and (fit_condition or {}).get("status") == "False":
         ready, phase = (
             _condition("Ready", False, "ModelDoesNotFit", fit_condition["message"]),
@@ -441,9 +516,12 @@ def compute(
         "availableReplicas": dep.available if dep else 0,
         "updatedReplicas": dep.updated if dep else 0,
         "desiredReplicas": dep.desired if dep else 0,
-        "selector": manifests.selector_string(name),
+        "selector": _selector(name, endpoint, previous),
         "conditions": conditions,
     }
+    group_block = _groups_block(endpoint, dep, observed.unready, previous, now)
+    if group_block is not None:
+        status["groups"] = group_block
     if generation is not None:
         status["observedGeneration"] = generation
     status.update(_addresses(endpoint, previous, cluster_domain, gateway_url))
@@ -454,7 +532,51 @@ def compute(
     return status
 
 
-def _available_condition(dep: DeploymentState | None) -> dict[str, Any]:
+def _selector(name: str, endpoint: Endpoint | None, previous: Mapping[str, Any]) -> str:
+    """The serving pods (a group's leaders), as the scale subresource publishes them."""
+    if endpoint is not None:
+        return manifests.selector_string(manifests.serving_selector(endpoint))
+    return previous.get("selector") or manifests.selector_string(manifests.selector_labels(name))
+
+
+def _groups_block(
+    endpoint: Endpoint | None,
+    dep: DeploymentState | None,
+    unready: Sequence[groups.UnreadyPod],
+    previous: Mapping[str, Any],
+    now: str,
+) -> dict[str, Any] | None:
+    """status.groups of a multi-node endpoint: its size, groups ready and wanted, the pods that
+    keep groups from being ready, and the last pod seen failing (kept: a failed pod's group is
+    recreated with new pods, which no longer show what happened)."""
+    if endpoint is None:
+        return previous.get("groups")
+    if not groups.multinode(endpoint):
+        return None
+    block: dict[str, Any] = {
+        "name": groups.group_set_name(endpoint.name),
+        "size": endpoint.spec.resources.nodes,
+        "ready": dep.ready if dep else 0,
+        "desired": dep.desired if dep else 0,
+    }
+    if unready:
+        block["unready"] = [pod.as_status() for pod in unready]
+    failed = next((p for p in unready if p.reason not in groups.NOT_FAILURES), None)
+    last = (previous.get("groups") or {}).get("lastFailure")
+    if failed is not None:
+        seen = failed.as_status()
+        unchanged = last and {k: v for k, v in last.items() if k != "time"} == seen
+        last = last if unchanged else {"time": now, **seen}
+    if last:
+        block["lastFailure"] = last
+    return block
+
+
+def _available_condition(
+    dep: DeploymentState | None, problem: WorkloadProblem | None = None
+) -> dict[str, Any]:
+    if problem is not None:
+        return _condition("Available", False, problem.reason, problem.message)
     if dep is None:
         return _condition(
             "Available", False, "DeploymentNotFound", "the runtime Deployment does not exist yet"
@@ -472,13 +594,13 @@ def _available_condition(dep: DeploymentState | None) -> dict[str, Any]:
             "Available",
             True,
             "ReplicasAvailable",
-            f"{dep.available}/{dep.desired} replicas available",
+            f"{dep.available}/{dep.desired} {dep.unit} available",
         )
     return _condition(
         "Available",
         False,
         "NoReplicasAvailable",
-        f"0/{dep.desired} replicas available (pods download and load the model before "
+        f"0/{dep.desired} {dep.unit} available (pods download and load the model before "
         "they report ready)",
     )
 
@@ -492,12 +614,14 @@ def _progressing_condition(dep: DeploymentState | None) -> dict[str, Any]:
         )
     if dep.replica_failure_message is not None:
         return _condition("Progressing", False, "ReplicaFailure", dep.replica_failure_message)
+    if dep.group_failure_message is not None:
+        return _condition("Progressing", False, "GroupFailing", dep.group_failure_message)
     if dep.rolling_out:
         return _condition(
             "Progressing",
             True,
             "RollingOut",
-            f"{dep.updated}/{dep.desired} replicas updated, {dep.available} available",
+            f"{dep.updated}/{dep.desired} {dep.unit} updated, {dep.available} available",
         )
     if dep.available < dep.desired:
         # New replicas (a scale-up, or replacements) download and load the model first.
@@ -505,10 +629,10 @@ def _progressing_condition(dep: DeploymentState | None) -> dict[str, Any]:
             "Progressing",
             True,
             "ScalingUp",
-            f"{dep.available}/{dep.desired} replicas available, the others are starting",
+            f"{dep.available}/{dep.desired} {dep.unit} available, the others are starting",
         )
     return _condition(
-        "Progressing", False, "RolloutComplete", f"all {dep.desired} replicas are up to date"
+        "Progressing", False, "RolloutComplete", f"all {dep.desired} {dep.unit} are up to date"
     )
 
 
@@ -604,9 +728,22 @@ def transition_events(
         _authentication_events(previous, current)
         + _model_name_events(previous, current)
         + _pool_events(previous, current)
+        + _workload_events(previous, current)
         + _fit_events(previous, current)
         + _phase_events(previous, current)
     )
+
+
+WORKLOAD_PROBLEMS = ("LeaderWorkerSetNotInstalled", "LeaderWorkerSetForbidden")
+
+
+def _workload_events(previous: Mapping[str, Any] | None, current: Mapping[str, Any]) -> list[Event]:
+    """A Warning when the workload cannot be written (its API missing, or forbidden)."""
+    was = _find((previous or {}).get("conditions") or [], "Ready") or {}
+    now = _find(current.get("conditions") or [], "Ready") or {}
+    if now.get("reason") in WORKLOAD_PROBLEMS and was.get("reason") != now.get("reason"):
+        return [Event("Warning", str(now["reason"]), str(now.get("message", "")))]
+    return []
 
 
 def _fit_events(previous: Mapping[str, Any] | None, current: Mapping[str, Any]) -> list[Event]:

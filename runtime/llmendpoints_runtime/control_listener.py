@@ -11,12 +11,14 @@ machine, seconds on a starved one, worse than the loop itself.
 So the answers come from a small child process with no share in the API process's GIL
 (``python -m llmendpoints_runtime.control_listener``, standard library only). The API process
 publishes what it would answer -- the three probe answers and the /metrics text -- into files
-in a private directory on tmpfs, every ``PUBLISH_INTERVAL_SECONDS`` (``ControlPublisher``, a
-thread: it needs the GIL too, but a late publication only makes an answer a little older, never
-late). The child serves each request from the newest files. If they stop being refreshed for
-``STALE_AFTER_SECONDS`` -- the API process is stuck -- the child answers /health and /ready 503
-saying so, so liveness still means "this process makes progress". The child dies with its parent
-(PR_SET_PDEATHSIG, and it checks its parent between connections).
+in a private directory (on tmpfs, /dev/shm, where there is one) every
+``PUBLISH_INTERVAL_SECONDS``, from its event loop (``ControlPublisher.run``; a publishing thread,
+measured, got the GIL so rarely under load that its answers were seconds old). A late
+publication only makes the answers older, never late, and each answer says its age
+(``x-llmep-answer-age-ms``). The child serves each request from the newest files. If they stop
+being refreshed for ``STALE_AFTER_SECONDS`` -- the API process is stuck -- the child answers
+/health and /ready 503 saying so, so liveness still means "this process makes progress". The
+child dies with its parent (PR_SET_PDEATHSIG, and it checks its parent between connections).
 
 ``LLMEP_CONTROL_PORT`` turns it on (the operator sets it, and points the kubelet's probes and
 the autoscaler's scrape at it). The main port keeps answering the same paths (SageMaker and

@@ -260,7 +260,15 @@ def test_rbac_grants_what_the_operator_does_and_nothing_else(helm: Path, tmp_pat
         ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
         ("llmendpoints.dev", "llmendpoints"): {"list", "watch", "patch"},
         ("llmendpoints.dev", "llmendpoints/status"): {"patch"},
-        ("apps", "deployments"): {"list", "watch", "create", "patch"},
+        ("apps", "deployments"): {"list", "watch", "create", "patch", "delete"},
+        ("leaderworkerset.x-k8s.io", "leaderworkersets"): {
+            "list",
+            "watch",
+            "create",
+            "patch",
+            "delete",
+        },
+        ("", "pods"): {"list"},
         ("", "persistentvolumeclaims"): {"list", "watch", "create", "patch", "delete"},
         ("", "services"): {"create", "patch"},
         ("", "configmaps"): {"create", "patch", "delete"},
@@ -612,6 +620,7 @@ CHILD_RESOURCES = {
     "PodDisruptionBudget": ("policy", "poddisruptionbudgets"),
     "Ingress": ("networking.k8s.io", "ingresses"),
     "InferencePool": ("inference.networking.k8s.io", "inferencepools"),
+    "LeaderWorkerSet": ("leaderworkerset.x-k8s.io", "leaderworkersets"),
 }
 
 
@@ -624,7 +633,7 @@ def test_rbac_covers_what_the_operator_code_watches_and_writes(
     (delete), the EndpointSlices the autoscaler lists, and the Events it posts — and nothing more."""
     import kopf
     import llmendpoints_operator.handlers  # noqa: F401  (registers the kopf handlers)
-    from llmendpoints_operator import kube, manifests, spec
+    from llmendpoints_operator import groups, kube, manifests, spec
     from llmendpoints_operator.autoscaling import controller
     from llmendpoints_operator.config import OperatorSettings
 
@@ -654,6 +663,12 @@ def test_rbac_covers_what_the_operator_code_watches_and_writes(
     children = [*manifests.build_children(endpoint, OperatorSettings())]
     children.append(manifests.build_deployment(endpoint, OperatorSettings(), replicas=2))
     children.append(manifests.build_inference_pool(endpoint, OperatorSettings()))
+    # A multi-node endpoint's workload, and one of either kind deleted when nodes changes.
+    every_child["resources"] = {"gpus": 8, "nodes": 2}
+    in_groups = spec.parse("chat", "team-a", every_child)
+    children.append(groups.build_workload(in_groups, OperatorSettings(), replicas=2))
+    for workload in (endpoint, in_groups):
+        need(*CHILD_RESOURCES[groups.other_workload_ref(workload).kind], "delete")
     built = {child["kind"] for child in children}
     assert set(CHILD_RESOURCES) >= built, f"unknown child kinds {built - set(CHILD_RESOURCES)}"
     assert built == set(CHILD_RESOURCES), "the example should produce every kind of child"
@@ -669,6 +684,8 @@ def test_rbac_covers_what_the_operator_code_watches_and_writes(
     need("", "secrets", "create")
     group, _, _ = controller.ENDPOINTSLICE_API[0].rpartition("/")
     need(group, "endpointslices", "list")
+    # The pods of a multi-node endpoint whose groups are not all ready (reconcile.py).
+    need("", "pods", "list")
     # The fit check reads the nodes' GPU labels (kube.KubeClient.list_nodes).
     assert kube.KubeClient.list_nodes
     need("", "nodes", "list")

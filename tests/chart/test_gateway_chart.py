@@ -70,6 +70,8 @@ def test_every_gateway_document_validates_strictly(
             "HTTPRoute",
             "NetworkPolicy",
             "NetworkPolicy",
+            "NetworkPolicy",  # and the groups' pods of multi-node endpoints, per namespace
+            "NetworkPolicy",
             "ServiceAccount",
             "ClusterRole",
             "ClusterRoleBinding",
@@ -189,7 +191,8 @@ def test_network_policy_admits_only_the_gateway_and_the_operator(
 ) -> None:
     from llmendpoints_operator import manifests
 
-    policies = [d for d in render(helm, tmp_path, GATEWAY_ALL) if d["kind"] == "NetworkPolicy"]
+    every = [d for d in render(helm, tmp_path, GATEWAY_ALL) if d["kind"] == "NetworkPolicy"]
+    policies = [p for p in every if not p["metadata"]["name"].endswith("-groups")]
     assert sorted(p["metadata"]["namespace"] for p in policies) == ["team-a", "team-b"]
     policy = policies[0]["spec"]
     runtime_labels = manifests.labels("chat")
@@ -335,3 +338,38 @@ def test_the_gateway_and_the_operator_read_one_generated_token_secret(
         _token_file(pods["llmendpoints"], "LLMEP_OPERATOR_GATEWAY_TOKEN_SECRET_FILE")[0] == "mine"
     )
     assert not [d for d in docs if d["kind"] == "Secret" and "secret" in (d.get("data") or {})]
+
+
+def test_the_pods_of_a_group_admit_each_other_and_nothing_else_is_opened(
+    helm: Path, tmp_path: Path
+) -> None:
+    """A multi-node endpoint's leader and workers talk among themselves (torch.distributed,
+    vLLM's data-parallel RPC): a second policy admits group pods to group pods only."""
+    from llmendpoints_operator import groups, manifests, spec
+    from llmendpoints_operator.config import OperatorSettings
+
+    every = [d for d in render(helm, tmp_path, GATEWAY_ALL) if d["kind"] == "NetworkPolicy"]
+    extra = [p for p in every if p["metadata"]["name"].endswith("-groups")]
+    assert sorted(p["metadata"]["namespace"] for p in extra) == ["team-a", "team-b"]
+    policy = extra[0]["spec"]
+    [rule] = policy["ingress"]
+    [peer] = rule["from"]
+    assert "namespaceSelector" not in peer  # the policy's own namespace only
+    assert peer["podSelector"] == policy["podSelector"]  # from group pods to group pods
+
+    def selects(selector: dict, labels: dict[str, str]) -> bool:
+        return selector["matchLabels"].items() <= labels.items() and all(
+            e["operator"] == "Exists" and e["key"] in labels for e in selector["matchExpressions"]
+        )
+
+    ep = spec.parse("big", "team-a", {"model": {"name": "m"}, "resources": {"gpus": 8, "nodes": 2}})
+    lws = groups.build_leader_worker_set(ep, OperatorSettings(), replicas=1)
+    # What LWS adds to every pod of the group.
+    lws_labels = {"leaderworkerset.sigs.k8s.io/name": lws["metadata"]["name"]}
+    for template in ("leaderTemplate", "workerTemplate"):
+        labels = lws["spec"]["leaderWorkerTemplate"][template]["metadata"]["labels"]
+        assert selects(policy["podSelector"], {**labels, **lws_labels})
+    single = manifests.build_pod_template(
+        spec.parse("chat", "team-a", {"model": {"name": "m"}}), OperatorSettings()
+    )
+    assert not selects(policy["podSelector"], single["metadata"]["labels"])

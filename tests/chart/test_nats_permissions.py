@@ -2,12 +2,17 @@
 init container's trust and routes files: nats_chart_kit), with each role's real credential:
 
 - the gateway's (its init container's own command) limits, meters and serves jobs;
-- an endpoint's (what the operator mints into <endpoint>-queue-creds) runs that endpoint's
+- an endpoint's (what the operator mints into <endpoint>-queue-creds-v2) runs that endpoint's
   queue end to end -- the real QueueJobService, QueueWorker, depth and /health -- once the
   operator's credential has created the streams and the endpoint's consumers;
 - and refuses, on the server, everything else: another endpoint's records, jobs, chunks,
-  consumers, cancels and replies, the quotas, usage records, and every delete or purge, which
-  the gateway's credential is refused too.
+  consumers, cancels and replies, every consumer but its own workers' (the gateway's usage
+  consumers by their real names and configs), gateway admissions, the quotas, usage records,
+  and every delete or purge, which the gateway's credential is refused too;
+- bounds it: what it writes fills its own endpoint's reserved storage and nobody else's, its
+  job messages are a job id's size, its subscriptions are counted;
+- and bills nobody with it: a forged COMPLETED record naming another key is billed to no key
+  and spends no key's tokens-per-minute.
 
 A refused request waits out its timeout (the server answers nothing; its log says "Publish
 Violation" or "Subscription Violation"); each test also checks that nothing changed.
@@ -16,6 +21,7 @@ Violation" or "Subscription Violation"); each test also checks that nothing chan
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -26,11 +32,12 @@ import nats
 import nats.errors
 import pytest
 from llmendpoints_common.identity import EndpointRef
+from llmendpoints_common.jobs import admission
 from llmendpoints_common.jobs.models import JobStatus, parse_job_request
 from llmendpoints_common.queue import names, signals
 from llmendpoints_common.queue.client import QueueConnection, QueueJobService
 from llmendpoints_common.queue.depth import endpoint_depth
-from llmendpoints_common.queue.topology import QueueLayout, ensure_consumers
+from llmendpoints_common.queue.topology import QueueLayout, ensure_endpoint_queue
 from llmendpoints_common.queue.trust import Signer, mint
 from llmendpoints_common.queue.worker import QueueWorker, WorkerSettings
 from nats.aio.client import RawCredentials
@@ -107,6 +114,7 @@ def test_the_chart_lets_the_gateway_limit_and_meter(chart_nats):
     async def scenario() -> None:
         # The operator creates the streams (nobody else's credential may).
         operator = await _connect(url, _creds(chart_nats, "operator"), "operator")
+        await ensure_endpoint_queue(operator.js, A, QueueLayout())
         queue = SharedQueue(url, "g", gateway_creds)  # the gateway's one connection
         await queue.start()
         limiter = Limiter("g", queue)
@@ -114,8 +122,8 @@ def test_the_chart_lets_the_gateway_limit_and_meter(chart_nats):
         counted: list[str] = []
         meter = JobUsageMeter(
             queue,
-            lambda r, u: (
-                UsageRecord(f"job-{r.id}-usage", time.time(), r.owner, r.endpoint, "m", 200,
+            lambda r, v, u, at: (
+                UsageRecord(f"job-{r.id}-usage", at, v.key, r.endpoint, "m", 200,
                             u.prompt_tokens, u.completion_tokens, requests=0),
                 lambda: counted.append(r.id),
             ),
@@ -141,7 +149,7 @@ def test_the_chart_lets_the_gateway_limit_and_meter(chart_nats):
                 await asyncio.sleep(0.05)
 
             usage.record(UsageRecord("r1", time.time(), "team", A.id, "m", 200, 1, 2))
-            jobs = QueueJobService(connection, A)
+            jobs = QueueJobService(connection, A, admitted_by=admission.GATEWAY)
             job = await jobs.submit(
                 parse_job_request(b'{"input": {"prompt": "x"}}'), sync=False, owner="team"
             )
@@ -185,7 +193,7 @@ def test_an_endpoints_pods_work_with_their_own_credential_only(chart_nats):
 
     async def scenario() -> None:
         operator = await _connect(server.url, _creds(chart_nats, "operator"), "operator")
-        await ensure_consumers(operator.js, A, QueueLayout())
+        await ensure_endpoint_queue(operator.js, A, QueueLayout())
         pod = await _connect(server.url, _creds(chart_nats, "runtime", A), "pod-a")
         service = QueueJobService(pod, A)
 
@@ -239,8 +247,9 @@ def test_an_endpoints_pods_work_with_their_own_credential_only(chart_nats):
             )
             assert (await service.cancel(queued.id, owner="alice")).status is JobStatus.CANCELLED
             assert await service.purge_queue(owner="alice") == 1  # the retried job
-            # The cancelled jobs' messages stay until a worker reaches them (a pod may not
-            # delete queue messages): it acknowledges them and runs nothing.
+            # The cancelled jobs' messages are out of the queue at once: the pod may take
+            # messages out of its own endpoint's queue (its own stream).
+            assert (await endpoint_depth(pod.js, A)).queued == 0
             ran: list[str] = []
 
             async def must_not_run(record, publish):
@@ -251,10 +260,7 @@ def test_an_endpoints_pods_work_with_their_own_credential_only(chart_nats):
                 free_slots=lambda: 2, settings=WorkerSettings(poll_seconds=0.2),
             )  # fmt: skip
             await worker.start()
-            deadline = time.monotonic() + 20
-            while (await endpoint_depth(pod.js, A, stream_fallback=False)).queued:
-                assert time.monotonic() < deadline, "the cancelled jobs' messages stayed"
-                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)
             assert ran == []
         finally:
             await worker.stop(1)
@@ -273,8 +279,8 @@ def test_an_endpoints_credential_reaches_nothing_else(chart_nats):
         gateway = await _connect(server.url, _creds(chart_nats, "gateway"), "gateway")
         admin = await _connect(server.url, _creds(chart_nats, "admin"), "admin")
         for endpoint in (A, B):
-            await ensure_consumers(operator.js, endpoint, QueueLayout())
-        b_jobs = QueueJobService(gateway, B)
+            await ensure_endpoint_queue(operator.js, endpoint, QueueLayout())
+        b_jobs = QueueJobService(gateway, B, admitted_by=admission.GATEWAY)
         b_job = await b_jobs.submit(
             parse_job_request(b'{"input": {"prompt": "B secret prompt"}}'), sync=False, owner="b"
         )
@@ -286,40 +292,41 @@ def test_an_endpoints_credential_reaches_nothing_else(chart_nats):
         a_creds = _creds(chart_nats, "runtime", A)
         a_pod = await _connect(server.url, a_creds, "pod-a", timeout=REFUSED)
         js = a_pod.js
+        b_records, b_queue = names.records_stream(B), names.queue_stream(B)
         try:
-            b_record = names.kv_subject(names.JOB_STATE_BUCKET, names.job_key(B, b_job.id))
-            # B's record: no direct get, no core subscription to its updates.
-            await _refused(
-                js.get_msg(names.kv_stream(names.JOB_STATE_BUCKET), subject=b_record, direct=True)
-            )
-            await _refused(js.get_msg(names.kv_stream(names.JOB_STATE_BUCKET), seq=1, direct=True))
+            b_record = names.record_subject(B, b_job.id)
+            # B's record: no direct get (by subject or by sequence), no core subscription.
+            await _refused(js.get_msg(b_records, subject=b_record, direct=True))
+            await _refused(js.get_msg(b_records, seq=1, direct=True))
             # B's jobs: no pull from B's consumer, no consumer of its own on B's subjects.
-            await _refused(_pull_one(js, names.jobs_consumer(B)))
+            await _refused(_pull_one(js, B, names.jobs_consumer(B)))
             await _refused(
                 js.add_consumer(
-                    names.JOBS_STREAM,
+                    b_queue,
                     durable_name="thief",
                     name="thief",
-                    filter_subject=names.jobs_subject(B),
+                    filter_subject=names.jobs_consumer_filter(B, "normal"),
                 )
             )
-            # Stream-wide reads that no subject can scope: refused whole.
-            await _refused(js.get_msg(names.JOBS_STREAM, seq=1))
-            await _refused(js.stream_info(names.JOBS_STREAM, subjects_filter=">"))
-            await _refused(js.delete_msg(names.JOBS_STREAM, 1))
-            # Deletes and purges of anything.
-            for stream in (names.JOBS_STREAM, names.kv_stream(names.QUOTAS_BUCKET),
-                           names.USAGE_STREAM, names.kv_stream(names.JOB_STATE_BUCKET)):  # fmt: skip
+            # B's stream by sequence, its info, its messages taken out.
+            await _refused(js.get_msg(b_queue, seq=1))
+            await _refused(js.stream_info(b_queue, subjects_filter=">"))
+            await _refused(js.delete_msg(b_queue, 1))
+            # Deletes and purges of anything, its own streams included.
+            for stream in (names.queue_stream(A), names.records_stream(A), b_queue,
+                           names.kv_stream(names.QUOTAS_BUCKET), names.USAGE_STREAM):  # fmt: skip
                 await _refused(js.purge_stream(stream))
                 await _refused(js.delete_stream(stream))
-            await _refused(js.delete_consumer(names.JOBS_STREAM, names.jobs_consumer(A)))
-            # Writes it must never make: quotas, usage, B's queue and records, held signals.
+            await _refused(js.delete_consumer(names.queue_stream(A), names.jobs_consumer(A)))
+            # Writes it must never make: quotas, usage, B's queue and records, held signals,
+            # a gateway admission of its own endpoint.
             for subject in (
                 quota_subject,
                 names.usage_subject(A, "anyone"),
-                names.jobs_subject(B),
+                names.jobs_subject(B, "normal", "b"),
                 b_record,
                 names.held_key(A, "gw-1"),
+                names.admission_subject(A, "forged", names.ADMITTED_BY_GATEWAY),
             ):
                 await _refused(js.publish(subject, b"forged"))
             await a_pod.nc.publish(names.cancel_subject(B, b_job.id), b"")
@@ -342,7 +349,7 @@ def test_an_endpoints_credential_reaches_nothing_else(chart_nats):
             assert await signals.read_held(admin.js, A) == 0
             usage = await admin.js.stream_info(names.USAGE_STREAM)
             assert usage.state.messages == usage_before
-            for stream in (names.JOBS_STREAM, names.USAGE_STREAM):
+            for stream in (names.queue_stream(A), names.records_stream(A), names.USAGE_STREAM):
                 await admin.js.stream_info(stream)  # still there
         finally:
             for connection in (a_pod, gateway, admin, operator):
@@ -350,14 +357,17 @@ def test_an_endpoints_credential_reaches_nothing_else(chart_nats):
 
     asyncio.run(scenario())
     refused = "\n".join(server.violations())
-    for what in ("$JS.API.DIRECT.GET.KV_LLMEP_JOB_STATE", "$JS.API.CONSUMER.MSG.NEXT.LLMEP_JOBS",
+    for what in (f"$JS.API.DIRECT.GET.{names.records_stream(B)}",
+                 f"$JS.API.CONSUMER.MSG.NEXT.{names.queue_stream(B)}",
                  "$JS.API.STREAM.PURGE", "$JS.API.STREAM.DELETE", "$KV.LLMEP_QUOTAS",
-                 "llmep.usage.", "_INBOX.>", "Subscription Violation"):  # fmt: skip
+                 "llmep.usage.", ".adm.gw.forged", "_INBOX.>", "Subscription Violation"):  # fmt: skip
         assert what in refused, f"{what} was not refused:\n{refused}"
 
 
-async def _pull_one(js, durable: str):
-    sub = await js.pull_subscribe_bind(durable=durable, stream=names.JOBS_STREAM)
+async def _pull_one(js, endpoint: EndpointRef, durable: str, stream: str | None = None):
+    sub = await js.pull_subscribe_bind(
+        durable=durable, stream=stream or names.queue_stream(endpoint)
+    )
     try:
         return await sub.fetch(1, timeout=REFUSED)
     finally:
@@ -370,14 +380,17 @@ def test_the_gateways_credential_cannot_delete_or_purge(chart_nats):
 
     async def scenario() -> None:
         operator = await _connect(server.url, _creds(chart_nats, "operator"), "operator")
+        await ensure_endpoint_queue(operator.js, A, QueueLayout())
         gateway = await _connect(server.url, gateway_creds, "gateway", timeout=REFUSED)
         try:
             streams = [s.config.name for s in await _streams(operator)]
-            assert names.JOBS_STREAM in streams and names.USAGE_STREAM in streams
+            assert names.records_stream(A) in streams and names.USAGE_STREAM in streams
             for stream in streams:
                 await _refused(gateway.js.purge_stream(stream))
                 await _refused(gateway.js.delete_stream(stream))
-            await _refused(gateway.js.delete_consumer(names.JOBS_STREAM, names.jobs_consumer(A)))
+            await _refused(
+                gateway.js.delete_consumer(names.queue_stream(A), names.jobs_consumer(A))
+            )
             assert sorted(s.config.name for s in await _streams(operator)) == sorted(streams)
         finally:
             await gateway.close()
@@ -388,53 +401,66 @@ def test_the_gateways_credential_cannot_delete_or_purge(chart_nats):
     assert "$JS.API.STREAM.PURGE" in violations and "$JS.API.STREAM.DELETE" in violations
 
 
-def test_only_the_operator_sets_the_per_owner_cap_and_nothing_else(chart_nats):
-    """The per-owner cap on queued jobs is the jobs stream's per-subject limit: the operator's
-    credential sets it (its setting, on the existing stream); no other stream update is
-    allowed to it, and neither the gateway's nor a pod's credential may change the cap."""
+def test_only_the_operator_sets_the_bounds_and_deletes_only_an_endpoints_streams(chart_nats):
+    """The bounds of every stream (``max_bytes``, message size, the per-owner cap) are the
+    operator's settings, set on existing streams too; neither the gateway's nor a pod's
+    credential may change any stream. The operator deletes a deleted endpoint's two streams,
+    never a shared one."""
     from dataclasses import replace
 
-    from llmendpoints_common.queue.topology import ensure_streams
+    from llmendpoints_common.queue.topology import delete_endpoint_streams, ensure_streams
 
     server = chart_nats[0]
     gateway_creds = Path(_gateway_creds_file(chart_nats)).read_text()
+    E = EndpointRef("team-e", "bounded")
 
     async def scenario() -> None:
         operator = await _connect(server.url, _creds(chart_nats, "operator"), "operator")
-        gateway = await _connect(server.url, gateway_creds, "gateway", timeout=REFUSED)
-        pod = await _connect(server.url, _creds(chart_nats, "runtime", A), "pod", REFUSED)
         quick_operator = await _connect(
             server.url, _creds(chart_nats, "operator"), "operator-2", REFUSED
         )
+        gateway = await _connect(server.url, gateway_creds, "gateway", timeout=REFUSED)
+        pod = await _connect(server.url, _creds(chart_nats, "runtime", E), "pod", REFUSED)
         try:
-            before = (await operator.js.stream_info(names.JOBS_STREAM)).config
-            await ensure_streams(operator.js, QueueLayout(max_queued_per_owner=7), reconcile=True)
-            capped = (await operator.js.stream_info(names.JOBS_STREAM)).config
-            assert capped.max_msgs_per_subject == 7
-            assert replace(capped, max_msgs_per_subject=before.max_msgs_per_subject) == before
+            await ensure_endpoint_queue(operator.js, E, QueueLayout())
+            layout = QueueLayout(max_queued_per_owner=7, endpoint_max_bytes=8 * 1024 * 1024,
+                                 usage_max_bytes=512 * 1024 * 1024)  # fmt: skip
+            await ensure_streams(operator.js, layout, reconcile=True)
+            await ensure_endpoint_queue(operator.js, E, layout, reconcile=True)
+            queue = (await operator.js.stream_info(names.queue_stream(E))).config
+            assert queue.max_msgs_per_subject == 7
+            records = (await operator.js.stream_info(names.records_stream(E))).config
+            assert records.max_bytes == 8 * 1024 * 1024
             usage = (await operator.js.stream_info(names.USAGE_STREAM)).config
-            for other in (quick_operator, gateway, pod):
-                await _refused(other.js.update_stream(replace(usage, max_age=1.0)))
+            assert usage.max_bytes == 512 * 1024 * 1024
             for other in (gateway, pod):
-                await _refused(other.js.update_stream(replace(capped, max_msgs_per_subject=-1)))
-            assert (await operator.js.stream_info(names.JOBS_STREAM)).config == capped
+                await _refused(other.js.update_stream(replace(usage, max_bytes=-1)))
+                await _refused(other.js.update_stream(replace(queue, max_msgs_per_subject=-1)))
+            # The operator deletes no shared stream, and a deleted endpoint's own.
+            await _refused(quick_operator.js.delete_stream(names.USAGE_STREAM))
+            assert await delete_endpoint_streams(operator.js, E)
             # Put back what the module's other tests expect.
             await ensure_streams(operator.js, QueueLayout(), reconcile=True)
         finally:
-            await quick_operator.close()
             await pod.close()
             await gateway.close()
+            await quick_operator.close()
             await operator.close()
 
     asyncio.run(scenario())
-    assert f"$JS.API.STREAM.UPDATE.{names.USAGE_STREAM}" in "\n".join(server.violations())
+    violations = "\n".join(server.violations())
+    assert f"$JS.API.STREAM.UPDATE.{names.USAGE_STREAM}" in violations
+    assert f"$JS.API.STREAM.DELETE.{names.USAGE_STREAM}" in violations
 
 
 async def _streams(connection: QueueConnection):
     # The operator may not list streams; it reads the ones it created, one by one.
     from llmendpoints_common.queue.roles import STREAMS
 
-    return [await connection.js.stream_info(name) for name in STREAMS]
+    found = [await connection.js.stream_info(name) for name in STREAMS]
+    for stream in (names.queue_stream(A), names.records_stream(A)):
+        found.append(await connection.js.stream_info(stream))
+    return found
 
 
 def test_a_raw_nats_client_without_creds_is_refused(chart_nats):
@@ -453,6 +479,17 @@ def test_a_raw_nats_client_without_creds_is_refused(chart_nats):
             await nats.connect(server.url, user_credentials=RawCredentials(other),
                                allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)  # fmt: skip
         assert "authorization" in str(untrusted.value).lower()
+        # This installation's own credential, minted before the queue's second layout (its
+        # permissions reached other roles' consumers): revoked by the account.
+        from llmendpoints_common.queue.trust import REVOKED_BEFORE
+
+        for role, endpoint in (("runtime", A), ("gateway", None)):
+            stale = mint(_signer(chart_nats), role, endpoint, issued_at=REVOKED_BEFORE - 86_400)
+            with pytest.raises(Exception) as revoked:
+                await nats.connect(server.url, user_credentials=RawCredentials(stale),
+                                   allow_reconnect=False, max_reconnect_attempts=0,
+                                   connect_timeout=2)  # fmt: skip
+            assert "authorization" in str(revoked.value).lower()
 
     asyncio.run(scenario())
 
@@ -483,7 +520,7 @@ def test_the_chart_lets_the_gateway_keep_and_drive_batches_and_pods_run_them(cha
 
     async def scenario() -> None:
         operator = await _connect(server.url, _creds(chart_nats, "operator"), "operator")
-        await ensure_consumers(operator.js, C, QueueLayout())
+        await ensure_endpoint_queue(operator.js, C, QueueLayout())
         gateway = await _connect(server.url, gateway_creds, "gateway")
         pod = await _connect(server.url, _creds(chart_nats, "runtime", C), "pod-c", timeout=REFUSED)  # fmt: skip
         store = NatsBatchStore(gateway.js)
@@ -593,7 +630,7 @@ def test_a_pod_takes_jobs_while_an_older_operator_has_not_made_its_batch_lane(ch
 
     async def scenario() -> None:
         operator = await _connect(server.url, _creds(chart_nats, "operator"), "operator")
-        await ensure_consumers(operator.js, D, QueueLayout(), priorities=("normal", "low"))
+        await ensure_endpoint_queue(operator.js, D, QueueLayout(), priorities=("normal", "low"))
         pod = await _connect(server.url, _creds(chart_nats, "runtime", D), "pod-d")
         service = QueueJobService(pod, D)
 
@@ -663,3 +700,377 @@ def test_gateway_processes_share_routing_records_and_pods_cannot_forge_them(char
     asyncio.run(scenario())
     refused = "\n".join(server.violations())
     assert "llmep.routes.forged" in refused, refused
+
+
+# ---- issue 28: what one endpoint's own credential could still do -----------------------------
+
+
+def test_a_pods_credential_pulls_and_changes_no_consumer_but_its_own(chart_nats, caplog):
+    """With X's runtime credential: the gateway's usage consumers -- on X's own records and on
+    Y's, by their real name and config -- can be neither pulled (they deliver every record,
+    prompts and owners included) nor updated (switching billing off) nor deleted; no consumer
+    can be created at all, a push consumer to the pod's own inbox included; Y's worker consumer
+    cannot be pulled. Nothing changes. A consumer someone else changed is repaired by the
+    gateway's meter when it starts, with a warning."""
+    from dataclasses import replace
+
+    from llmendpoints_common.queue.roles import endpoint_inbox
+    from llmendpoints_common.queue.topology import consumer_config, usage_consumer_config
+    from llmendpoints_gateway.queue import SharedQueue
+    from llmendpoints_gateway.usage import JobUsageMeter
+
+    server = chart_nats[0]
+    X, Y = EndpointRef("team-x", "chat"), EndpointRef("team-y", "chat")
+    gateway_creds = _gateway_creds_file(chart_nats)
+
+    async def consumers(js) -> dict[tuple[str, str], object]:
+        found = {}
+        for ep in (X, Y):
+            for stream, name in ((names.records_stream(ep), names.USAGE_CONSUMER),
+                                 (names.queue_stream(ep), names.jobs_consumer(ep))):  # fmt: skip
+                found[(stream, name)] = (await js.consumer_info(stream, name)).config
+        return found
+
+    async def scenario() -> None:
+        operator = await _connect(server.url, _creds(chart_nats, "operator"), "operator")
+        admin = await _connect(server.url, _creds(chart_nats, "admin"), "admin")
+        gateway = await _connect(server.url, Path(gateway_creds).read_text(), "gateway")
+        for endpoint in (X, Y):
+            await ensure_endpoint_queue(operator.js, endpoint, QueueLayout())
+        y_jobs = QueueJobService(gateway, Y, admitted_by=admission.GATEWAY)
+        await y_jobs.submit(
+            parse_job_request(b'{"input": {"prompt": "Y secret"}}'), sync=False, owner="y-key"
+        )
+        before = await consumers(admin.js)
+        pod = await _connect(server.url, _creds(chart_nats, "runtime", X), "pod-x", REFUSED)
+        js = pod.js
+        try:
+            for ep in (X, Y):
+                records = names.records_stream(ep)
+                # Pull the gateway's usage consumer, by its real name.
+                await _refused(_pull_one(js, ep, names.USAGE_CONSUMER, stream=records))
+                # Its config with the pod's own filter, a push version to the pod's own inbox,
+                # a delete: refused.
+                own_filter = replace(
+                    usage_consumer_config(ep), filter_subject=names.records_filter(X)
+                )
+                inbox = f"{endpoint_inbox(X)}.stolen"
+                push = replace(usage_consumer_config(ep), deliver_subject=inbox)
+                for config in (own_filter, push):
+                    await _refused(js.add_consumer(records, config))
+                await _refused(js.delete_consumer(records, names.USAGE_CONSUMER))
+            # The first layout's wildcard, aimed at the gateway's old durable: refused.
+            await _refused(
+                pod.nc.request(
+                    "$JS.API.CONSUMER.MSG.NEXT.KV_LLMEP_JOB_STATE.gateway-job-usage",
+                    b'{"batch": 1}',
+                    timeout=REFUSED,
+                )
+            )
+            # Its own worker consumer: not changed, and no consumer of its own, push or pull.
+            queue = names.queue_stream(X)
+            await _refused(js.add_consumer(queue, replace(consumer_config(X, "normal", QueueLayout()), max_deliver=1)))  # fmt: skip
+            await _refused(
+                js.add_consumer(
+                    queue,
+                    name="mine",
+                    durable_name="mine",
+                    deliver_subject=f"{endpoint_inbox(X)}.push",
+                    filter_subject=names.jobs_consumer_filter(X, "normal"),
+                )
+            )
+            # Y's worker consumer: not pulled.
+            await _refused(_pull_one(js, Y, names.jobs_consumer(Y)))
+            assert await consumers(admin.js) == before
+            assert (await endpoint_depth(admin.js, Y)).queued == 1  # Y's job untouched
+
+            # Someone (an admin, a credential of the first layout) changed the usage consumers:
+            # the gateway's meter puts them back when it starts, saying so.
+            x_records, y_records = names.records_stream(X), names.records_stream(Y)
+            await admin.js.add_consumer(
+                x_records, replace(usage_consumer_config(X, 1), max_ack_pending=1)
+            )
+            await admin.js.delete_consumer(y_records, names.USAGE_CONSUMER)
+            await admin.js.add_consumer(
+                y_records, replace(usage_consumer_config(Y, 1), deliver_subject="llmep.elsewhere")
+            )
+            queue_conn = SharedQueue(server.url, "g", gateway_creds)
+            await queue_conn.start()
+            meter = JobUsageMeter(queue_conn, lambda *args: None)
+            await meter.start()
+            try:
+                deadline = time.monotonic() + 30
+                while await consumers(admin.js) != before:
+                    assert time.monotonic() < deadline, "the usage consumers were not repaired"
+                    await asyncio.sleep(0.2)
+            finally:
+                await meter.stop()
+                await queue_conn.stop()
+        finally:
+            for connection in (pod, gateway, admin, operator):
+                await connection.close()
+
+    with caplog.at_level("WARNING", logger="llmendpoints.gateway.usage"):
+        asyncio.run(scenario())
+    repaired = [
+        r.getMessage() for r in caplog.records if "usage meter's consumer" in r.getMessage()
+    ]
+    assert any("team-x/chat was updated (max_ack_pending" in m for m in repaired), repaired
+    assert any("team-y/chat was made again (deliver_subject" in m for m in repaired), repaired
+    refused = "\n".join(server.violations())
+    for what in (
+        f"$JS.API.CONSUMER.MSG.NEXT.{names.records_stream(Y)}.{names.USAGE_CONSUMER}",
+        f"$JS.API.CONSUMER.MSG.NEXT.{names.records_stream(X)}.{names.USAGE_CONSUMER}",
+        f"$JS.API.CONSUMER.CREATE.{names.records_stream(X)}.{names.USAGE_CONSUMER}",
+        f"$JS.API.CONSUMER.CREATE.{names.records_stream(Y)}.{names.USAGE_CONSUMER}",
+        f"$JS.API.CONSUMER.DELETE.{names.records_stream(Y)}.{names.USAGE_CONSUMER}",
+        "$JS.API.CONSUMER.MSG.NEXT.KV_LLMEP_JOB_STATE.gateway-job-usage",
+        f"$JS.API.CONSUMER.CREATE.{names.queue_stream(X)}.mine",
+        f"$JS.API.CONSUMER.MSG.NEXT.{names.queue_stream(Y)}",
+    ):
+        assert what in refused, f"{what} was not refused:\n{refused}"
+
+
+def test_a_pod_filling_its_own_queue_fails_for_it_alone(chart_nats):
+    """With F's runtime credential, publish as much as it is allowed: its records stream fills
+    to its bound and refuses more (a record, a chunk; F's next job through the gateway gets 503
+    naming the bound), its job messages are a job id's size and fill their own bound, its
+    10,001st subscription is refused. Meanwhile another endpoint's jobs are accepted and run,
+    usage records and quota writes are stored, and a new endpoint's queue is created: nothing
+    F did took their room. (The bounds are the operator's settings, small here.)"""
+    import nats.js.errors
+    from llmendpoints_common.errors import ServiceUnavailableError
+    from llmendpoints_common.queue.roles import RUNTIME_MAX_SUBSCRIPTIONS, endpoint_inbox
+
+    server = chart_nats[0]
+    F, G, H = (EndpointRef("team-f", "flood"), EndpointRef("team-g", "calm"),
+               EndpointRef("team-h", "new"))  # fmt: skip
+    layout = QueueLayout(endpoint_max_bytes=4 * 1024 * 1024, endpoint_queue_max_bytes=128 * 1024)
+    gateway_creds = Path(_gateway_creds_file(chart_nats)).read_text()
+    mib = b"x" * (1024 * 1024)
+
+    async def fill(publish, limit: int) -> nats.js.errors.APIError:
+        for i in range(limit):
+            try:
+                await publish(i)
+            except nats.js.errors.APIError as exc:
+                return exc
+        raise AssertionError(f"{limit} publishes and no bound was reached")
+
+    async def scenario() -> None:
+        operator = await _connect(server.url, _creds(chart_nats, "operator"), "operator")
+        for endpoint in (F, G):
+            await ensure_endpoint_queue(operator.js, endpoint, layout)
+        gateway = await _connect(server.url, gateway_creds, "gateway")
+        pod = await _connect(server.url, _creds(chart_nats, "runtime", F), "pod-f")
+        g_pod = await _connect(server.url, _creds(chart_nats, "runtime", G), "pod-g")
+        js = pod.js
+        try:
+            # Records and chunks (1 MiB each, new subjects): refused at F's bound.
+            full = await fill(lambda i: js.publish(names.record_subject(F, f"junk-{i}"), mib), 64)
+            assert "maximum bytes exceeded" in full.description
+            with pytest.raises(nats.js.errors.APIError, match="maximum bytes"):
+                await js.publish(names.chunk_subject(F, "junk", 0, 1), mib)
+            # Job messages: a job id's size at most, and a bound of their own.
+            with pytest.raises(nats.js.errors.APIError, match="message size exceeds"):
+                await js.publish(names.jobs_subject(F, "normal", "x"), b"j" * 2048)
+            full = await fill(
+                lambda i: js.publish(names.jobs_subject(F, "normal", f"k{i}"), b"j" * 100), 5000
+            )
+            assert "maximum bytes exceeded" in full.description
+            # F's own next job through the gateway: 503 naming the bound, nothing stored.
+            f_jobs = QueueJobService(gateway, F, admitted_by=admission.GATEWAY)
+            with pytest.raises(ServiceUnavailableError) as caught:
+                await f_jobs.submit(parse_job_request(b'{"input": {"prompt": "p"}}'),
+                                    sync=False, owner="f-key")  # fmt: skip
+            assert "LLMEP_OPERATOR_JOBS_QUEUE_ENDPOINT_MAX_BYTES" in caught.value.message
+            # Subscriptions: counted per credential (the server refuses the one past the limit;
+            # nats-py then closes that connection).
+            raw = await nats.connect(
+                server.url,
+                user_credentials=RawCredentials(_creds(chart_nats, "runtime", F)),
+                inbox_prefix=endpoint_inbox(F),
+                allow_reconnect=False,
+            )
+            with contextlib.suppress(Exception):
+                for i in range(RUNTIME_MAX_SUBSCRIPTIONS + 1):
+                    await raw.subscribe(f"{endpoint_inbox(F)}.s{i}")
+                await raw.flush(timeout=5)
+            deadline = time.monotonic() + 20
+            while not raw.is_closed:
+                assert time.monotonic() < deadline, "the subscription past the limit was taken"
+                await asyncio.sleep(0.05)
+            assert "maximum subscriptions" in str(raw.last_error).lower()
+
+            # Everyone else: G's jobs are accepted and run with G's own credential.
+            g_jobs = QueueJobService(gateway, G, admitted_by=admission.GATEWAY)
+
+            async def execute(record, publish):
+                publish({"n": 1})
+                return [{"usage": {"input": 1, "output": 1}}]
+
+            async def abort(record) -> None:
+                return None
+
+            worker = QueueWorker(QueueJobService(g_pod, G), name="pod-g", execute=execute,
+                                 abort=abort, free_slots=lambda: 2,
+                                 settings=WorkerSettings(poll_seconds=0.2))  # fmt: skip
+            await worker.start()
+            try:
+                job = await g_jobs.submit(
+                    parse_job_request(b'{"input": {"prompt": "p"}}'), sync=True, owner="g-key"
+                )
+                assert (await g_jobs.wait(job.id, 20, owner="g-key")).status is JobStatus.COMPLETED
+            finally:
+                await worker.stop(1)
+            # Usage records and quota writes are stored.
+            ack = await gateway.js.publish(names.usage_subject(G, "g-key"), b"{}",
+                                           headers={"Nats-Msg-Id": f"after-flood-{time.time()}"})  # fmt: skip
+            assert ack.seq
+            quota = names.kv_subject(names.QUOTAS_BUCKET, names.quota_key("g-key"))
+            assert (await gateway.js.publish(quota, b'{"w": 2}')).seq
+            # And a new endpoint's queue still has room on the servers.
+            await ensure_endpoint_queue(operator.js, H, layout)
+        finally:
+            for connection in (pod, g_pod, gateway, operator):
+                await connection.close()
+
+    asyncio.run(scenario())
+    assert "maximum subscriptions exceeded" in server.log_path.read_text().lower()
+
+
+def test_a_forged_completed_record_bills_nobody(chart_nats, caplog):
+    """With P's runtime credential, forge what billing reads. The gateway's real meter, keys,
+    limiter and metrics: a COMPLETED record naming the key `victim` (tokens-per-minute 200, on
+    another endpoint) bills `victim` nothing and spends none of its limit -- with no admission,
+    with an admission the pod wrote itself (billed to P's own name then, never a gateway key's),
+    or on a job the gateway admitted for another key; a gateway admission cannot be forged;
+    tokens over what was admitted, a record naming another endpoint, and a finished record
+    written again bill nothing more. A job P ran as admitted is billed to its key, once."""
+    from llmendpoints_common.jobs.admission import JobAdmission, endpoint_key_name
+    from llmendpoints_common.jobs.record import JobRecord, claim, finish
+    from llmendpoints_common.queue import admissions
+    from llmendpoints_common.queue.state import JobStates
+    from llmendpoints_gateway.keys import Key, KeyRing, digest
+    from llmendpoints_gateway.limiter import Limiter
+    from llmendpoints_gateway.metrics import GatewayMetrics
+    from llmendpoints_gateway.queue import SharedQueue
+    from llmendpoints_gateway.quotas import Limits
+    from llmendpoints_gateway.registry import Registry
+    from llmendpoints_gateway.usage import JobUsageMeter, Metering, read_usage
+
+    server = chart_nats[0]
+    url = server.url
+    P, V = EndpointRef("team-p", "forge"), EndpointRef("team-v", "victims")
+    gateway_creds = _gateway_creds_file(chart_nats)
+    victim = Key("victim", frozenset({V.id}), limits=Limits(tokens_per_minute=200))
+    alice = Key("alice", frozenset({P.id}), limits=Limits(tokens_per_minute=1_000_000))
+    huge = [{"usage": {"input": 5_000_000, "output": 5_000_000}}]
+
+    async def scenario() -> None:
+        operator = await _connect(url, _creds(chart_nats, "operator"), "operator")
+        admin = await _connect(url, _creds(chart_nats, "admin"), "admin")
+        for endpoint in (P, V):
+            await ensure_endpoint_queue(operator.js, endpoint, QueueLayout())
+        queue = SharedQueue(url, "g", gateway_creds)
+        await queue.start()
+        limiter = Limiter("g", queue)
+        await limiter.start()
+        keys = KeyRing()
+        keys.set_secret_keys({digest("v-secret"): victim, digest("a-secret"): alice})
+        metrics = GatewayMetrics(key_labels=True)
+        metering = Metering("g", metrics, limiter, keys, Registry(metrics, 10, 1.5))
+        meter = JobUsageMeter(queue, metering.job_usage, on_refused=metering.job_unbilled)
+        await meter.start()
+        gateway = await _connect(url, Path(gateway_creds).read_text(), "gateway")
+        p_jobs = QueueJobService(gateway, P, admitted_by=admission.GATEWAY)  # the gateway's /run
+        pod = await _connect(url, _creds(chart_nats, "runtime", P), "pod-p", REFUSED)
+        states = JobStates(pod.js, P)
+        since = time.time()
+        try:
+            now = time.time()
+
+            def ended(job_id: str, owner: str, output, endpoint: str = P.id) -> JobRecord:
+                return JobRecord(id=job_id, endpoint=endpoint, owner=owner, request={},
+                                 sync=False, submitted_at=now, retention_seconds=600,
+                                 ttl_seconds=600, status=JobStatus.COMPLETED, finished_at=now,
+                                 output=output)  # fmt: skip
+
+            # 1. No admission at all.
+            await states.write(ended("forged-1", "victim", huge), revision=0)
+            # 2. A gateway admission for it: refused by the server.
+            forged = JobAdmission(id="forged-2", endpoint=P.id, owner="victim", by="gateway",
+                                  prompt_tokens=10**8, completion_tokens=10**8,
+                                  admitted_at=now, expires_at=now + 600)  # fmt: skip
+            await _refused(admissions.write(pod.js, P, forged))
+            # 3. Its own admission naming `victim` (the pod's word): billed to P's own name.
+            await admissions.write(pod.js, P, forged.model_copy(update={"by": "endpoint"}))
+            await states.write(ended("forged-2", "victim", huge), revision=0)
+            # 4. A job the gateway admitted for alice, ended naming `victim` as its owner.
+            body = b'{"input": {"prompt": "hi", "sampling_params": {"max_tokens": 16}}}'
+            alices = [
+                await p_jobs.submit(parse_job_request(body), sync=False, owner="alice")
+                for _ in range(3)
+            ]
+
+            def run(output, **change):
+                def done(r: JobRecord) -> JobRecord:
+                    claimed = claim(r, now=now, worker="pod-p")
+                    end = finish(claimed, JobStatus.COMPLETED, now=now, output=output)
+                    return end.model_copy(update=change)
+
+                return done
+
+            await states.update(alices[0].id, run(huge, owner="victim"))
+            # 5. Alice's own job, with more tokens than she was admitted for.
+            await states.update(alices[1].id, run(huge))
+            # 6. A record stored under P naming endpoint V.
+            await states.write(ended("forged-6", "victim", huge, endpoint=V.id), revision=0)
+            # 7. Alice's job as admitted: billed to alice, once, however often it is rewritten.
+            fair = [{"usage": {"input": 3, "output": 16}}]
+            await states.update(alices[2].id, run(fair))
+            deadline = time.monotonic() + 60
+
+            def seen(counter) -> float:
+                return counter._value.get()
+
+            while not seen(metrics.key_tokens.labels("alice", P.id, "completion")):
+                assert time.monotonic() < deadline, "alice's job was not billed"
+                await asyncio.sleep(0.1)
+            for i in range(3):
+                later = time.time()
+                await states.update(
+                    alices[2].id, lambda r, i=i, later=later: r.model_copy(
+                        update={"finished_at": later, "stream_cursor": i + 1}
+                    ),
+                )  # fmt: skip
+            while True:  # every write of P's records was handled
+                info = await admin.js.consumer_info(names.records_stream(P), names.USAGE_CONSUMER)
+                if info.num_pending == 0 and info.num_ack_pending == 0:
+                    break
+                assert time.monotonic() < deadline, "the meter did not read P's records"
+                await asyncio.sleep(0.1)
+
+            records = await read_usage(url, since - 1, None, gateway_creds)
+            billed = sorted((r.key, r.prompt_tokens + r.completion_tokens) for r in records)
+            assert billed == [("alice", 19), (endpoint_key_name(P.id, "victim"), 10_000_000)]
+            # Nothing of it reached victim: no tokens counted, its tokens-per-minute untouched.
+            assert seen(metrics.key_tokens.labels("victim", P.id, "completion")) == 0
+            assert await limiter.admit(victim, tokens=190) is not None  # 190 of its 200
+            assert seen(metrics.key_tokens.labels("alice", P.id, "completion")) == 16  # once
+            assert seen(metrics.jobs_unbilled.labels(P.id)) == 4
+        finally:
+            await meter.stop()
+            for connection in (pod, gateway, admin, operator):
+                await connection.close()
+            await limiter.stop()
+            await queue.stop()
+
+    with caplog.at_level("WARNING", logger="llmendpoints.gateway.usage"):
+        asyncio.run(scenario())
+    reasons = "\n".join(r.getMessage() for r in caplog.records if "is not billed" in r.getMessage())
+    for why in ("no admission", "names owner 'victim', the admission 'alice'",
+                "5000000 prompt and 5000000 completion tokens reported",
+                "names job 'forged-6' of 'team-v/victims'"):  # fmt: skip
+        assert why in reasons, reasons
+    assert ".adm.gw.forged-2" in "\n".join(server.violations())

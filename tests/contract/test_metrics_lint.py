@@ -50,6 +50,7 @@ def _gateway_worker() -> GatewayMetrics:
     metrics.held_for("team-a/chat", 42.0, "released")
     metrics.held.labels("team-a/chat").set(1)
     metrics.hold_rejected.labels("team-a/chat", "timeout").inc()
+    metrics.jobs_unbilled.labels("team-a/chat").inc()
     metrics.set_in_flight("team-a/chat", "chat-7d9f-abcde", 3)
     metrics.ready_replicas.labels("team-a/chat").set(2)
     metrics.routing.labels("team-a/chat", "affinity").inc()

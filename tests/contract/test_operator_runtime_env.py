@@ -14,9 +14,11 @@ import pathlib
 from typing import Any
 
 import pytest
-from llmendpoints_operator import manifests
+from llmendpoints_operator import groups, manifests
+from llmendpoints_operator.admission import admit
 from llmendpoints_operator.config import OperatorSettings
-from llmendpoints_operator.spec import parse
+from llmendpoints_operator.managed_env import owner_of
+from llmendpoints_operator.spec import InvalidSpecError, parse
 from llmendpoints_runtime import config
 
 SECRETS = {
@@ -31,12 +33,18 @@ def _pod_environment(
     root: pathlib.Path,
     settings: OperatorSettings | None = None,
     secrets: dict[tuple[str, str], str] | None = None,
+    role: str | None = None,
 ) -> dict[str, str]:
-    """The environment of the runtime container, with its config files materialised under root."""
+    """The environment of the runtime container, with its config files materialised under root.
+    `role`: "leader" or "worker" of a multi-node endpoint's group (its LeaderWorkerSet's
+    template); None: the Deployment's pod."""
     SECRETS.update(secrets or {})
     ep = parse("demo", "team", spec)
-    deployment = manifests.build_deployment(ep, settings or OperatorSettings(), replicas=1)
-    pod = deployment["spec"]["template"]["spec"]
+    workload = groups.build_workload(ep, settings or OperatorSettings(), replicas=1)
+    if role is None:
+        pod = workload["spec"]["template"]["spec"]
+    else:
+        pod = workload["spec"]["leaderWorkerTemplate"][f"{role}Template"]["spec"]
     container = pod["containers"][0]
     configmaps = {
         obj["metadata"]["name"]: obj
@@ -168,21 +176,21 @@ def _minted(endpoint: str) -> str:
 def test_the_queue_identity_and_the_endpoints_own_credential_reach_the_runtime(
     tmp_path: pathlib.Path,
 ) -> None:
-    creds = {("demo-queue-creds", "queue.creds"): _minted("team/demo")}
+    creds = {("demo-queue-creds-v2", "queue.creds"): _minted("team/demo")}
     env = _pod_environment({"model": {"name": "org/model"}}, tmp_path, QUEUE_KEYS, creds)
     settings = config.load_config(env).settings
     assert (settings.endpoint_namespace, settings.endpoint_id) == ("team", "demo")
     assert settings.jobs_queue_url.get_secret_value() == QUEUE_KEYS.jobs_queue_url
     assert (
         pathlib.Path(settings.jobs_queue_creds_file).read_text()
-        == creds[("demo-queue-creds", "queue.creds")]
+        == creds[("demo-queue-creds-v2", "queue.creds")]
     )
 
 
 def test_a_planted_credential_of_another_endpoint_stops_the_pod(tmp_path: pathlib.Path) -> None:
-    """A Secret named <endpoint>-queue-creds that someone made before the operator could, with
+    """A Secret named <endpoint>-queue-creds-v2 that someone made before the operator could, with
     a credential minted for another endpoint (theirs): the pod refuses to start with it."""
-    planted = {("demo-queue-creds", "queue.creds"): _minted("other-team/demo")}
+    planted = {("demo-queue-creds-v2", "queue.creds"): _minted("other-team/demo")}
     env = _pod_environment({"model": {"name": "org/model"}}, tmp_path, QUEUE_KEYS, planted)
     with pytest.raises(config.ConfigError) as caught:
         config.load_config(env)
@@ -194,7 +202,7 @@ def test_a_password_url_reaches_the_pod_from_the_endpoints_secret(tmp_path: path
     url = "nats://llmep:secret@nats.infra:4222"
     queued = OperatorSettings(jobs_queue_url=url)
     env = _pod_environment(
-        {"model": {"name": "org/model"}}, tmp_path, queued, {("demo-queue-creds", "url"): url}
+        {"model": {"name": "org/model"}}, tmp_path, queued, {("demo-queue-creds-v2", "url"): url}
     )
     settings = config.load_config(env).settings
     assert settings.jobs_queue_url.get_secret_value() == url
@@ -267,3 +275,108 @@ async def test_the_operator_reads_the_adapter_gauges_the_runtime_exports(
             error='ValueError: LoRA rank 64 is greater than max_lora_rank 8 ("bad")',
         ),
     }
+
+
+# --- multi-node groups (docs/contracts.md, "Multi-node groups") -----------------------------------
+
+GROUP = {"model": {"name": "org/model"}, "resources": {"gpus": 8, "nodes": 2}}
+
+
+def _as_lws_starts_it(env: dict[str, str], index: int, size: int = 2) -> dict[str, str]:
+    """What LeaderWorkerSet v0.9.0's pod webhook adds to every container of a group's pod."""
+    return {
+        **env,
+        "LWS_LEADER_ADDRESS": "demo-group-0.demo-group.team",
+        "LWS_GROUP_SIZE": str(size),
+        "LWS_WORKER_INDEX": str(index),
+    }
+
+
+def test_a_groups_leader_and_workers_get_the_same_contract_env(tmp_path: pathlib.Path) -> None:
+    leader = _pod_environment(GROUP, tmp_path / "leader", role="leader")
+    worker = _pod_environment(GROUP, tmp_path / "worker", role="worker")
+    # The same variables, values aside from the materialised file paths.
+    assert set(leader) == set(worker)
+    assert {k: v for k, v in leader.items() if not v.startswith("/")} == {
+        k: v for k, v in worker.items() if not v.startswith("/")
+    }
+    # 2 x 8 GPUs, nothing set: tensor 8 inside a node, a pipeline stage per node.
+    assert (leader["TENSOR_PARALLEL_SIZE"], leader["PIPELINE_PARALLEL_SIZE"]) == ("8", "2")
+    assert "DATA_PARALLEL_SIZE" not in leader and "ENABLE_EXPERT_PARALLEL" not in leader
+    lws = groups.build_leader_worker_set(
+        parse("demo", "team", GROUP), OperatorSettings(), replicas=1
+    )
+    lwt = lws["spec"]["leaderWorkerTemplate"]
+    assert leader["LLMEP_NODES"] == str(lwt["size"]) == "2"
+    [container] = lwt["leaderTemplate"]["spec"]["containers"]
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    assert leader["LLMEP_MULTINODE_PORT"] == str(ports["multinode"]) == "29500"
+    # Who is who comes from LeaderWorkerSet; the API server count is the runtime's own.
+    assert not [name for name in leader if name.startswith("LWS_")]
+    assert "API_SERVER_COUNT" not in leader
+    for index, env in ((0, leader), (1, worker)):
+        args = config.load_config(_as_lws_starts_it(env, index)).engine_args
+        assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (8, 2)
+        assert args.data_parallel_size == 1
+
+
+def test_data_and_expert_parallel_across_nodes_reach_vllm(tmp_path: pathlib.Path) -> None:
+    spec = {**GROUP, "engine": {"dataParallelSize": 16, "enableExpertParallel": True}}
+    for index, role in enumerate(("leader", "worker")):
+        env = _pod_environment(spec, tmp_path / role, role=role)
+        assert (env["DATA_PARALLEL_SIZE"], env["ENABLE_EXPERT_PARALLEL"]) == ("16", "true")
+        assert "TENSOR_PARALLEL_SIZE" not in env and "PIPELINE_PARALLEL_SIZE" not in env
+        args = config.load_config(_as_lws_starts_it(env, index)).engine_args
+        assert (args.data_parallel_size, args.enable_expert_parallel) == (16, True)
+        assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (1, 1)
+
+
+def test_data_parallel_in_one_node_is_one_pod_without_group_variables(
+    tmp_path: pathlib.Path,
+) -> None:
+    spec = {
+        "model": {"name": "org/model"},
+        "resources": {"gpus": 8},
+        "engine": {"dataParallelSize": 4},
+    }
+    env = _pod_environment(spec, tmp_path)
+    assert (env["DATA_PARALLEL_SIZE"], env["TENSOR_PARALLEL_SIZE"]) == ("4", "2")
+    assert "LLMEP_NODES" not in env and "LLMEP_MULTINODE_PORT" not in env
+    args = config.load_config(env).engine_args
+    assert (args.data_parallel_size, args.tensor_parallel_size) == (4, 2)
+
+
+@pytest.mark.parametrize(
+    "variable",
+    [
+        "TENSOR_PARALLEL_SIZE",
+        "PIPELINE_PARALLEL_SIZE",
+        "DATA_PARALLEL_SIZE",
+        "ENABLE_EXPERT_PARALLEL",
+        "LLMEP_NODES",
+        "LLMEP_MULTINODE_PORT",
+        "LWS_GROUP_SIZE",
+        "LWS_WORKER_INDEX",
+        "LWS_LEADER_ADDRESS",
+    ],
+)
+def test_the_group_variables_are_managed(variable: str) -> None:
+    assert owner_of(variable) is not None
+    spec = {**GROUP, "engine": {"env": [{"name": variable, "value": "1"}]}}
+    with pytest.raises(InvalidSpecError, match=variable):
+        admit("demo", "team", spec, OperatorSettings())
+
+
+def test_the_api_server_count_is_the_runtimes_own_setting() -> None:
+    assert owner_of("API_SERVER_COUNT") is None
+    spec = {**GROUP, "engine": {"env": [{"name": "API_SERVER_COUNT", "value": "4"}]}}
+    env = _pod_environment_of(spec)
+    assert env["API_SERVER_COUNT"] == "4"  # written only because the spec asks
+
+
+def _pod_environment_of(spec: dict[str, Any]) -> dict[str, Any]:
+    ep = admit("demo", "team", spec, OperatorSettings())
+    template = groups.build_workload(ep, OperatorSettings(), replicas=1)["spec"][
+        "leaderWorkerTemplate"
+    ]["workerTemplate"]
+    return {v["name"]: v.get("value") for v in template["spec"]["containers"][0]["env"]}

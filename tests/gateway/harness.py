@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -20,6 +20,7 @@ import httpx
 import runtime_process
 import yaml
 from ports import free_port
+from proc_kit import wait_until
 from runtime_process import RuntimeServer, ServedProcess, clean_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,6 +107,38 @@ def launch_standin(
         *(["--name-control-port", str(named_control_port)] if named_control_port else []),
     ]
     return _spawn(argv, clean_env(), port, log_dir / f"standin-{name}-{port}.log")
+
+
+@contextlib.contextmanager
+def key_counting_gateways(
+    log_dir: Path,
+    endpoints_file: Path,
+    queue_url: str,
+    ready: Callable[[Process], bool],
+    what: str,
+    timeout: float,
+) -> Iterator[list[Process]]:
+    """Two gateway processes (g1, g2) on one endpoints file and one queue, their metrics
+    labelled by key (the quota and metering tests count per key), each up and ``ready``."""
+    procs = [
+        launch_gateway(
+            log_dir,
+            GATEWAY_ENDPOINTS_FILE=str(endpoints_file),
+            JOBS_QUEUE_URL=queue_url,
+            GATEWAY_ID=f"g{i}",
+            GATEWAY_METRICS_KEY_LABELS="1",
+        )
+        for i in (1, 2)
+    ]
+    try:
+        for proc in procs:
+            proc.wait_http("/health")
+        for proc in procs:
+            wait_until(lambda proc=proc: ready(proc), timeout, what, interval=0.05)
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
 
 
 @contextlib.contextmanager

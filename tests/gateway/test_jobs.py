@@ -202,7 +202,6 @@ async def test_a_job_for_an_endpoint_with_no_ready_replica_nudges_the_autoscaler
     nc = await nats.connect(queue_url)
     nudged: list[EndpointRef] = []
     await subscribe_nudges(nc, nudged.append)
-    await nc.flush()
     # Nudges are at most one a second per endpoint, and earlier tests sent some.
     await asyncio.sleep(1.1)
     async with httpx.AsyncClient(base_url=gateway.url + "/v2/work", headers=_auth(BOB)) as bob:

@@ -13,7 +13,6 @@ from llmendpoints_gateway.prefix_index import (
     PrefixIndex,
     block_hashes,
     render_prompt,
-    request_blocks,
 )
 
 CHUNK = 16
@@ -94,11 +93,6 @@ def test_only_whole_chunks_count_and_a_request_hashes_a_bounded_prefix() -> None
     assert len(block_hashes("m", "x" * (CHUNK * 2 + 5), CHUNK)) == 2
     huge = "x" * (MAX_BLOCKS_PER_REQUEST + 10) * CHUNK
     assert len(block_hashes("m", huge, CHUNK)) == MAX_BLOCKS_PER_REQUEST
-    body = chat(("system", "s" * 100))
-    assert request_blocks("m", "/v1/chat/completions", body, CHUNK) == block_hashes(
-        "m", render_prompt("/v1/chat/completions", body), CHUNK
-    )
-    assert request_blocks("m", "/v1/embeddings", {"input": "x"}) == []
 
 
 # --- the index --------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from integration.nats_kit import nats_server
 
-from .harness import Process, launch_gateway, launch_standin
+from .harness import Process, key_counting_gateways, launch_standin
 
 CHAT = "/v1/chat/completions"
 RATE_HEADERS = (
@@ -110,25 +110,10 @@ def _write(path: Path, standins, key_names) -> None:
 
 @pytest.fixture(scope="module")
 def gateways(logs, endpoints_file, queue_url):
-    procs = [
-        launch_gateway(
-            logs,
-            GATEWAY_ENDPOINTS_FILE=str(endpoints_file),
-            JOBS_QUEUE_URL=queue_url,
-            GATEWAY_ID=f"g{i}",
-            GATEWAY_METRICS_KEY_LABELS="1",  # these tests count per key
-        )
-        for i in (1, 2)
-    ]
-    try:
-        for proc in procs:
-            proc.wait_http("/health")
-        for proc in procs:
-            _until(lambda proc=proc: _ready(proc), "every endpoint ready on both gateways")
+    with key_counting_gateways(
+        logs, endpoints_file, queue_url, _ready, "every endpoint ready on both gateways", 30
+    ) as procs:
         yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
 
 
 def _ready(gw: Process) -> bool:
@@ -309,6 +294,7 @@ def test_a_tokens_per_minute_key_far_from_its_limit_is_admitted_and_settled_loca
 
     import nats
     from llmendpoints_common.queue import names
+    from llmendpoints_common.queue.connect import settle
 
     limit = 1_000_000
     subject = names.kv_subject(names.QUOTAS_BUCKET, names.quota_key("tpm-local"))
@@ -323,7 +309,7 @@ def test_a_tokens_per_minute_key_far_from_its_limit_is_admitted_and_settled_loca
             writes += 1
 
         await nc.subscribe(subject, cb=seen)  # every write to the key's value, by anyone
-        await nc.flush()
+        await settle(nc)  # on the server before the first request (flush() is not enough)
         statuses = []
         try:
             async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
@@ -686,13 +672,12 @@ def _consumer_drained(queue_url: str) -> bool:
 
     import nats
     from llmendpoints_common.queue import names
-    from llmendpoints_gateway.usage import JOB_USAGE_CONSUMER
 
     async def read() -> bool:
         nc = await nats.connect(queue_url)
         try:
             info = await nc.jetstream().consumer_info(
-                names.kv_stream(names.JOB_STATE_BUCKET), JOB_USAGE_CONSUMER
+                names.records_stream("default/demo"), names.USAGE_CONSUMER
             )
             return info.num_pending == 0 and info.num_ack_pending == 0
         finally:

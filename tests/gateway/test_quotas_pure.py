@@ -110,6 +110,8 @@ apiKeys:
             "share its limits",
         ),
         ({"name": "a"}, "must be a list"),
+        # The name jobs accepted at an endpoint's own pods are billed to (jobs/admission.py).
+        ([{"name": "endpoint:team-a/chat:k", "key": "k"}], r"apiKeys\[0\]\.name.*endpoint:"),
     ],
 )
 def test_api_keys_errors_name_the_entry_and_never_the_key(entries, message):

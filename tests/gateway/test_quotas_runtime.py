@@ -24,7 +24,7 @@ from held_stream import HeldStream
 from integration.nats_kit import nats_server
 from runtime_process import RuntimeServer
 
-from .harness import launch_gateway, launch_runtime
+from .harness import key_counting_gateways, launch_runtime
 
 pytestmark = pytest.mark.engine
 
@@ -91,35 +91,14 @@ def endpoints_file(logs, runtime) -> Path:
 
 @pytest.fixture(scope="module")
 def gateways(logs, endpoints_file, queue_url):
-    procs = [
-        launch_gateway(
-            logs,
-            GATEWAY_ENDPOINTS_FILE=str(endpoints_file),
-            JOBS_QUEUE_URL=queue_url,
-            GATEWAY_ID=f"g{i}",
-            GATEWAY_METRICS_KEY_LABELS="1",  # these tests count per key
-        )
-        for i in (1, 2)
-    ]
-    try:
-        for proc in procs:
-            proc.wait_http("/health")
-            _until(
-                lambda proc=proc: (
-                    [
-                        m["ready_replicas"]
-                        for m in httpx.get(proc.url + "/v1/models", headers=_auth("meter")).json()[
-                            "data"
-                        ]
-                    ]
-                    == [1]
-                ),
-                "the runtime ready behind both gateways",
-            )
+    def ready(gw) -> bool:
+        models = httpx.get(gw.url + "/v1/models", headers=_auth("meter")).json()["data"]
+        return [m["ready_replicas"] for m in models] == [1]
+
+    with key_counting_gateways(
+        logs, endpoints_file, queue_url, ready, "the runtime ready behind both gateways", 60
+    ) as procs:
         yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
 
 
 def _auth(name: str) -> dict[str, str]:

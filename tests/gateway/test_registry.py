@@ -8,8 +8,9 @@ import pytest
 from llmendpoints_common.errors import ServiceUnavailableError
 from llmendpoints_gateway import registry as registry_module
 from llmendpoints_gateway.metrics import GatewayMetrics
-from llmendpoints_gateway.registry import Registry
-from llmendpoints_gateway.routing import Strategy
+from llmendpoints_gateway.prefix_index import block_hashes, render_prompt
+from llmendpoints_gateway.registry import Registry, RouteKey
+from llmendpoints_gateway.routing import Strategy, hash64, home_key
 
 
 def _two_replicas(monkeypatch: pytest.MonkeyPatch):
@@ -181,10 +182,20 @@ def test_a_discovered_endpoint_is_held_for_at_least_its_own_start_up():
 
 
 def _route(reg: Registry, ep, text: str):
-    from llmendpoints_gateway.registry import RouteKey
-
     body = {"model": "m", "messages": [{"role": "system", "content": text}]}
     return RouteKey.of("/v1/chat/completions", body, ep.index.chunk_chars)
+
+
+def test_a_route_key_is_the_rendered_prompts_whole_blocks_and_its_home():
+    chat = "/v1/chat/completions"
+    body = {"model": "m", "messages": [{"role": "system", "content": "s" * 100}]}
+    route = RouteKey.of(chat, body, 16)
+    text = render_prompt(chat, body)
+    assert route.blocks == tuple(block_hashes("m", text, 16)) and len(route.blocks) > 1
+    assert route.chars == len(text)
+    assert route.ring == hash64(home_key(chat, body))
+    no_prompt = RouteKey.of("/v1/embeddings", {"model": "m", "input": "x"}, 16)
+    assert (no_prompt.blocks, no_prompt.ring) == ((), None)
 
 
 async def test_the_index_keeps_only_discovered_replicas_and_a_suspended_one_keeps_its_blocks(

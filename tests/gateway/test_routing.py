@@ -1,4 +1,5 @@
-"""Pure routing logic: consistent hashing with bounded loads, the prefix key, the strategies."""
+"""Pure routing pieces: the consistent-hash ring, the load bound, the prefix key, the strategies
+that look at no prompt (prefix-aware scoring: test_scoring.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from llmendpoints_gateway.routing import (
     Outcome,
     Router,
     Strategy,
-    choose_bounded,
     hash64,
     load_bound,
     prefix_key,
@@ -53,30 +53,6 @@ def test_load_bound():
     assert load_bound(9, 2, 1.25) == math.ceil(1.25 * 10 / 2)
 
 
-def test_a_hot_prefix_spills_to_the_next_replica_on_the_ring_once_over_its_bound():
-    ring = HashRing(["a", "b", "c"])
-    key = KEYS[0]
-    first, second, _ = ring.walk(key)
-    loads: dict[str, int] = {}
-    picks = []
-    for _ in range(12):
-        replica, outcome = choose_bounded(ring, key, loads, 1.25)
-        picks.append((replica, outcome))
-        loads[replica] = loads.get(replica, 0) + 1
-    assert picks[0] == (first, Outcome.AFFINITY)
-    assert {r for r, o in picks if o is Outcome.SPILLED} >= {second}
-    # No replica ever exceeds the bound for the load it saw.
-    assert max(loads.values()) <= load_bound(11, 3, 1.25)
-    assert loads[first] >= loads[second] >= loads.get(ring.walk(key)[2], 0)
-
-
-def test_exclusion_skips_a_failed_replica():
-    ring = HashRing(["a", "b"])
-    first = ring.owner(KEYS[1])
-    replica, _ = choose_bounded(ring, KEYS[1], {}, exclude=frozenset([first]))
-    assert replica != first
-
-
 def test_prefix_key_follows_the_shared_prefix_not_the_json():
     system = {"role": "system", "content": "You are a pirate."}
     first = {"role": "user", "content": "hi"}
@@ -110,9 +86,10 @@ def test_strategies():
     loads = {"a": 3, "b": 1, "c": 2}
     router = Router(Strategy.LEAST_LOADED)
     router.set_replicas(["a", "b", "c"])
-    assert router.choose(b"k", loads) == ("b", Outcome.LEAST_LOADED)
+    assert router.choose(loads) == ("b", Outcome.LEAST_LOADED)
+    assert router.choose(loads, exclude=frozenset({"b"})) == ("c", Outcome.LEAST_LOADED)
     router.strategy = Strategy.ROUND_ROBIN
-    assert [router.choose(b"k", loads)[0] for _ in range(6)] == ["b", "c", "a", "b", "c", "a"]
+    assert [router.choose(loads)[0] for _ in range(6)] == ["b", "c", "a", "b", "c", "a"]
     router.strategy = Strategy.PREFIX_AWARE
-    assert router.choose(None, loads) == ("b", Outcome.LEAST_LOADED)  # nothing to be sticky about
-    assert Router().choose(b"k", {}) is None  # no replicas yet
+    assert router.choose(loads) == ("b", Outcome.LEAST_LOADED)  # scored by the registry
+    assert Router().choose({}) is None  # no replicas yet

@@ -1,15 +1,20 @@
-"""Pure: the scorer with the prefix index -- conversations stay where their history is, shared
-system prompts go where they are cached, bounded load holds, engine load and adapters count."""
+"""The scorer with the prefix index, through the registry's own request path -- conversations
+stay where their history is, shared system prompts go where they are cached, bounded load holds,
+engine load and adapters count -- and the pure scorer's terms one by one."""
 
 from __future__ import annotations
 
 import itertools
 import math
 import random
+import time
 
 import pytest
-from llmendpoints_gateway.prefix_index import PrefixIndex, request_blocks
-from llmendpoints_gateway.routing import prefix_key
+from llmendpoints_gateway.engine_load import EngineLoad
+from llmendpoints_gateway.metrics import GatewayMetrics
+from llmendpoints_gateway.prefix_index import PrefixIndex
+from llmendpoints_gateway.registry import Registry, RouteKey
+from llmendpoints_gateway.routing import Outcome, Strategy, prefix_key
 from llmendpoints_gateway.scoring import Candidate, EngineState, Reason, Weights, choose
 
 CHUNK = 64
@@ -25,30 +30,34 @@ def text(n: int, seed: int) -> str:
 SYSTEM = [text(150, 100 + i) for i in range(4)]  # long shared instructions (~1,000 chars)
 
 
+def route_key(body: dict) -> RouteKey:
+    return RouteKey.of(PATH, body, CHUNK)
+
+
+def engine(running: float, waiting: float, kv_usage: float) -> EngineLoad:
+    """A fresh sample of a replica's engine, as the engine-load feed holds it."""
+    return EngineLoad(running, waiting, kv_usage, taken_at=time.monotonic())
+
+
 class Gateway:
-    """The request path as the lead wires it: blocks -> longest match -> choose -> record."""
+    """One prefix-aware endpoint in the gateway's own registry: a request takes the request
+    path's way (its route key; the registry's choice: longest match, scoring, the index
+    recording it). Blocks of CHUNK characters keep the prompts here short; ``engines`` stands
+    for the engine-load feed (replica -> its latest sample)."""
 
-    def __init__(self, replicas: list[str], engines: dict[str, EngineState] | None = None):
-        self.index = PrefixIndex(chunk_chars=CHUNK)
-        self.replicas = replicas
-        self.in_flight = dict.fromkeys(replicas, 0)
-        self.engines = engines or {}
-        self.typical = 1.0
+    def __init__(self, replicas: list[str], *, load_factor: float = 1.25):
+        self.registry = Registry(GatewayMetrics(), hold_queue_length=10, load_factor=load_factor)
+        self.ep = self.registry.upsert("e", ["m"], Strategy.PREFIX_AWARE)
+        self.ep.index = PrefixIndex(chunk_chars=CHUNK)
+        self.registry.set_ready(self.ep.id, replicas)
+        self.engines: dict[str, EngineLoad] = {}
+        self.registry.feed = self.engines  # what EngineLoadFeed.get answers
 
-    def route(self, body: dict, *, hold: bool = False, adapter: str | None = None):
-        blocks = request_blocks(body["model"], PATH, body, CHUNK)
-        candidates = [Candidate(r, self.in_flight[r], self.engines.get(r)) for r in self.replicas]
-        choice = choose(
-            candidates,
-            len(blocks),
-            self.index.longest_match(blocks),
-            typical_blocks=self.typical,
-            adapter=adapter,
-        )
-        self.index.record(choice.replica, blocks)
-        if hold:
-            self.in_flight[choice.replica] += 1
-        return choice
+    def route(self, body: dict, *, hold: bool = False) -> tuple[str, Outcome]:
+        replica, outcome = self.registry.choose(self.ep, route_key(body))
+        if hold:  # still in flight: counts in the replica's load
+            self.registry.acquire(self.ep, replica)
+        return replica, outcome
 
 
 def conversation(system: str, question: str, turns: int) -> list[dict]:
@@ -69,13 +78,12 @@ def test_a_conversation_stays_where_its_history_is() -> None:
     for i in range(6):
         gw.route(conversation(SYSTEM[i % 4], f"other {i}", 1)[0])
     turns = conversation(text(80, 7), "My order never arrived.", 5)
-    home = gw.route(turns[0]).replica
+    home, _ = gw.route(turns[0])
     for before, body in itertools.pairwise(turns):
-        choice = gw.route(body)
-        assert (choice.replica, choice.reason) == (home, Reason.AFFINITY)
-        score = next(s for s in choice.scores if s.replica == home)
-        # Only what the new turn added is prefilled: the whole previous prompt is matched.
-        assert score.matched == len(request_blocks("m", PATH, before, CHUNK))
+        # Only what the new turn added is to prefill there: the whole previous prompt matches.
+        matched = gw.ep.index.longest_match(route_key(body).blocks).get(home)
+        assert matched == len(route_key(before).blocks)
+        assert gw.route(body) == (home, Outcome.AFFINITY)
 
 
 def opening(system: str, question: str) -> dict:
@@ -90,14 +98,10 @@ def opening(system: str, question: str) -> dict:
 
 def test_a_shared_system_prompt_goes_where_it_is_cached() -> None:
     gw = Gateway(["a", "b", "c", "d"])
-    first = gw.route(opening(SYSTEM[0], "Question one?"))
-    places = set()
+    first, _ = gw.route(opening(SYSTEM[0], "Question one?"))
     users = [opening(SYSTEM[0], f"User {i} asks: " + text(8, i)) for i in range(12)]
-    for body in users:  # many users, one instruction, each their own first question
-        choice = gw.route(body)
-        places.add(choice.replica)
-        assert choice.reason is Reason.AFFINITY
-    assert places == {first.replica}
+    # Many users, one instruction, each their own first question: all where it is cached.
+    assert {gw.route(body) for body in users} == {(first, Outcome.AFFINITY)}
     # Today's prefix key (system messages + first user turn) gives those requests 12 keys.
     assert len({prefix_key(PATH, body) for body in users}) == 12
 
@@ -107,44 +111,34 @@ def test_a_shared_system_prompt_goes_where_it_is_cached() -> None:
 def test_bounded_load_holds_under_a_burst_of_one_prefix(replicas: int, load_factor: float) -> None:
     """Every request of a burst shares one hot prefix and stays in flight: no replica ever
     carries more than ceil(c x mean) of them, and the hot prefix spills rather than piles up."""
-    names = [f"r{i}" for i in range(replicas)]
-    gw = Gateway(names)
-    reasons = []
+    gw = Gateway([f"r{i}" for i in range(replicas)], load_factor=load_factor)
+    outcomes = []
     for i in range(40):
-        body = opening(SYSTEM[1], f"q{i}")
-        blocks = request_blocks("m", PATH, body, CHUNK)
-        candidates = [Candidate(r, gw.in_flight[r]) for r in names]
-        choice = choose(
-            candidates, len(blocks), gw.index.longest_match(blocks), load_factor=load_factor
+        _, outcome = gw.route(opening(SYSTEM[1], f"q{i}"), hold=True)
+        outcomes.append(outcome)
+        in_flight = gw.ep.loads
+        assert max(in_flight.values()) <= math.ceil(
+            load_factor * sum(in_flight.values()) / replicas
         )
-        gw.index.record(choice.replica, blocks)
-        gw.in_flight[choice.replica] += 1
-        reasons.append(choice.reason)
-        total = sum(gw.in_flight.values())
-        assert max(gw.in_flight.values()) <= math.ceil(load_factor * total / replicas)
-    assert Reason.SPILL in reasons and Reason.AFFINITY in reasons
-    assert sum(1 for n in gw.in_flight.values() if n) >= 2  # the hot prefix spread
+    assert Outcome.SPILLED in outcomes and Outcome.AFFINITY in outcomes
+    assert sum(1 for n in gw.ep.loads.values() if n) >= 2  # the hot prefix spread
 
 
 def test_a_busy_engine_loses_a_short_cached_prefix_but_keeps_a_long_one() -> None:
-    engines = {"a": IDLE, "b": IDLE}
-    gw = Gateway(["a", "b"], engines)
-    gw.typical = 4.0
+    gw = Gateway(["a", "b"])
+    gw.ep.typical = 4.0  # a typical request's uncached blocks, as the registry has learned it
     long_body = conversation(text(400, 1), "q", 1)[0]  # ~2,400 characters: ~37 blocks
     short_body = conversation(text(30, 2), "q", 1)[0]  # a few blocks
-    gw.index.record("a", request_blocks("m", PATH, long_body, CHUNK))
-    gw.index.record("a", request_blocks("m", PATH, short_body, CHUNK))
+    gw.ep.index.record("a", route_key(long_body).blocks)
+    gw.ep.index.record("a", route_key(short_body).blocks)
     # "a" holds both prompts, but its engine has 3 requests waiting.
-    engines["a"] = EngineState(running=8, waiting=3, kv_usage=0.5)
-    short = gw.route(short_body)
-    assert (short.replica, short.reason) == ("b", Reason.LOAD)  # 12 blocks of queue > the prefix
-    long = gw.route(long_body)
-    assert (long.replica, long.reason) == ("a", Reason.AFFINITY)  # ~37 cached blocks > the queue
+    gw.engines.update(a=engine(running=8, waiting=3, kv_usage=0.5), b=engine(0, 0, 0.1))
+    assert gw.route(short_body) == ("b", Outcome.LOAD)  # 12 blocks of queue > the prefix
+    assert gw.route(long_body) == ("a", Outcome.AFFINITY)  # ~37 cached blocks > the queue
 
 
 def test_the_replica_that_starts_soonest_wins_among_equals() -> None:
-    body = conversation(text(40, 3), "q", 1)[0]
-    blocks = request_blocks("m", PATH, body, CHUNK)
+    blocks = route_key(conversation(text(40, 3), "q", 1)[0]).blocks
     for engines, expected in [
         ({"a": EngineState(4, 2, 0.3), "b": EngineState(4, 0, 0.3)}, "b"),  # shorter queue
         ({"a": EngineState(2, 0, 0.3), "b": EngineState(30, 0, 0.3)}, "a"),  # fewer running

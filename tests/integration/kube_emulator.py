@@ -41,6 +41,7 @@ import attrs
 import jsonpatch
 import kmock
 import yaml
+from aiohttp import web
 from kmock._internal import dicts as kmock_dicts
 from kmock._internal import dsl, rendering
 
@@ -362,6 +363,55 @@ def _collection_path(resource: str, namespace: str | None) -> str:
     res = kmock.resource(resource)
     base = f"/api/{res.version}" if res.group == "" else f"/apis/{res.group}/{res.version}"
     return f"{base}/namespaces/{namespace}/{res.plural}" if namespace else f"{base}/{res.plural}"
+
+
+def endpoint_slice(
+    service: str,
+    namespace: str,
+    port: int,
+    pods: dict[str, str],
+    *,
+    name: str | None = None,
+    port_name: str = "http",
+) -> dict[str, Any]:
+    """An EndpointSlice as the EndpointSlice controller writes one for a Service: its ready
+    `pods` (pod name -> address) on one port."""
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": name or f"{service}-x7k2p",
+            "namespace": namespace,
+            "labels": {
+                "kubernetes.io/service-name": service,
+                "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
+            },
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": port_name, "port": port, "protocol": "TCP"}],
+        "endpoints": [
+            {
+                "addresses": [address],
+                "conditions": {"ready": True},
+                "targetRef": {"kind": "Pod", "name": pod},
+            }
+            for pod, address in pods.items()
+        ],
+    }
+
+
+async def serve_metrics(address: str, port: int, text: Callable[[], str]) -> web.AppRunner:
+    """A stand-in runtime pod: `text()` as its /metrics on address:port (clean up the runner)."""
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=text(), content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, address, port).start()
+    return runner
 
 
 def endpoint(name: str, namespace: str, spec: dict[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,10 @@ text -- the plain one below, the JWT trust of tests/queue/nats_auth_kit.py, or t
 (tests/chart/nats_chart_kit.py). Every NATS test, whatever it configures, starts it here.
 
 `nats-server -js -sd DIR -p PORT` starts in well under a second; a server can be stopped and
-started again on the same store, to check what survives a restart.
+started again on the same store, to check what survives a restart. With
+``LLMEP_TEST_NATS_TRACE=1`` in the environment every server logs with ``-DV`` (each protocol
+line of each connection, in the order the server reads them) to its log file under the test's
+tmp folder: how the lost nudge of issue 29 was found.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ class NatsServer:
             argv += ["-js", "-sd", str(self.store_dir / "js")]
         if self.monitor_port is not None:
             argv += ["-m", str(self.monitor_port)]
+        if os.environ.get("LLMEP_TEST_NATS_TRACE"):
+            argv.append("-DV")  # debug and protocol trace into the log: a failing run's evidence
         with self.log_path.open("ab") as handle:
             self.process = subprocess.Popen(
                 argv, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **self.env}
@@ -118,3 +123,27 @@ def nats_server(max_payload: int | None = None) -> Iterator[str]:
         running_nats(Path(store), config) as server,
     ):
         yield server.url
+
+
+def record_wire(nc) -> list[bytes]:
+    """From now on, every protocol line nats-py client ``nc`` writes to its socket, in the
+    order it writes them (``b"SUB subject  1"``, ``b"PING"``...; payloads included)."""
+    written: list[bytes] = []
+    transport = nc._transport
+    write, writelines = transport.write, transport.writelines
+
+    def note(data: bytes) -> None:
+        written.extend(line for line in bytes(data).split(b"\r\n") if line)
+
+    def recorded_write(data: bytes) -> None:
+        note(data)
+        write(data)
+
+    def recorded_writelines(lines) -> None:
+        lines = list(lines)
+        for data in lines:
+            note(data)
+        writelines(lines)
+
+    transport.write, transport.writelines = recorded_write, recorded_writelines
+    return written

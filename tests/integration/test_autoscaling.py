@@ -21,7 +21,16 @@ import pytest_asyncio
 from aiohttp import web
 from ports import free_port
 
-from .kube_emulator import CHILD_RESOURCES, LLMEP, Cluster, Operator, endpoint, until
+from .kube_emulator import (
+    CHILD_RESOURCES,
+    LLMEP,
+    Cluster,
+    Operator,
+    endpoint,
+    endpoint_slice,
+    serve_metrics,
+    until,
+)
 
 pytestmark = [pytest.mark.kube, pytest.mark.asyncio(loop_scope="module")]
 
@@ -64,49 +73,21 @@ class StandInPods:
     async def _start_pod(self) -> None:
         index = len(self._runners)
 
-        async def metrics(request: web.Request) -> web.Response:
+        def metrics() -> str:
             self.scrapes += 1
             queued, running = self._share(index)
-            return web.Response(
-                text=(
-                    "# TYPE llmendpoints_queue_depth gauge\n"
-                    f"llmendpoints_queue_depth {queued}\n"
-                    "# TYPE llmendpoints_requests_in_flight gauge\n"
-                    f"llmendpoints_requests_in_flight {running}\n"
-                ),
-                content_type="text/plain",
+            return (
+                "# TYPE llmendpoints_queue_depth gauge\n"
+                f"llmendpoints_queue_depth {queued}\n"
+                "# TYPE llmendpoints_requests_in_flight gauge\n"
+                f"llmendpoints_requests_in_flight {running}\n"
             )
 
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, f"127.0.0.{index + 1}", self.port).start()
-        self._runners.append(runner)
+        self._runners.append(await serve_metrics(f"127.0.0.{index + 1}", self.port, metrics))
 
     async def _publish(self) -> None:
-        body = {
-            "apiVersion": "discovery.k8s.io/v1",
-            "kind": "EndpointSlice",
-            "metadata": {
-                "name": f"{NAME}-x7k2p",
-                "namespace": NS,
-                "labels": {
-                    "kubernetes.io/service-name": NAME,
-                    "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
-                },
-            },
-            "addressType": "IPv4",
-            "ports": [{"name": "http", "port": self.port, "protocol": "TCP"}],
-            "endpoints": [
-                {
-                    "addresses": [f"127.0.0.{i + 1}"],
-                    "conditions": {"ready": True},
-                    "targetRef": {"kind": "Pod", "name": f"{NAME}-pod-{i}"},
-                }
-                for i in range(len(self._runners))
-            ],
-        }
+        pods = {f"{NAME}-pod-{i}": f"127.0.0.{i + 1}" for i in range(len(self._runners))}
+        body = endpoint_slice(NAME, NS, self.port, pods)
         if self.cluster.get(SLICES, NS, body["metadata"]["name"]) is None:
             await self.cluster.create(SLICES, NS, body)
         else:

@@ -98,10 +98,15 @@ async def test_without_the_crd_the_status_says_so_and_the_endpoint_is_served(
     assert cluster.get(CHILD_RESOURCES["Deployment"], NS, "chat") is not None
     assert _status(cluster, "chat")["observedGeneration"] == 1
     assert operator.alive
-    warning = [
-        e for e in cluster.events(NS, "chat") if e["reason"] == "InferencePoolCRDNotInstalled"
-    ]
-    assert warning and warning[0]["type"] == "Warning"
+    # Events are posted by a background task, after the status.
+    warning = await until(
+        operator,
+        lambda: [
+            e for e in cluster.events(NS, "chat") if e["reason"] == "InferencePoolCRDNotInstalled"
+        ],
+        "the Warning Event",
+    )
+    assert warning[0]["type"] == "Warning"
 
 
 async def test_installing_the_crd_creates_the_pool_owned_by_its_endpoint(

@@ -290,6 +290,8 @@ async def test_adapters_reach_pods_through_a_configmap_without_a_rollout(
         LLMEP, NS, endpoint("lora", NS, {"model": {"name": "org/m"}, "adapters": one})
     )
     await until(operator, lambda: cluster.get(configmaps, NS, "lora-adapters"), "adapters list")
+    # The children are written concurrently (the fit check among them): the list can land first.
+    await until(operator, lambda: cluster.get(DEPLOYMENTS, NS, "lora"), "deployment")
     assert '"name": "sql"' in cluster.get(configmaps, NS, "lora-adapters")["data"]["adapters.json"]
     template = cluster.get(DEPLOYMENTS, NS, "lora")["spec"]["template"]
     env = _env(cluster.get(DEPLOYMENTS, NS, "lora"))

@@ -1,7 +1,7 @@
 """The real operator mints each endpoint's queue credential (an in-memory Kubernetes API, a real
 nats-server in decentralised-JWT mode configured from the installation's keys).
 
-- Each LLMEndpoint gets a Secret <name>-queue-creds (labelled, owned by the endpoint) holding a
+- Each LLMEndpoint gets a Secret <name>-queue-creds-v2 (labelled, owned by the endpoint) holding a
   creds file minted for that endpoint alone; its pods mount it (JOBS_QUEUE_CREDS_FILE) and the
   URL they get holds no password.
 - The operator created the endpoint's worker consumers with its own credential.
@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import time
 
 import nats.errors
+import nats.js.errors
 import pytest
 import pytest_asyncio
 from llmendpoints_common.identity import EndpointRef
@@ -60,7 +62,7 @@ async def running(queue, cluster: Cluster, operator: Operator):
 
 
 def _creds(cluster: Cluster, ns: str, name: str) -> str | None:
-    secret = cluster.get(SECRETS, ns, f"{name}-queue-creds")
+    secret = cluster.get(SECRETS, ns, f"{name}-queue-creds-v2")
     if secret is None:
         return None
     return base64.b64decode(secret["data"]["queue.creds"]).decode()
@@ -75,7 +77,7 @@ async def test_each_endpoint_gets_its_own_credential(running) -> None:
                 "both queue credential Secrets")  # fmt: skip
     a, b = EndpointRef("team-a", "chat"), EndpointRef("team-b", "chat")
     for ref in (a, b):
-        secret = cluster.get(SECRETS, ref.namespace, "chat-queue-creds")
+        secret = cluster.get(SECRETS, ref.namespace, "chat-queue-creds-v2")
         assert secret["metadata"]["labels"]["app.kubernetes.io/managed-by"] == (
             "llmendpoints-operator"
         )
@@ -89,7 +91,11 @@ async def test_each_endpoint_gets_its_own_credential(running) -> None:
         assert claims["name"] == f"runtime:{ref.id}"
         assert natsjwt.Permissions.from_claims(claims) == roles.runtime(ref)
 
-    deployment = cluster.get(DEPLOYMENTS, "team-a", "chat")
+    # The Secrets are written before the Deployment (whose pods mount them), and the fit check
+    # runs in between.
+    deployment = await until(
+        operator, lambda: cluster.get(DEPLOYMENTS, "team-a", "chat"), "the Deployment"
+    )
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     env = {v["name"]: v.get("value") for v in container["env"]}
     assert env["JOBS_QUEUE_URL"] == url  # no password in it
@@ -104,21 +110,26 @@ async def test_each_endpoint_gets_its_own_credential(running) -> None:
         deadline = time.monotonic() + 30
         while True:
             try:
-                await pod_a.js.consumer_info(names.JOBS_STREAM, names.jobs_consumer(a))
+                await pod_a.js.consumer_info(names.queue_stream(a), names.jobs_consumer(a))
                 break
             except Exception:
                 assert time.monotonic() < deadline, log.read_text()[-2000:]
                 await asyncio.sleep(0.2)
         with pytest.raises(nats.errors.TimeoutError):
-            await pod_a.js.consumer_info(names.JOBS_STREAM, names.jobs_consumer(b))
+            await pod_a.js.consumer_info(names.queue_stream(b), names.jobs_consumer(b))
     finally:
         await pod_a.close()
     admin = await QueueConnection.connect(
         url, name="admin", creds=mint(installation.signer, "admin", issued_at=int(time.time()))
     )
     try:
-        info = await admin.js.consumer_info(names.JOBS_STREAM, names.jobs_consumer(b))
-        assert info.config.filter_subjects == names.jobs_consumer_filters(b, "normal")
+        info = await admin.js.consumer_info(names.queue_stream(b), names.jobs_consumer(b))
+        assert info.config.filter_subject == names.jobs_consumer_filter(b, "normal")
+        # Its own two streams, bounded, and the gateway's usage consumer on its records.
+        for stream in (names.queue_stream(b), names.records_stream(b)):
+            assert (await admin.js.stream_info(stream)).config.max_bytes > 0
+        usage = await admin.js.consumer_info(names.records_stream(b), names.USAGE_CONSUMER)
+        assert usage.config.filter_subject == names.records_filter(b)
     finally:
         await admin.close()
 
@@ -132,9 +143,42 @@ async def test_an_existing_secret_is_left_alone_and_recreated_when_deleted(runni
     first = _creds(cluster, "team-a", "again")
     await asyncio.sleep(4)  # a resync or two
     assert _creds(cluster, "team-a", "again") == first
-    await cluster.delete(SECRETS, "team-a", "again-queue-creds")
+    await cluster.delete(SECRETS, "team-a", "again-queue-creds-v2")
     await until(
         operator,
         lambda: (_creds(cluster, "team-a", "again") or first) != first,
         "a new credential after the Secret was deleted",
     )
+
+
+async def test_a_deleted_endpoints_own_streams_go_with_it(running) -> None:
+    """Every endpoint's two streams reserve their bound on the NATS servers: when the endpoint
+    is deleted the operator deletes them (its jobs go with it, and the reservation is freed);
+    another endpoint's stay."""
+    (url, installation, log), cluster, _ = running
+    gone, kept = EndpointRef("team-a", "gone"), EndpointRef("team-a", "kept")
+    for ref in (gone, kept):
+        await cluster.create(LLMEP, ref.namespace, endpoint(ref.name, ref.namespace, {"model": {"name": "m"}}))  # fmt: skip
+    admin = await QueueConnection.connect(
+        url, name="admin", creds=mint(installation.signer, "admin", issued_at=int(time.time()))
+    )
+
+    async def streams(ref: EndpointRef) -> list[str]:
+        found = []
+        for stream in (names.queue_stream(ref), names.records_stream(ref)):
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                found.append((await admin.js.stream_info(stream)).config.name)
+        return found
+
+    try:
+        deadline = time.monotonic() + 30
+        while len(await streams(gone)) < 2 or len(await streams(kept)) < 2:
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            await asyncio.sleep(0.2)
+        await cluster.delete(LLMEP, gone.namespace, gone.name)
+        while await streams(gone):
+            assert time.monotonic() < deadline, "the deleted endpoint's streams stayed"
+            await asyncio.sleep(0.2)
+        assert len(await streams(kept)) == 2
+    finally:
+        await admin.close()

@@ -26,7 +26,16 @@ from llmendpoints_common.queue.client import QueueConnection, QueueJobService
 from llmendpoints_operator import manifests
 from ports import free_port
 
-from .kube_emulator import CHILD_RESOURCES, LLMEP, Cluster, Operator, endpoint, wait_for
+from .kube_emulator import (
+    CHILD_RESOURCES,
+    LLMEP,
+    Cluster,
+    Operator,
+    endpoint,
+    endpoint_slice,
+    serve_metrics,
+    wait_for,
+)
 from .nats_kit import nats_server
 
 pytestmark = [pytest.mark.kube, pytest.mark.asyncio(loop_scope="module")]
@@ -57,44 +66,14 @@ class SlowPods:
         self._runners: list[web.AppRunner] = []
 
     async def _start_pod(self) -> None:
-        async def metrics(_: web.Request) -> web.Response:
-            return web.Response(
-                text="llmendpoints_queue_depth 0\nllmendpoints_requests_in_flight 0\n",
-                content_type="text/plain",
-            )
-
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
         address = f"127.0.{self.subnet}.{len(self._runners) + 1}"
-        await web.TCPSite(runner, address, self.port).start()
-        self._runners.append(runner)
+        idle = "llmendpoints_queue_depth 0\nllmendpoints_requests_in_flight 0\n"
+        self._runners.append(await serve_metrics(address, self.port, lambda: idle))
 
     async def _publish(self) -> None:
         count = len(self._runners)
-        body = {
-            "apiVersion": "discovery.k8s.io/v1",
-            "kind": "EndpointSlice",
-            "metadata": {
-                "name": f"{self.name}-x7k2p",
-                "namespace": NS,
-                "labels": {
-                    "kubernetes.io/service-name": self.name,
-                    "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
-                },
-            },
-            "addressType": "IPv4",
-            "ports": [{"name": "http", "port": self.port, "protocol": "TCP"}],
-            "endpoints": [
-                {
-                    "addresses": [f"127.0.{self.subnet}.{i + 1}"],
-                    "conditions": {"ready": True},
-                    "targetRef": {"kind": "Pod", "name": f"{self.name}-pod-{i}"},
-                }
-                for i in range(count)
-            ],
-        }
+        pods = {f"{self.name}-pod-{i}": f"127.0.{self.subnet}.{i + 1}" for i in range(count)}
+        body = endpoint_slice(self.name, NS, self.port, pods)
         if self.cluster.get(SLICES, NS, body["metadata"]["name"]) is None:
             await self.cluster.create(SLICES, NS, body)
         else:

@@ -19,6 +19,7 @@ import time
 import pytest
 import pytest_asyncio
 from llmendpoints_common.identity import EndpointRef
+from llmendpoints_common.jobs import admission
 from llmendpoints_common.jobs.models import JobRequest, JobStatus
 from llmendpoints_common.jobs.record import JobUsage
 from llmendpoints_common.jobs.service import status_body
@@ -71,10 +72,10 @@ async def billing(nats_server):
     await gateway.start()
     counted: list[str] = []
 
-    def on_usage(record, usage):
+    def on_usage(record, verdict, usage, written_at):
         entry = UsageRecord(
-            job_usage_id(record.id, record.runs), record.finished_at or time.time(),
-            record.owner, record.endpoint, "m", JOB_USAGE_STATUS[record.status],
+            job_usage_id(record.id, record.runs), written_at,
+            verdict.key, record.endpoint, "m", JOB_USAGE_STATUS[record.status],
             usage.prompt_tokens, usage.completion_tokens, gateway="g1", kind="job", requests=0,
         )  # fmt: skip
         return entry, lambda: counted.append(entry.id)
@@ -93,7 +94,8 @@ async def billing(nats_server):
         free_slots=lambda: 4,
         settings=WorkerSettings(poll_seconds=0.2, heartbeat_interval_seconds=0.5),
     )
-    jobs = QueueJobService(client, EP)
+    # The gateway's job API: its admissions (owner, runs) are what the meter bills by.
+    jobs = QueueJobService(client, EP, admitted_by=admission.GATEWAY)
     yield jobs, worker, counted, nats_server.url
     await worker.stop(0)
     await meter.stop()
@@ -182,6 +184,8 @@ async def test_stopped_jobs_bill_their_partial_tokens_once_per_run(billing):
     )
     (run1,) = records[job_usage_id(slow.id, 1)]
     (run2,) = records[job_usage_id(slow.id, 2)]
+    # Billed to the owner the gateway admitted each job for.
+    assert {r.key for rs in records.values() for r in rs} == {"alice"}
     assert (run1.status, run1.completion_tokens) == (408, timed_out.usage.completion_tokens)
     assert (run2.status, run2.completion_tokens) == (408, second.usage.completion_tokens)
     assert sorted(counted) == sorted(

@@ -6,13 +6,14 @@ real nats-server.
 - the refusal is a RunPod-style 429 naming the limit; nothing is queued or left behind; other
   keys and the process go on;
 - a job that ends (a worker ran it) or is cancelled frees its slot;
-- upgrading a queue made before the cap: the operator sets the cap on the existing stream and
-  makes the existing worker consumers take both subject forms; jobs queued before are run.
+- upgrading a queue made before the cap (or its bounds): the operator sets them on the
+  existing streams, and on the shared ones made before any bound; jobs queued before are run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -25,8 +26,7 @@ from llmendpoints_common.queue.client import QueueConnection, QueueJobService
 from llmendpoints_common.queue.depth import endpoint_depth
 from llmendpoints_common.queue.topology import (
     QueueLayout,
-    consumer_config,
-    ensure_consumers,
+    ensure_endpoint_queue,
     ensure_streams,
 )
 from llmendpoints_common.queue.worker import QueueWorker, WorkerSettings
@@ -60,7 +60,7 @@ def test_one_key_cannot_fill_an_endpoints_queue(tmp_path):
         replicas = [await _connect(url, f"gateway-{i}", layout) for i in range(2)]
         services = [QueueJobService(c, ep) for c in replicas]
         try:
-            await ensure_consumers(replicas[0].js, ep, layout)
+            await ensure_endpoint_queue(replicas[0].js, ep, layout)
             # Ten submissions at once through two replicas: exactly the cap gets in.
             accepted, refused = await _submit_all(services, "alice", 10)
             assert len(accepted) == CAP and len(refused) == 10 - CAP
@@ -83,8 +83,7 @@ def test_one_key_cannot_fill_an_endpoints_queue(tmp_path):
             assert "LLMEP_OPERATOR_JOBS_MAX_QUEUED_PER_OWNER" in error["message"]
             # Nothing of the refused jobs stays: the queue and the records hold the cap's jobs.
             assert (await endpoint_depth(replicas[0].js, ep)).queued == CAP + 1
-            records = await services[0]._queued_records()
-            assert len(records) == CAP + 1
+            assert len(await services[0].queued_messages()) == CAP + 1
 
             # A cancelled job frees its slot.
             await services[0].cancel(accepted[0].id, owner="alice")
@@ -126,50 +125,44 @@ def test_one_key_cannot_fill_an_endpoints_queue(tmp_path):
 
 
 def test_a_queue_made_before_the_cap_gets_it_and_loses_no_job(tmp_path):
-    """A rolling upgrade: the stream and the endpoint's consumers were made by a release that
-    queued jobs on ``llmep.jobs.<ns>.<name>.<priority>``; a job waits there. The new operator
-    sets the cap and the consumers' filters; the waiting job and a new per-owner job both run,
-    and the cap holds."""
+    """An upgrade: an endpoint's queue made by a release with no per-owner cap and a larger
+    bound, and the shared usage stream made before it had a bound; a job waits. The new
+    operator sets the cap and the bounds on the existing streams (nothing else of them
+    changes); the waiting job and new per-owner jobs run, and the cap holds."""
     from integration.nats_kit import running_nats
 
     ep = EndpointRef("team-a", "upgraded")
-    old_layout = QueueLayout(max_queued_per_owner=0)  # the old stream: 10,000 per subject
+    old_layout = QueueLayout(max_queued_per_owner=0, endpoint_max_bytes=64 * 1024 * 1024)
     new_layout = QueueLayout(max_queued_per_owner=CAP)
 
     async def scenario(url: str) -> None:
         old = await _connect(url, "old-release", old_layout)
         try:
-            for priority in names.PRIORITIES:
-                config = consumer_config(ep, priority, old_layout)
-                config.filter_subjects = None
-                config.filter_subject = names.jobs_subject(ep, priority)  # as it was
-                await old.js.add_consumer(names.JOBS_STREAM, config)
-            # A job queued by the old release: its record, and its message on the old subject.
+            await ensure_endpoint_queue(old.js, ep, old_layout)
+            usage = (await old.js.stream_info(names.USAGE_STREAM)).config
+            await old.js.update_stream(dataclasses.replace(usage, max_bytes=-1))
             service = QueueJobService(old, ep)
             waiting = await service.submit(RUN, sync=False, owner="alice")
-            message = await old.js.get_msg(names.JOBS_STREAM, seq=1)
-            assert message.subject == names.jobs_subject(ep, "normal", "alice")
-            await old.js.delete_msg(names.JOBS_STREAM, 1)
-            await old.js.publish(names.jobs_subject(ep, "normal"), waiting.id.encode())
-            info = await old.js.stream_info(names.JOBS_STREAM)
-            assert info.config.max_msgs_per_subject == 10_000
+            queue = names.queue_stream(ep)
+            assert (await old.js.stream_info(queue)).config.max_msgs_per_subject == 10_000
 
-            # The new operator: the cap on the existing stream, the consumers' filters.
+            # The new operator: its bounds on the existing streams.
             operator = await _connect(url, "operator", new_layout)
             await ensure_streams(operator.js, new_layout, reconcile=True)
-            await ensure_consumers(operator.js, ep, new_layout)
-            info = await operator.js.stream_info(names.JOBS_STREAM)
+            await ensure_endpoint_queue(operator.js, ep, new_layout, reconcile=True)
+            info = await operator.js.stream_info(queue)
             assert info.config.max_msgs_per_subject == CAP
             assert info.config.retention == js_api.RetentionPolicy.WORK_QUEUE  # nothing else
             assert info.config.discard_new_per_subject
-            consumer = await operator.js.consumer_info(
-                names.JOBS_STREAM, names.jobs_consumer(ep, "normal")
-            )
-            assert consumer.config.filter_subjects == names.jobs_consumer_filters(ep, "normal")
+            records = await operator.js.stream_info(names.records_stream(ep))
+            assert records.config.max_bytes == new_layout.endpoint_max_bytes
+            usage = (await operator.js.stream_info(names.USAGE_STREAM)).config
+            assert usage.max_bytes == new_layout.usage_max_bytes
+            consumer = await operator.js.consumer_info(queue, names.jobs_consumer(ep, "normal"))
             assert consumer.num_pending == 1  # the old job is still queued
 
             new = QueueJobService(operator, ep)
-            fresh = [await new.submit(RUN, sync=False, owner="alice") for _ in range(CAP)]
+            fresh = [await new.submit(RUN, sync=False, owner="alice") for _ in range(CAP - 1)]
             with pytest.raises(RateLimitError):
                 await new.submit(RUN, sync=False, owner="alice")
             ran: list[str] = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import pytest_asyncio
 from llmendpoints_common.errors import (
@@ -12,8 +14,9 @@ from llmendpoints_common.errors import (
 )
 from llmendpoints_common.jobs.models import JobStatus, parse_job_request
 from llmendpoints_common.queue.client import QueueConnection, QueueJobService
+from llmendpoints_common.queue.connect import settle
 from llmendpoints_common.queue.depth import endpoint_depth
-from llmendpoints_common.queue.topology import QueueLayout, ensure_consumers
+from llmendpoints_common.queue.topology import QueueLayout, ensure_endpoint_queue
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -55,13 +58,13 @@ async def test_depth_with_no_consumer_counts_stream_messages(service):
 
 
 async def test_depth_counts_taken_messages_as_running(service, connection):
-    await ensure_consumers(connection.js, service.endpoint, QueueLayout())
+    await ensure_endpoint_queue(connection.js, service.endpoint, QueueLayout())
     await service.submit(request('{"input": {"prompt": "a"}}'), sync=False, owner="")
     await service.submit(request('{"input": {"prompt": "b"}}'), sync=False, owner="")
     from llmendpoints_common.queue import names
 
     sub = await connection.js.pull_subscribe_bind(
-        names.jobs_consumer(service.endpoint), stream=names.JOBS_STREAM
+        names.jobs_consumer(service.endpoint), stream=names.queue_stream(service.endpoint)
     )
     [msg] = await sub.fetch(1, timeout=2)
     depth = await endpoint_depth(service.js, service.endpoint)
@@ -135,10 +138,56 @@ async def test_full_queue_is_429_and_stores_nothing(service):
     assert (await endpoint_depth(service.js, service.endpoint)).queued == 5
 
 
+async def test_a_full_endpoint_is_503_naming_its_bound_and_stops_no_other(nats_server):
+    """Each endpoint's records have a bound of their own: past it, that endpoint's new jobs get
+    503 naming the setting (nothing half-stored); another endpoint's jobs go on."""
+    small = QueueLayout(endpoint_max_bytes=256 * 1024)
+    connection = await QueueConnection.connect(nats_server.url, name="small", layout=small)
+    full, other = QueueJobService(connection, "tests/full"), QueueJobService(connection, "tests/ok")
+    prompt = "x" * 30_000
+    try:
+        with pytest.raises(ServiceUnavailableError) as caught:
+            for _ in range(20):
+                await full.submit(
+                    request(f'{{"input": {{"prompt": "{prompt}"}}}}'), sync=False, owner="a"
+                )
+        assert caught.value.code == "queue_full"
+        assert "LLMEP_OPERATOR_JOBS_QUEUE_ENDPOINT_MAX_BYTES" in caught.value.message
+        assert caught.value.headers["Retry-After"]
+        queued = (await endpoint_depth(full.js, full.endpoint)).queued
+        assert 0 < queued < 20  # what was accepted is queued, the refused one is not
+        job = await other.submit(
+            request(f'{{"input": {{"prompt": "{prompt}"}}}}'), sync=False, owner="a"
+        )
+        assert (await other.get(job.id, owner="a")).status is JobStatus.IN_QUEUE
+    finally:
+        await connection.close()
+
+
 async def test_wait_returns_current_state_when_time_runs_out(service):
     job = await service.submit(request('{"input": {"prompt": "a"}}'), sync=True, owner="")
     waited = await service.wait(job.id, 0.2, owner="")
     assert waited.status is JobStatus.IN_QUEUE
+
+
+async def test_a_wait_learns_of_an_end_its_subscription_never_saw(service, connection):
+    """A job that existed before its waiter subscribed can end unseen by the subscription: the
+    end's write routed just before the SUB reached the server, stored only after the waiter's
+    first read (nats-server queues a stream's writes, answers a direct get at once; seen in
+    test_queue_tenancy.py, bench/RESULTS.md). The waiter reads the record again meanwhile, so
+    it returns with the end, not when its own time runs out. The lost notification is made on
+    cue here: the waiter's subscription is taken off the server under it."""
+    job = await service.submit(request('{"input": {"prompt": "a"}}'), sync=False, owner="alice")
+    waiting = asyncio.create_task(service.wait(job.id, 60, owner="alice"))
+    nc = connection.nc
+    subject = service.states.subject(job.id)
+    while not (sids := [sid for sid, sub in nc._subs.items() if sub.subject == subject]):
+        await asyncio.sleep(0.01)
+    await nc._send_unsubscribe(sids[0])  # the server forgets it; the client still waits on it
+    await settle(nc)
+    assert (await service.cancel(job.id, owner="alice")).status is JobStatus.CANCELLED
+    waited = await asyncio.wait_for(waiting, 30)  # well inside the wait's own 60 s
+    assert waited.status is JobStatus.CANCELLED
 
 
 async def test_unreachable_queue_is_503_with_retry_after(tmp_path):

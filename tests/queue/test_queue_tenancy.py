@@ -17,7 +17,7 @@ from llmendpoints_common.jobs.models import JobStatus, parse_job_request
 from llmendpoints_common.queue import names, signals
 from llmendpoints_common.queue.client import QueueConnection, QueueJobService
 from llmendpoints_common.queue.depth import endpoint_depth
-from llmendpoints_common.queue.topology import QueueLayout, ensure_consumers
+from llmendpoints_common.queue.topology import QueueLayout, ensure_endpoint_queue
 from llmendpoints_common.queue.worker import QueueWorker, WorkerSettings
 from nats_auth_kit import auth_nats
 
@@ -40,7 +40,7 @@ def test_same_named_endpoints_in_two_namespaces_share_nothing(server):
         connect = QueueConnection.connect
         operator = await connect(server.url, name="operator", creds=server.creds("operator"))
         for endpoint in (A, B):
-            await ensure_consumers(operator.js, endpoint, QueueLayout())
+            await ensure_endpoint_queue(operator.js, endpoint, QueueLayout())
         gateway = await connect(server.url, name="gateway", creds=server.creds("gateway"))
         pod_a = await connect(server.url, name="pod-a", creds=server.creds("runtime", A.id))
         pod_b = await connect(server.url, name="pod-b", creds=server.creds("runtime", B.id))
@@ -112,8 +112,9 @@ def test_same_named_endpoints_in_two_namespaces_share_nothing(server):
             assert await signals.read_held(operator.js, A) == 2
             assert await signals.read_held(operator.js, B) == 7
             nudged: list[EndpointRef] = []
+            # Returns once the server holds the subscription (a flush() did not promise that:
+            # tests/queue/test_subscription_start.py).
             await signals.subscribe_nudges(operator.nc, nudged.append)
-            await operator.nc.flush()
             await signals.nudge(gateway.nc, B)
             deadline = time.monotonic() + 30  # generous: a loaded machine delays delivery
             while not nudged:
@@ -145,18 +146,22 @@ def test_same_named_endpoints_in_two_namespaces_share_nothing(server):
 
 
 def test_names_keep_namespaces_apart():
-    assert names.jobs_subject(A) == "llmep.jobs.team-a.chat.normal"
-    assert names.jobs_subject(B) == "llmep.jobs.team-b.chat.normal"
+    assert names.jobs_subject(A, "normal", "k").startswith("llmep.ep.team-a.chat.jobs.normal.")
+    assert names.jobs_subject(B, "normal", "k").startswith("llmep.ep.team-b.chat.jobs.normal.")
     assert names.jobs_consumer(A, "low") == "workers-team-a_chat-low"
-    assert names.job_key(A, "j-1") == "team-a.chat.j-1"
+    assert names.queue_stream(A) == "LLMEP_QUEUE_team-a_chat" != names.queue_stream(B)
+    assert names.records_stream(A) == "LLMEP_RECORDS_team-a_chat" != names.records_stream(B)
+    assert names.record_subject(A, "j-1") == "llmep.ep.team-a.chat.rec.j-1"
     assert names.held_key(B, "gw") == "held.team-b.chat.gw"
     assert names.nudge_subject(A) == "llmep.nudge.team-a.chat"
     assert names.endpoint_of_nudge("llmep.nudge.team-b.chat_v2") == EndpointRef("team-b", "chat.v2")
-    assert names.chunk_subject(A, "j-1", 2, 5) == "llmep.chunks.team-a.chat.j-1.2.5"
+    assert names.chunk_subject(A, "j-1", 2, 5) == "llmep.ep.team-a.chat.chunk.j-1.2.5"
     assert names.usage_subject(A, "k") != names.usage_subject(B, "k")
-    # "a-b" + "c" and "a" + "b-c" stay apart in consumer names: a namespace holds no '_'.
+    # "a-b" + "c" and "a" + "b-c" stay apart in stream and consumer names: a namespace holds
+    # no '_'.
     assert names.jobs_consumer("a-b/c") != names.jobs_consumer("a/b-c")
+    assert names.queue_stream("a-b/c") != names.queue_stream("a/b-c")
     with pytest.raises(ValueError, match="endpoint id"):
-        names.jobs_subject("chat")  # which namespace?
+        names.jobs_subject("chat", "normal", "k")  # which namespace?
     with pytest.raises(ValueError, match="endpoint namespace"):
-        names.jobs_subject("Team/chat")
+        names.jobs_subject("Team/chat", "normal", "k")

@@ -305,3 +305,36 @@ async def test_a_job_larger_than_the_queues_message_limit_is_a_413(pair):
     with pytest.raises(ContentTooLargeError) as info:
         await pair.client.submit(request(prompt="x" * limit), sync=False, owner="")
     assert f"at most {limit} bytes" in info.value.message
+
+
+async def test_a_job_whose_output_outgrows_its_endpoints_queue_fails_saying_so(nats_server):
+    """The endpoint's records are full: the worker keeps what stream output fits and drops the
+    rest (never retrying forever), and a result that cannot be stored ends the job FAILED with
+    ``queue_full`` -- rather than the job running again to the same end."""
+    small = QueueLayout(heartbeat_timeout_seconds=1.0, endpoint_max_bytes=512 * 1024)
+    connection = await QueueConnection.connect(nats_server.url, name="small", layout=small)
+    service = QueueJobService(connection, "tests/outgrown")
+
+    async def execute(record, publish):
+        chunks = [{"n": i, "text": "x" * 60_000} for i in range(12)]  # ~720 KB of output
+        for chunk in chunks:
+            publish(chunk)
+        return chunks
+
+    async def abort(record):
+        return None
+
+    worker = QueueWorker(service, name="w", execute=execute, abort=abort, free_slots=lambda: 1,
+                         settings=WorkerSettings(poll_seconds=0.2), layout=small)  # fmt: skip
+    try:
+        job = await service.submit(request(), sync=False, owner="a")
+        await worker.start()
+        ended = await service.wait(job.id, 30, owner="a")
+        assert ended.status is JobStatus.FAILED
+        assert ended.error["code"] == "queue_full"
+        assert "LLMEP_OPERATOR_JOBS_QUEUE_ENDPOINT_MAX_BYTES" in ended.error["message"]
+        _, chunks = await service.take_stream(job.id, owner="a")
+        assert 0 < len(chunks) < 12  # what fitted was kept
+    finally:
+        await worker.stop(0)
+        await connection.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from llmendpoints_common.identity import EndpointRef
 from llmendpoints_common.jobs.models import JobStatus
 from llmendpoints_common.jobs.record import (
     Conflict,
@@ -106,29 +107,36 @@ def test_policy_views_and_status_body() -> None:
 
 
 def test_names_are_one_to_one_and_refuse_what_would_break_subjects() -> None:
-    assert names.job_key("ns/a.b", "j-1") == "ns.a_b.j-1"
-    assert (
-        names.kv_subject(names.JOB_STATE_BUCKET, "ns.a_b.j-1") == "$KV.LLMEP_JOB_STATE.ns.a_b.j-1"
-    )
-    assert names.jobs_filter("ns/ep") == "llmep.jobs.ns.ep.>"
-    # Jobs are queued per owner (the per-owner cap is the stream's per-subject limit); the
-    # workers take the owner's subjects and the form releases before the cap wrote.
+    # Every subject of an endpoint's queue is under its own prefix; its two streams carry it.
+    assert names.record_subject("ns/a.b", "j-1") == "llmep.ep.ns.a_b.rec.j-1"
+    assert names.records_stream("ns/a.b") == "LLMEP_RECORDS_ns_a_b"
+    assert names.queue_stream("ns/a.b") == "LLMEP_QUEUE_ns_a_b"
+    for stream in (names.records_stream("ns/a.b"), names.queue_stream("ns/a.b")):
+        assert names.endpoint_of_stream(stream) == EndpointRef("ns", "a.b")
+    # "a-b" + "c" and "a" + "b-c" stay apart: a namespace holds no '_'.
+    assert names.records_stream("a-b/c") != names.records_stream("a/b-c")
+    assert names.jobs_filter("ns/ep") == "llmep.ep.ns.ep.jobs.>"
+    assert names.chunk_subject("ns/ep", "j-1", 2, 5) == "llmep.ep.ns.ep.chunk.j-1.2.5"
+    assert names.admission_subject("ns/ep", "j-1", "gw") == "llmep.ep.ns.ep.adm.gw.j-1"
+    assert names.job_of_record_subject("ns/ep", "llmep.ep.ns.ep.rec.j-1") == "j-1"
+    assert names.job_of_record_subject("ns/ep", "llmep.ep.ns.other.rec.j-1") is None
+    # Jobs are queued per owner (the per-owner cap is the stream's per-subject limit).
     alice = names.jobs_subject("ns/ep", "low", "alice")
-    assert alice == f"llmep.jobs.ns.ep.low.{names.tenant_token('alice')}"
-    assert alice != names.jobs_subject("ns/ep", "low", "bob") != names.jobs_subject("ns/ep", "low")
-    assert names.jobs_subject("ns/ep", "low", "a.b *>").count(".") == 5
-    assert names.jobs_consumer_filters("ns/ep", "low") == [
-        "llmep.jobs.ns.ep.low",
-        "llmep.jobs.ns.ep.low.*",
-    ]
+    assert alice == f"llmep.ep.ns.ep.jobs.low.{names.tenant_token('alice')}"
+    assert alice != names.jobs_subject("ns/ep", "low", "bob")
+    assert names.jobs_subject("ns/ep", "low", "a.b *>").count(".") == 6
+    assert names.jobs_consumer_filter("ns/ep", "low") == "llmep.ep.ns.ep.jobs.low.*"
     assert names.priority_of_jobs_subject(alice) == "low"
-    assert names.priority_of_jobs_subject("llmep.jobs.ns.ep.normal") == "normal"
     with pytest.raises(ValueError):
-        names.priority_of_jobs_subject("llmep.chunks.ns.ep.normal")
+        names.priority_of_jobs_subject("llmep.ep.ns.ep.chunk.j.1.normal")
     with pytest.raises(ValueError):
-        names.idempotency_key("ns/ep", "not-hex")
+        names.idempotency_subject("ns/ep", "not-hex")
     with pytest.raises(ValueError):
-        names.job_key("ns/ep", "a.b")  # a '.' would split the key
+        names.record_subject("ns/ep", "a.b")  # a '.' would split the subject
+    with pytest.raises(ValueError):
+        names.admission_subject("ns/ep", "j-1", "anyone")
+    with pytest.raises(ValueError, match="too long"):
+        names.records_stream(f"ns/{'x' * 250}")
 
 
 def test_a_stopped_job_keeps_what_it_used_for_one_run() -> None:

@@ -51,6 +51,22 @@ def wait_until(condition, timeout: float, what: str, interval: float = 0.2):
     raise AssertionError(f"{what}: not within {timeout} s")
 
 
+def stopped(pid: int) -> bool:
+    """Every thread of ``pid`` is in the stopped state: a SIGSTOP has taken effect. On a loaded
+    machine it takes a while (each thread stops when it next gets a CPU), and until then a
+    thread of the "frozen" process can still answer."""
+    states = [_read_state(task) for task in (Path("/proc") / str(pid) / "task").glob("*")]
+    return bool(states) and all(state == "T" for state in states)
+
+
+def _read_state(task: Path) -> str:
+    try:
+        stat = (task / "stat").read_text()
+    except OSError:
+        return "T"  # a thread that ended answers nothing either
+    return stat[stat.rfind(")") + 2 :].split(maxsplit=1)[0]
+
+
 @contextlib.contextmanager
 def engines_frozen(*runtime_pids: int) -> Iterator[list[int]]:
     """Stop the runtimes' engine cores (SIGSTOP) for the block, then let them go on.

@@ -41,11 +41,23 @@ writes, so a new child kind or watch cannot ship without its permission.
   verbs: [patch]
 # Each endpoint's serving workload: watched (its rollout feeds the status), created, kept in line
 # with the spec by server-side apply; replica changes (autoscaler, bounds, pins) are merge patches.
-# Never deleted by the operator: garbage collection removes it with its LLMEndpoint (owner
-# reference).
+# Deleted by the operator only when spec.resources.nodes turns the endpoint into LeaderWorkerSet
+# groups (or back); otherwise garbage collection removes it with its LLMEndpoint (owner reference).
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [list, watch, create, patch]
+  verbs: [list, watch, create, patch, delete]
+# A multi-node endpoint's workload (spec.resources.nodes > 1): one LeaderWorkerSet of groups, the
+# same verbs as a Deployment (its replicas, the groups, are merge patches of the object itself,
+# not of its scale subresource). Harmless where LeaderWorkerSet is not installed (the operator
+# then says so in the endpoint's status).
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets]
+  verbs: [list, watch, create, patch, delete]
+# A multi-node endpoint's pods, listed while one of its groups is not ready: the status names the
+# pod (and node) that keeps it from being ready.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
 # The shared model cache: watched (its binding feeds the status's CacheReady condition), created
 # and deleted when spec.cache no longer asks for a claim the operator created.
 - apiGroups: [""]

@@ -35,6 +35,16 @@ class JobUsage(BaseModel):
         return self.prompt_tokens + self.completion_tokens
 
 
+class RunEnd(BaseModel):
+    """How a run that /retry started again had ended, and what it used."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    run: int
+    status: JobStatus
+    usage: JobUsage
+
+
 class JobRecord(BaseModel):
     # Extra fields are kept out, not refused: during a rolling upgrade a newer pod may write
     # fields an older one does not know.
@@ -80,6 +90,10 @@ class JobRecord(BaseModel):
     # cancelled wrote). None: nothing ran, or a pod older than the field ended it. The
     # gateway's JobUsageMeter bills it once per run.
     usage: JobUsage | None = None
+    # The run before this one, when /retry started it again after a billable end (TIMED_OUT):
+    # kept so that the meter bills it even when it reads the record only after the retry
+    # replaced the end it was to bill.
+    ended_run: RunEnd | None = None
 
     @property
     def low_priority(self) -> bool:
@@ -251,5 +265,10 @@ def requeue_for_retry(record: JobRecord) -> JobRecord:
             "tries": 0,
             "runs": record.runs + 1,
             "worker": None,
+            "ended_run": (
+                RunEnd(run=record.runs, status=record.status, usage=record.usage)
+                if record.usage is not None
+                else None
+            ),
         }
     )

@@ -1,4 +1,4 @@
-"""A batch's requests as jobs of the shared queue's batch lane (``llmep.jobs.<ep>.batch``).
+"""A batch's requests as jobs of the shared queue's batch lane (``llmep.ep.<ep>.jobs.batch.*``).
 
 Request ``i`` of batch ``b`` is the job ``line_job_id(b, i)`` of the batch's endpoint: a job
 record like any other (the same workers run it, the same ``/status`` shows it to its owner)
@@ -22,6 +22,7 @@ from llmendpoints_common.batch.output import NOT_QUEUED, LineOutcome
 from llmendpoints_common.batch.record import BatchRecord, line_job_id
 from llmendpoints_common.errors import APIError as HTTPError
 from llmendpoints_common.errors import RateLimitError
+from llmendpoints_common.jobs import admission
 from llmendpoints_common.jobs.models import JobStatus
 from llmendpoints_common.jobs.record import Conflict, JobRecord, cancel
 from llmendpoints_common.queue.client import QueueConnection, QueueJobService
@@ -50,7 +51,7 @@ class QueueLines:
         service = self._services.get(batch.endpoint)
         if service is None:
             service = self._services[batch.endpoint] = QueueJobService(
-                self.connection, batch.endpoint, clock=self._clock
+                self.connection, batch.endpoint, clock=self._clock, admitted_by=admission.GATEWAY
             )
         return service
 
@@ -76,6 +77,8 @@ class QueueLines:
             batch=batch.id,
         )
         try:
+            # The gateway's admission first: the meter bills the request to its batch's owner.
+            await service.admit(record)
             await service.states.write(record, revision=0, ttl_seconds=keep)
         except StaleRevision:
             current = await service.states.read(job_id)
@@ -137,5 +140,5 @@ class QueueLines:
             result = await service.states.update(job_id, queued_only)
         except Conflict:
             return  # running (it finishes) or ended
-        if result is not None and service.connection.may_unqueue:
+        if result is not None and service.may_unqueue:
             await service.unqueue(job_id)

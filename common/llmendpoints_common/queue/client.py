@@ -7,11 +7,13 @@ not running the job, and the gateway with no runtime pod at all, answer with.
 - ``wait``: subscribes to the record's key and returns when the job ends or the wait runs out.
 - ``take_stream``: chunks of the current attempt after the job's shared cursor, in order; the
   cursor moves by compare-and-set, so two readers never get the same chunk.
-- ``cancel``: a queued job's message is deleted (by a credential that may delete queue
-  messages: the gateway's, a password user's; with a runtime pod's, the worker that reaches the
-  message acknowledges it); a running job's worker is told on ``llmep.cancel.<ns>.<name>.<id>``
-  and aborts the engine request (it also notices the record at its next heartbeat, should the
-  message be missed).
+- ``cancel``: a queued job's message is deleted from its endpoint's queue (every role that
+  reaches the endpoint may: the stream is the endpoint's own); a running job's worker is told
+  on ``llmep.ep.<ns>.<name>.cancel.<id>`` and aborts the engine request (it also notices the
+  record at its next heartbeat, should the message be missed).
+- Admission: a new job's admission (who accepted it, for whom, the most it may be billed:
+  jobs/admission.py) is written before its record -- by the gateway where pods may not write,
+  by a pod where only its endpoint is billed (``admitted_by``).
 - Ownership: every verb but ``health`` takes the caller's ``owner`` (the API key's name; None for
   an admin, who sees every job). Another owner's job is answered exactly like an unknown one.
 """
@@ -21,8 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -32,8 +36,7 @@ from typing import Any
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 
 from llmendpoints_common.errors import (
     APIError as HTTPError,
@@ -48,6 +51,7 @@ from llmendpoints_common.errors import (
     NotFoundError as JobNotFoundError,
 )
 from llmendpoints_common.identity import EndpointRef, as_ref
+from llmendpoints_common.jobs import admission
 from llmendpoints_common.jobs.models import (
     DEFAULT_TTL_MS,
     FINAL_STATUSES,
@@ -61,12 +65,17 @@ from llmendpoints_common.jobs.record import (
     record_ttl,
     requeue_for_retry,
 )
-from llmendpoints_common.queue import names
-from llmendpoints_common.queue.connect import connect
+from llmendpoints_common.queue import admissions, names
+from llmendpoints_common.queue.connect import connect, limits_of
 from llmendpoints_common.queue.depth import endpoint_depth
-from llmendpoints_common.queue.natsjwt import Permissions
-from llmendpoints_common.queue.state import JobStates, StaleRevision, purge_marker
-from llmendpoints_common.queue.topology import QueueLayout, ensure_streams
+from llmendpoints_common.queue.natsjwt import Permissions, UserLimits
+from llmendpoints_common.queue.state import (
+    WRONG_LAST_SEQUENCE,
+    JobStates,
+    StaleRevision,
+    purge_marker,
+)
+from llmendpoints_common.queue.topology import QueueLayout, ensure_endpoint_streams, ensure_streams
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +83,20 @@ RETRY_AFTER_SECONDS = 5
 ATTEMPT_HEADER = "Llmep-Attempt"
 # How long a waiter re-reads a job whose end it was told of, while the write lands (seconds).
 _READ_BACK_DELAYS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+# How long a waiter that subscribed to an existing record waits between reads of it (seconds;
+# the last is repeated): see QueueJobService.wait.
+_RECHECK_PAUSES = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 # A /runsync's watch that no wait() took within this long is dropped.
 _UNCLAIMED_WATCH_SECONDS = 10.0
 _MSG_ID = "Nats-Msg-Id"
-# JetStream's error code for "maximum messages per subject exceeded" (the endpoint's queue is
-# at LLMEP_JOBS_MAX_QUEUE_LENGTH).
-_QUEUE_FULL_CODES = {10077, 10078}
+# JetStream's error code for a message its stream would not store: "maximum messages per
+# subject exceeded" (the per-owner cap), "maximum bytes exceeded" (the endpoint's bound).
+_STORE_FAILED = 10077
+_EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
+# An admission outlives its job's life by this much: the meter bills a job's end up to
+# BILLED_WRITES_WITHIN_SECONDS after it (gateway/metering.py), and reads it then.
+_ADMISSION_SLACK_SECONDS = 600.0
+ENDPOINT_BOUND_SETTING = "LLMEP_OPERATOR_JOBS_QUEUE_ENDPOINT_MAX_BYTES"
 
 
 @dataclass(frozen=True)
@@ -101,11 +118,20 @@ class QueueConnection:
     permissions this process cannot see; it is assumed to have what it needs)."""
 
     def __init__(
-        self, nc: NATS, js: JetStreamContext, permissions: Permissions | None = None
+        self,
+        nc: NATS,
+        js: JetStreamContext,
+        permissions: Permissions | None = None,
+        layout: QueueLayout | None = None,
+        limits: UserLimits | None = None,
     ) -> None:
         self.nc = nc
         self.js = js
         self.permissions = permissions
+        # The credential's own bounds (its largest message may be below the server's).
+        self.limits = limits or UserLimits()
+        # What an endpoint's queue is made with when this credential may make it.
+        self.layout = layout or QueueLayout()
 
     @classmethod
     async def connect(
@@ -124,22 +150,24 @@ class QueueConnection:
         nc, permissions = await connect(
             url, name=name, creds_file=creds_file, creds=creds, connect_timeout=connect_timeout
         )
-        connection = cls(nc, nc.jetstream(timeout=request_timeout), permissions)
-        if connection.may(f"$JS.API.STREAM.CREATE.{names.JOBS_STREAM}"):
-            await ensure_streams(connection.js, layout or QueueLayout())
+        limits = limits_of(creds_file, creds=creds)
+        connection = cls(nc, nc.jetstream(timeout=request_timeout), permissions, layout, limits)
+        if connection.may(f"$JS.API.STREAM.CREATE.{names.USAGE_STREAM}"):
+            await ensure_streams(connection.js, connection.layout)
         return connection
+
+    @property
+    def max_payload(self) -> int:
+        """The largest message this connection may publish: the server's, or its credential's
+        when lower (NATS closes a connection that publishes more)."""
+        server = self.nc.max_payload
+        own = self.limits.payload
+        return min(server, own) if server and own > 0 else (server or own)
 
     def may(self, subject: str) -> bool:
         """Whether the credential may publish to ``subject`` (a JetStream API call is one):
         asked before calls that would otherwise wait out their timeout on a refusal."""
         return self.permissions is None or self.permissions.may_publish(subject)
-
-    @property
-    def may_unqueue(self) -> bool:
-        """Whether queued messages can be deleted by sequence (the gateway's and a password
-        user's credentials; not a runtime pod's: no permission can scope that to one
-        endpoint)."""
-        return self.may(f"$JS.API.STREAM.MSG.DELETE.{names.JOBS_STREAM}")
 
     @property
     def connected(self) -> bool:
@@ -165,12 +193,32 @@ async def queue_call(what: str) -> AsyncIterator[None]:
             f"{what}: the job is larger than the queue's message limit (max_payload of the "
             "NATS server); send a smaller input"
         ) from None
-    except (TimeoutError, nats.errors.Error, OSError) as exc:
-        detail = getattr(exc, "description", None) or str(exc) or type(exc).__name__
+    except (nats.errors.NoRespondersError, NoStreamResponseError):
         raise ServiceUnavailableError(
-            f"{what}: the job queue is unreachable ({detail}); retry in {RETRY_AFTER_SECONDS} s",
+            f"{what}: the endpoint's queue does not exist yet (the llmendpoints operator "
+            f"creates it with the endpoint); retry in {RETRY_AFTER_SECONDS} s",
             headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
         ) from None
+    except APIError as exc:
+        if exc.err_code == _STORE_FAILED and "maximum bytes" in (exc.description or ""):
+            raise ServiceUnavailableError(
+                f"{what}: the endpoint's queue is full (its records, results and stream output "
+                f"take all the storage it is given, {ENDPOINT_BOUND_SETTING}); retry when "
+                "results have expired or been read",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            ) from None
+        raise _unavailable(what, exc) from None
+    except (TimeoutError, nats.errors.Error, OSError) as exc:
+        raise _unavailable(what, exc) from None
+
+
+def _unavailable(what: str, exc: BaseException) -> ServiceUnavailableError:
+    detail = getattr(exc, "description", None) or str(exc) or type(exc).__name__
+    return ServiceUnavailableError(
+        f"{what}: the job queue is unreachable ({detail}); retry in {RETRY_AFTER_SECONDS} s",
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+    )
 
 
 def owner_digest(owner: str, idempotency_key: str) -> str:
@@ -189,14 +237,22 @@ class QueueJobService:
         *,
         clock: Callable[[], float] = time.time,
         on_final: Callable[[JobRecord], None] | None = None,
+        admitted_by: str = admission.ENDPOINT,
     ) -> None:
         # An EndpointRef or "ns/name": a bad one is refused now, not at the first job.
         self.ref = as_ref(endpoint)
+        names.records_stream(self.ref)
         names.jobs_consumer(self.ref)
         self.connection = connection
         self.endpoint = self.ref.id  # what job records carry
         self.settings = settings or QueueJobSettings()
         self.states = JobStates(connection.js, self.ref)
+        # Who this front door is (jobs/admission.py): the gateway, or one of the endpoint's pods.
+        self.admitted_by = admitted_by
+        self._queue_stream = names.queue_stream(self.ref)
+        self._queue_made = not connection.may(
+            f"$JS.API.STREAM.CREATE.{names.records_stream(self.ref)}"
+        )
         self._clock = clock
         # Whoever moves a job into a final state calls this once (the runtime sends webhooks).
         self._on_final = on_final
@@ -209,6 +265,22 @@ class QueueJobService:
     @property
     def js(self) -> JetStreamContext:
         return self.connection.js
+
+    @property
+    def may_unqueue(self) -> bool:
+        """Whether this credential may take a queued message out (a password user, or any of
+        the roles that reach the endpoint: its queue is its own stream)."""
+        return self.connection.may(f"$JS.API.STREAM.MSG.DELETE.{self._queue_stream}")
+
+    async def _ensure_queue(self) -> None:
+        """The endpoint's streams, made on first use by a credential that may (a password
+        user: local runs, a NATS you bring; its workers make their consumers, the gateway's
+        meter its own); with per-role credentials the operator made them with the endpoint."""
+        if not self._queue_made:
+            await ensure_endpoint_streams(
+                self.js, self.ref, self.connection.layout, reconcile=False
+            )
+            self._queue_made = True
 
     # ---- submit ------------------------------------------------------------------------
 
@@ -223,6 +295,7 @@ class QueueJobService:
         self._require_connection("/run")
         job_id = str(uuid.uuid4())
         async with queue_call("the job was not accepted"):
+            await self._ensure_queue()
             if idempotency_key is not None:
                 first = await self._claim_idempotency_key(owner, idempotency_key, job_id)
                 if first is not None:
@@ -274,6 +347,7 @@ class QueueJobService:
             ttl_seconds=ttl_ms / 1000 if ttl_ms is not None else self.settings.default_ttl_seconds,
         )
         self._check_size(record)
+        await self.admit(record)
         await self.states.write(record, revision=0, ttl_seconds=record_ttl(record, self._clock()))
         try:
             await self._enqueue(record)
@@ -282,6 +356,20 @@ class QueueJobService:
                 await self.states.remove(job_id)
             raise
         return record
+
+    async def admit(self, record: JobRecord) -> None:
+        """Write a new job's admission (jobs/admission.py) before its record: who accepted it,
+        its owner, what it may be billed at most; it lives as long as the job may. A job
+        admitted before (a batch's request handed over again) keeps its first admission."""
+        await self._ensure_queue()
+        life = record.ttl_seconds if record.ttl_seconds is not None else record.retention_seconds
+        admitted = admission.admit(
+            record,
+            by=self.admitted_by,
+            now=self._clock(),
+            life_seconds=life + _ADMISSION_SLACK_SECONDS,
+        )
+        await admissions.write(self.js, self.ref, admitted)
 
     async def queue_record(self, record: JobRecord) -> int:
         """Queue a stored record's message in its lane (a batch's requests: queue/batch_lines.py)."""
@@ -298,10 +386,6 @@ class QueueJobService:
     async def _enqueue(self, record: JobRecord) -> int:
         priority = record.lane
         subject = names.jobs_subject(self.ref, priority, record.owner)
-        if not self.connection.may(subject):
-            # A pod's credential minted before jobs carried their owner (they are minted once):
-            # the subject without it, which the workers consume too (not capped per owner).
-            subject = names.jobs_subject(self.ref, priority)
         try:
             ack = await self.js.publish(
                 subject,
@@ -311,7 +395,7 @@ class QueueJobService:
                 headers={_MSG_ID: f"{record.id}.{record.runs}"},
             )
         except APIError as exc:
-            if exc.err_code in _QUEUE_FULL_CODES or "maximum messages" in (exc.description or ""):
+            if exc.err_code == _STORE_FAILED and "per subject" in (exc.description or ""):
                 raise RateLimitError(
                     await self._queue_full_message(record.owner, priority),
                     headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
@@ -323,9 +407,9 @@ class QueueJobService:
         """Why a job was refused: the owner's queued jobs reached the per-owner cap (the jobs
         stream's per-subject limit, read when this credential may)."""
         limit = ""
-        if self.connection.may(f"$JS.API.STREAM.INFO.{names.JOBS_STREAM}"):
+        if self.connection.may(f"$JS.API.STREAM.INFO.{self._queue_stream}"):
             with contextlib.suppress(Exception):
-                info = await self.js.stream_info(names.JOBS_STREAM)
+                info = await self.js.stream_info(self._queue_stream)
                 limit = f"{info.config.max_msgs_per_subject} "
         who = f"key {owner!r}" if owner else "this caller"
         kind = {"low": "low-priority ", names.BATCH_PRIORITY: "batch "}.get(priority, "")
@@ -336,10 +420,7 @@ class QueueJobService:
         )
 
     def _idempotency_subject(self, owner: str, key: str) -> str:
-        return names.kv_subject(
-            names.IDEMPOTENCY_BUCKET,
-            names.idempotency_key(self.ref, owner_digest(owner, key)),
-        )
+        return names.idempotency_subject(self.ref, owner_digest(owner, key))
 
     async def _claim_idempotency_key(self, owner: str, key: str, job_id: str) -> JobRecord | None:
         """None when this request is the first with the key; else the first job."""
@@ -350,16 +431,16 @@ class QueueJobService:
                 await self.js.publish(
                     subject,
                     job_id.encode(),
-                    headers={"Nats-Expected-Last-Subject-Sequence": str(expected)},
+                    headers={_EXPECTED_LAST: str(expected)},
                     msg_ttl=max(1, round(self.settings.idempotency_window_seconds)),
                 )
                 return None
             except APIError as exc:
-                if exc.err_code != 10071:
+                if exc.err_code != WRONG_LAST_SEQUENCE:
                     raise
             try:
                 raw = await self.js.get_msg(
-                    names.kv_stream(names.IDEMPOTENCY_BUCKET), subject=subject, direct=True
+                    names.records_stream(self.ref), subject=subject, direct=True
                 )
             except NotFoundError:
                 expected = 0  # the released key's marker expired meanwhile
@@ -394,17 +475,29 @@ class QueueJobService:
     async def get(self, job_id: str, *, owner: str | None) -> JobRecord:
         self._require_connection("/status")
         async with queue_call("the job's status could not be read"):
+            await self._ensure_queue()
             return await self._read_owned(job_id, owner)
 
     async def wait(self, job_id: str, timeout_seconds: float, *, owner: str | None) -> JobRecord:
-        """The job once it ends, or its latest state when ``timeout_seconds`` run out."""
+        """The job once it ends, or its latest state when ``timeout_seconds`` run out.
+
+        Changes arrive on the record's subject, as the server routes each write. A /runsync
+        subscribed before its job existed (``submit``) sees every change. A record that existed
+        before the subscription can end unseen: its last write routed just before the SUB
+        reached the server, yet stored only after the first read (nats-server queues a stream's
+        writes but answers a direct get at once). So such a record is also read again, after
+        ``_RECHECK_PAUSES`` without news (bench/RESULTS.md, "A nudge lost between two
+        connections")."""
         self._require_connection("/runsync")
         async with queue_call("the job's status could not be read"):
+            await self._ensure_queue()
             if (watched := self._watches.pop(job_id, None)) is not None:
                 subscription, record = watched
                 self._check_owner(record, job_id, owner)
+                pauses = itertools.repeat(math.inf)
             else:
                 subscription = await self.connection.nc.subscribe(self.states.subject(job_id))
+                pauses = itertools.chain(_RECHECK_PAUSES, itertools.repeat(_RECHECK_PAUSES[-1]))
             try:
                 if watched is None:
                     record = await self._read_owned(job_id, owner)
@@ -414,10 +507,10 @@ class QueueJobService:
                     if remaining <= 0:
                         break
                     try:
-                        message = await subscription.next_msg(timeout=remaining)
+                        message = await subscription.next_msg(timeout=min(remaining, next(pauses)))
                     except nats.errors.TimeoutError:
                         record = await self._read_owned(job_id, owner)
-                        break
+                        continue
                     if not message.data or JobRecord.decode(message.data).status.is_final:
                         record = await self._read_back_end(job_id, owner)
                 return record
@@ -442,6 +535,7 @@ class QueueJobService:
         """Chunks of the current attempt produced since the last call (by anyone), in order."""
         self._require_connection("/stream")
         async with queue_call("the job's stream could not be read"):
+            await self._ensure_queue()
             while True:
                 current = await self.states.read(job_id)
                 record = self._owned(current, job_id, owner)
@@ -468,7 +562,9 @@ class QueueJobService:
         while True:
             subject = names.chunk_subject(self.ref, record.id, record.attempt, cursor + 1)
             try:
-                raw = await self.js.get_msg(names.CHUNKS_STREAM, subject=subject, direct=True)
+                raw = await self.js.get_msg(
+                    names.records_stream(self.ref), subject=subject, direct=True
+                )
             except NotFoundError:
                 return chunks, cursor
             if raw.data is None:
@@ -481,6 +577,7 @@ class QueueJobService:
     async def cancel(self, job_id: str, *, owner: str | None) -> JobRecord:
         self._require_connection("/cancel")
         async with queue_call("the job was not cancelled"):
+            await self._ensure_queue()
             now = self._clock()
             result = await self.states.update(
                 job_id,
@@ -491,7 +588,7 @@ class QueueJobService:
                 raise _not_found(job_id)
             before, after = result
             if before.status is JobStatus.IN_QUEUE:
-                if self.connection.may_unqueue:
+                if self.may_unqueue:
                     await self._unqueue(job_id)
             else:
                 await self.connection.nc.publish(names.cancel_subject(self.ref, job_id))
@@ -501,6 +598,7 @@ class QueueJobService:
     async def retry(self, job_id: str, *, owner: str | None) -> JobRecord:
         self._require_connection("/retry")
         async with queue_call("the job was not queued again"):
+            await self._ensure_queue()
             result = await self.states.update(
                 job_id,
                 lambda r: _conflict_to_409(requeue_for_retry, self._check_owner(r, job_id, owner)),
@@ -521,21 +619,30 @@ class QueueJobService:
                     )
                 raise
             self._retried += 1
+            await self._admit_run(record)
             # What the retry did (a worker may already have taken the job since).
             return record
+
+    async def _admit_run(self, record: JobRecord) -> None:
+        """A /retry starts a new run: its front door admits it (a retry at a pod of a job the
+        gateway admitted is the pod's word, and that run is not billed)."""
+
+        def more_runs(admitted: admission.JobAdmission) -> admission.JobAdmission | None:
+            if admitted.runs >= record.runs:
+                return None
+            return admitted.model_copy(update={"runs": record.runs})
+
+        with contextlib.suppress(Exception):  # the run still happens; it is just not billed
+            await admissions.update(self.js, self.ref, record.id, self.admitted_by, more_runs)
 
     async def purge_queue(self, *, owner: str | None) -> int:
         """Cancel the caller's queued jobs (every queued job for an admin: ``owner=None``)."""
         self._require_connection("/purge-queue")
         removed = 0
         async with queue_call("the queue was not purged"):
-            if self.connection.may_unqueue:
-                queued: list[tuple[int | None, str]] = list(await self._queued_messages())
-            else:
-                # A runtime pod's credential reads the endpoint's records instead; the
-                # cancelled jobs' messages are acknowledged by the worker that reaches them.
-                queued = [(None, job_id) for job_id in await self._queued_records()]
-            for seq, job_id in queued:
+            await self._ensure_queue()
+            unqueue = self.may_unqueue
+            for seq, job_id in await self._queued_messages():
                 now = self._clock()
                 try:
                     result = await self.states.update(
@@ -548,49 +655,12 @@ class QueueJobService:
                 if result is None:
                     continue
                 _, after = result
-                if seq is not None:
+                if unqueue:
                     with contextlib.suppress(NotFoundError, APIError):
-                        await self.js.delete_msg(names.JOBS_STREAM, seq)
+                        await self.js.delete_msg(self._queue_stream, seq)
                 self.ended(after)
                 removed += 1
         return removed
-
-    async def _queued_records(self) -> list[str]:
-        """Ids of the endpoint's IN_QUEUE jobs, from their records: a short-lived consumer on
-        the endpoint's own keys (its filter is in the request's subject, so a per-endpoint
-        permission allows it), each key's latest value, oldest first."""
-        state_stream = names.kv_stream(names.JOB_STATE_BUCKET)
-        keys = names.kv_subject(names.JOB_STATE_BUCKET, f"{names.tokens(self.ref)}.*")
-        sub = await self.js.pull_subscribe(
-            keys,
-            stream=state_stream,
-            config=ConsumerConfig(
-                name=f"purge-{uuid.uuid4().hex}",
-                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-                ack_policy=AckPolicy.NONE,
-                inactive_threshold=30.0,
-                mem_storage=True,
-                num_replicas=1,
-            ),
-        )
-        found: list[str] = []
-        try:
-            while True:
-                try:
-                    messages = await sub.fetch(256, timeout=0.5)
-                except nats.errors.TimeoutError:
-                    return found
-                for message in messages:
-                    if not message.data:
-                        continue
-                    record = JobRecord.decode(message.data)
-                    if record.status is JobStatus.IN_QUEUE:
-                        found.append(record.id)
-                if not messages or messages[-1].metadata.num_pending == 0:
-                    return found
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
 
     async def _queued_messages(self) -> list[tuple[int, str]]:
         """(sequence, job id) of the endpoint's queue messages (queued and running), oldest
@@ -601,7 +671,7 @@ class QueueJobService:
         while True:
             try:
                 raw = await self.js.get_msg(
-                    names.JOBS_STREAM, seq=seq + 1, subject=subject, next=True
+                    self._queue_stream, seq=seq + 1, subject=subject, next=True
                 )
             except NotFoundError:
                 return found
@@ -615,7 +685,7 @@ class QueueJobService:
         for seq, queued_id in await self._queued_messages():
             if queued_id == job_id:
                 with contextlib.suppress(NotFoundError, APIError):
-                    await self.js.delete_msg(names.JOBS_STREAM, seq)
+                    await self.js.delete_msg(self._queue_stream, seq)
                 return
 
     async def health(self) -> dict[str, Any]:
@@ -623,11 +693,7 @@ class QueueJobService:
         (all pods); the final-state counts are the jobs that ended through this process."""
         self._require_connection("/health")
         async with queue_call("the queue's depth could not be read"):
-            depth = await endpoint_depth(
-                self.js,
-                self.ref,
-                stream_fallback=self.connection.may(f"$JS.API.STREAM.INFO.{names.JOBS_STREAM}"),
-            )
+            depth = await endpoint_depth(self.js, self.ref)
         return {
             "jobs": {
                 "inQueue": depth.queued,
@@ -652,12 +718,13 @@ class QueueJobService:
     def _check_size(self, record: JobRecord) -> None:
         """A job whose record exceeds the server's message limit is a 413 that says so (the
         limit is NATS's ``max_payload``, 1 MiB unless the server raises it)."""
-        limit = self.connection.nc.max_payload
+        limit = self.connection.max_payload
         size = len(record.encode())
         if limit and size > limit:
             raise ContentTooLargeError(
                 f"the job is {size} bytes as stored; the shared queue takes at most {limit} "
-                "bytes per job (the NATS server's max_payload); send a smaller input"
+                "bytes per job (the NATS server's max_payload, or this credential's payload "
+                "limit); send a smaller input"
             )
 
     def _require_connection(self, what: str) -> None:

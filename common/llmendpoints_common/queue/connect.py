@@ -11,10 +11,14 @@ Two kinds of credential:
   pod, the gateway and the operator (docs/security.md).
 
 nats-py reads a creds file at every (re)connect, so a rotated file is used from the next one.
+
+``settle(nc)`` is the barrier ``nc.flush()`` is documented to be and, in nats-py, is not
+(docs/contracts.md, "When a subscription starts").
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -34,6 +38,17 @@ def permissions_of(creds_text: str) -> natsjwt.Permissions:
     """What a creds file's user may publish and subscribe to (from its JWT)."""
     token, _ = natsjwt.parse_creds(creds_text)
     return natsjwt.Permissions.from_claims(natsjwt.decode(token))
+
+
+def limits_of(
+    creds_file: str | Path | None = None, *, creds: str | None = None
+) -> natsjwt.UserLimits:
+    """The bounds a creds file's user JWT carries (none for a password user)."""
+    text = read_creds(creds_file) if creds_file is not None else creds
+    if text is None:
+        return natsjwt.UserLimits()
+    token, _ = natsjwt.parse_creds(text)
+    return natsjwt.UserLimits.from_claims(natsjwt.decode(token))
 
 
 def inbox_of(permissions: natsjwt.Permissions) -> str:
@@ -76,6 +91,21 @@ def credential_options(
         return {}, None
     options["inbox_prefix"] = inbox_of(permissions)
     return options, permissions
+
+
+async def settle(nc: NATS, timeout: float = 10.0) -> None:
+    """Return once the server has processed every command ``nc`` sent before this call: a
+    subscription made before it receives whatever anyone publishes after it.
+
+    ``nc.flush()`` alone does not promise that in nats-py (2.16, and its main branch): it writes
+    its PING straight to the socket while the commands before it (a SUB, say) still wait in
+    the client's own buffer for its flusher task, so the PONG can come back before the server
+    has read the SUB. Here the buffer goes out first, then the PING follows it."""
+    # nats-py has no public call for "write what is buffered"; this is the one its own
+    # publish uses when the buffer is full (tests/queue/test_settle.py pins the wire order).
+    async with asyncio.timeout(timeout):
+        await nc._flush_pending(force_flush=True)
+        await nc.flush(timeout=timeout)
 
 
 async def _log_error(exc: Exception) -> None:

@@ -1,34 +1,39 @@
 """Names in NATS that the runtime, the gateway and the operator share. Keep them stable: a
-rolling upgrade runs old and new pods against the same streams.
+rolling upgrade runs old and new pods against the same streams (this layout is the second: see
+``LEGACY_STREAMS`` and docs/install.md's upgrade table).
 
 An endpoint is its namespace and its name (``identity.EndpointRef``); both are subject tokens,
 the namespace before the name, so every name below reaches one endpoint only and a NATS
-permission for one endpoint is ``<prefix>.<namespace>.<name>.>`` (queue/roles.py).
+permission for one endpoint is ``llmep.ep.<namespace>.<name>.>`` (queue/roles.py).
 
-Layout (one set for all endpoints):
+Each endpoint has a queue of its own -- two streams, created by the operator with the endpoint
+and bounded in bytes (queue/topology.py) -- so what one endpoint's pods write can fill that
+endpoint's storage and nobody else's, and every JetStream request a pod makes names its own
+endpoint in the request's subject (the stream's name), which its credential is scoped to:
 
-- stream ``LLMEP_JOBS`` (work-queue retention): subjects
-  ``llmep.jobs.<ns>.<name>.<priority>.<owner token>``, ``priority`` is ``normal``, ``low``
+- stream ``LLMEP_QUEUE_<ns>_<name>`` (work-queue retention): subjects
+  ``llmep.ep.<ns>.<name>.jobs.<priority>.<owner token>``, ``priority`` is ``normal``, ``low``
   (RunPod's ``policy.lowPriority``) or ``batch`` (a batch's requests: the lowest lane), the
   owner token the submitting key's name as ``tenant_token``. One message per queued attempt.
-  The stream's per-subject limit is so the per-owner cap on queued jobs, enforced by JetStream
+  The stream's per-subject limit is the per-owner cap on queued jobs, enforced by JetStream
   itself (discard-new per subject), across every gateway replica and pod; a key's batch
-  requests (their own subject) are capped apart from its jobs, and a batch's driver queues a
-  window at a time (LLMEP_BATCH_WINDOW_LINES) and waits when the cap is reached. Subjects
-  without the owner token (``llmep.jobs.<ns>.<name>.<priority>``) are what releases before the
-  cap wrote, and what a pod whose credential predates it still writes: they are consumed
-  alike. Workers pull through the durable consumers ``workers-<ns>_<name>-<priority>`` (a
-  namespace never holds ``_``, so the first ``_`` ends it), filtered on both forms.
-- key-value bucket ``LLMEP_JOB_STATE``: key ``<ns>.<name>.<job id>`` -> the job's record (status,
-  owner, times, output or error).
-- stream ``LLMEP_JOB_CHUNKS``: subjects ``llmep.chunks.<ns>.<name>.<job id>.<attempt>.<n>``, the
-  n-th stream chunk (from 1) of the job's attempt: one subject per chunk, so a reader fetches it
-  by name (a direct get whose subject is in the request's own subject, which a per-endpoint
-  permission can scope) rather than by stream sequence (which no permission can).
-- subject ``llmep.cancel.<ns>.<name>.<job id>`` (core NATS): a cancel reaches the worker running
-  it.
-- key-value bucket ``LLMEP_JOB_IDEMPOTENCY`` (entries expire after the idempotency window): key
-  ``<ns>.<name>.<hash of owner and Idempotency-Key>`` -> the job id the first ``/run`` got.
+  requests (their own subject) are capped apart from its jobs. Workers pull through the
+  durable consumers ``workers-<ns>_<name>-<priority>`` (a namespace never holds ``_``, so the
+  first ``_`` ends it).
+- stream ``LLMEP_RECORDS_<ns>_<name>`` (one message per subject, compare-and-set writes,
+  per-message TTL, direct gets), subjects under ``llmep.ep.<ns>.<name>``:
+  - ``rec.<job id>``: the job's record (status, owner, times, output or error);
+  - ``idem.<hash of owner and Idempotency-Key>``: the job id the first ``/run`` got (expires
+    after the idempotency window);
+  - ``chunk.<job id>.<attempt>.<n>``: the n-th stream chunk (from 1) of the job's attempt, one
+    subject per chunk, read by name (a direct get);
+  - ``adm.gw.<job id>``: the job's admission as the gateway accepted it (owner, bounds on what
+    it may be billed); the endpoint's pods may read it and never write it;
+  - ``adm.ep.<job id>``: the admission of a job accepted at one of the endpoint's own pods.
+  The gateway reads the records through its durable consumer ``llmep-gateway-usage`` on each
+  endpoint's records stream (its usage meter): a name no pod permission matches.
+- subject ``llmep.ep.<ns>.<name>.cancel.<job id>`` (core NATS): a cancel reaches the worker
+  running it.
 - key-value bucket ``LLMEP_SIGNALS`` (entries expire): key ``held.<ns>.<name>.<gateway id>`` ->
   requests that gateway holds for the endpoint; subject ``llmep.nudge.<ns>.<name>`` (core NATS):
   "work arrived for an endpoint with no ready replica", so the autoscaler need not wait a tick.
@@ -60,19 +65,32 @@ import re
 
 from llmendpoints_common.identity import EndpointRef, as_ref
 
-JOBS_STREAM = "LLMEP_JOBS"
-JOB_STATE_BUCKET = "LLMEP_JOB_STATE"
-CHUNKS_STREAM = "LLMEP_JOB_CHUNKS"
 SIGNALS_BUCKET = "LLMEP_SIGNALS"
-IDEMPOTENCY_BUCKET = "LLMEP_JOB_IDEMPOTENCY"
 QUOTAS_BUCKET = "LLMEP_QUOTAS"
 USAGE_STREAM = "LLMEP_USAGE"
 BATCHES_BUCKET = "LLMEP_BATCHES"
+
+# The first layout's shared streams, every endpoint's jobs in one set: no longer written.
+# An installation upgraded from it keeps them until an admin deletes them (docs/install.md).
+LEGACY_STREAMS = (
+    "LLMEP_JOBS",
+    "KV_LLMEP_JOB_STATE",
+    "KV_LLMEP_JOB_IDEMPOTENCY",
+    "LLMEP_JOB_CHUNKS",
+)
 
 # Lanes of an endpoint's queue, highest first: a worker takes from a lane only when the ones
 # above are empty (and a batch request only with capacity to spare).
 PRIORITIES = ("normal", "low", "batch")
 BATCH_PRIORITY = "batch"
+
+QUEUE_STREAM_PREFIX = "LLMEP_QUEUE_"
+RECORDS_STREAM_PREFIX = "LLMEP_RECORDS_"
+# The gateway's usage meter's durable consumer on each endpoint's records stream.
+USAGE_CONSUMER = "llmep-gateway-usage"
+# Who accepted a job: its admission's subject (``adm.<by>.<job id>``).
+ADMITTED_BY_GATEWAY = "gw"
+ADMITTED_BY_ENDPOINT = "ep"
 
 # JetStream's limit on stream and consumer names.
 _MAX_NAME = 255
@@ -90,6 +108,22 @@ def tokens(endpoint: EndpointRef | str) -> str:
     return f"{ref.namespace}.{name_token(ref)}"
 
 
+def _stream_token(endpoint: EndpointRef | str) -> str:
+    """``<ns>_<name>``: the endpoint in a stream or consumer name (a namespace holds no ``_``,
+    so the first one ends it: one to one)."""
+    ref = as_ref(endpoint)
+    return f"{ref.namespace}_{name_token(ref)}"
+
+
+def _checked_name(endpoint: EndpointRef | str, name: str) -> str:
+    if len(name) > _MAX_NAME:
+        raise ValueError(
+            f"endpoint {as_ref(endpoint).id!r}: namespace and name together are too long for a "
+            f"JetStream stream or consumer name ({len(name)} > {_MAX_NAME} characters)"
+        )
+    return name
+
+
 def check_job_id(job_id: str) -> str:
     if not _JOB_ID.fullmatch(job_id):
         raise ValueError(f"job id {job_id!r}: letters, digits and '-' only, at most 128")
@@ -102,66 +136,117 @@ def _check_priority(priority: str) -> str:
     return priority
 
 
-def jobs_subject(
-    endpoint: EndpointRef | str, priority: str = "normal", owner: str | None = None
-) -> str:
+# ---- an endpoint's own queue: two streams, every subject under llmep.ep.<ns>.<name> --------
+
+
+def endpoint_prefix(endpoint: EndpointRef | str) -> str:
+    """``llmep.ep.<ns>.<name>``: every subject of the endpoint's queue is under it."""
+    return f"llmep.ep.{tokens(endpoint)}"
+
+
+def queue_stream(endpoint: EndpointRef | str) -> str:
+    """The endpoint's jobs (work-queue retention): ``LLMEP_QUEUE_<ns>_<name>``."""
+    return _checked_name(endpoint, f"{QUEUE_STREAM_PREFIX}{_stream_token(endpoint)}")
+
+
+def records_stream(endpoint: EndpointRef | str) -> str:
+    """The endpoint's records, idempotency keys, chunks and admissions."""
+    return _checked_name(endpoint, f"{RECORDS_STREAM_PREFIX}{_stream_token(endpoint)}")
+
+
+def endpoint_of_stream(stream: str) -> EndpointRef:
+    """The endpoint a queue or records stream is (inverse of ``queue_stream``/``records_stream``)."""
+    for prefix in (QUEUE_STREAM_PREFIX, RECORDS_STREAM_PREFIX):
+        if stream.startswith(prefix):
+            namespace, sep, name = stream[len(prefix) :].partition("_")
+            if sep and namespace and name:
+                return EndpointRef(namespace, name.replace("_", "."))
+    raise ValueError(f"{stream!r} is not an endpoint's queue or records stream")
+
+
+def queue_subjects(endpoint: EndpointRef | str) -> list[str]:
+    return [f"{endpoint_prefix(endpoint)}.jobs.*.*"]
+
+
+def records_subjects(endpoint: EndpointRef | str) -> list[str]:
+    prefix = endpoint_prefix(endpoint)
+    return [f"{prefix}.rec.*", f"{prefix}.idem.*", f"{prefix}.chunk.*.*.*", f"{prefix}.adm.*.*"]
+
+
+def jobs_subject(endpoint: EndpointRef | str, priority: str, owner: str) -> str:
     """Where a job is queued: per owner (the API key's name; "" without keys), so the
-    stream's per-subject limit caps each owner's queued jobs. ``owner=None``: the form without
-    the owner token (releases before the cap)."""
-    subject = f"llmep.jobs.{tokens(endpoint)}.{_check_priority(priority)}"
-    return subject if owner is None else f"{subject}.{tenant_token(owner)}"
+    stream's per-subject limit caps each owner's queued jobs."""
+    return f"{endpoint_prefix(endpoint)}.jobs.{_check_priority(priority)}.{tenant_token(owner)}"
 
 
-def jobs_consumer_filters(endpoint: EndpointRef | str, priority: str) -> list[str]:
-    """What an endpoint's worker consumer for ``priority`` takes: every owner's jobs, and jobs
-    queued without an owner token (before the cap; pods with an older credential)."""
-    subject = jobs_subject(endpoint, priority)
-    return [subject, f"{subject}.*"]
+def jobs_consumer_filter(endpoint: EndpointRef | str, priority: str) -> str:
+    """What an endpoint's worker consumer for ``priority`` takes: every owner's jobs."""
+    return f"{endpoint_prefix(endpoint)}.jobs.{_check_priority(priority)}.*"
 
 
 def priority_of_jobs_subject(subject: str) -> str:
-    """``llmep.jobs.<ns>.<name>.<priority>[.<owner>]`` -> the priority."""
+    """``llmep.ep.<ns>.<name>.jobs.<priority>.<owner>`` -> the priority."""
     parts = subject.split(".")
-    if len(parts) not in (5, 6) or parts[:2] != ["llmep", "jobs"]:
+    if len(parts) != 7 or parts[:2] != ["llmep", "ep"] or parts[4] != "jobs":
         raise ValueError(f"{subject!r} is not a jobs subject")
-    return _check_priority(parts[4])
+    return _check_priority(parts[5])
 
 
 def jobs_consumer(endpoint: EndpointRef | str, priority: str = "normal") -> str:
-    ref = as_ref(endpoint)
-    durable = f"workers-{ref.namespace}_{name_token(ref)}-{_check_priority(priority)}"
-    if len(durable) > _MAX_NAME:
-        raise ValueError(
-            f"endpoint {ref.id!r}: namespace and name together are too long for a JetStream "
-            f"consumer name ({len(durable)} > {_MAX_NAME} characters)"
-        )
-    return durable
+    return _checked_name(endpoint, f"workers-{_stream_token(endpoint)}-{_check_priority(priority)}")
 
 
 def jobs_filter(endpoint: EndpointRef | str) -> str:
-    """Every priority and owner of one endpoint's queue (``llmep.jobs.<ns>.<name>.>``)."""
-    return f"llmep.jobs.{tokens(endpoint)}.>"
+    """Every priority and owner of one endpoint's queue."""
+    return f"{endpoint_prefix(endpoint)}.jobs.>"
 
 
-def job_key(endpoint: EndpointRef | str, job_id: str) -> str:
-    return f"{tokens(endpoint)}.{check_job_id(job_id)}"
+def record_subject(endpoint: EndpointRef | str, job_id: str) -> str:
+    """Where the job's record is written (each write replaces the last: one per subject)."""
+    return f"{endpoint_prefix(endpoint)}.rec.{check_job_id(job_id)}"
+
+
+def records_filter(endpoint: EndpointRef | str) -> str:
+    """Every job record of the endpoint (what the usage meter and waiters follow)."""
+    return f"{endpoint_prefix(endpoint)}.rec.*"
+
+
+def job_of_record_subject(endpoint: EndpointRef | str, subject: str) -> str | None:
+    """The job id a record subject of ``endpoint`` names (None: not one of its records)."""
+    prefix = f"{endpoint_prefix(endpoint)}.rec."
+    if not subject.startswith(prefix):
+        return None
+    job_id = subject[len(prefix) :]
+    return job_id if _JOB_ID.fullmatch(job_id) else None
+
+
+def admission_subject(endpoint: EndpointRef | str, job_id: str, by: str) -> str:
+    """Where a job's admission is: ``by`` is ``ADMITTED_BY_GATEWAY`` (pods may not write it)
+    or ``ADMITTED_BY_ENDPOINT`` (a job accepted at one of the endpoint's pods)."""
+    if by not in (ADMITTED_BY_GATEWAY, ADMITTED_BY_ENDPOINT):
+        raise ValueError(f"admitted by must be {ADMITTED_BY_GATEWAY!r} or {ADMITTED_BY_ENDPOINT!r}")
+    return f"{endpoint_prefix(endpoint)}.adm.{by}.{check_job_id(job_id)}"
 
 
 def chunk_subject(endpoint: EndpointRef | str, job_id: str, attempt: int, index: int) -> str:
     """The ``index``-th chunk (from 1) of attempt ``attempt`` of the job's stream output."""
     if attempt < 0 or index < 1:
         raise ValueError(f"chunk {index} of attempt {attempt}: attempt >= 0 and index >= 1")
-    return f"llmep.chunks.{tokens(endpoint)}.{check_job_id(job_id)}.{attempt}.{index}"
-
-
-def chunks_filter(endpoint: EndpointRef | str, job_id: str) -> str:
-    """Every chunk of every attempt of one job."""
-    return f"llmep.chunks.{tokens(endpoint)}.{check_job_id(job_id)}.>"
+    return f"{endpoint_prefix(endpoint)}.chunk.{check_job_id(job_id)}.{attempt}.{index}"
 
 
 def cancel_subject(endpoint: EndpointRef | str, job_id: str = "*") -> str:
     job = job_id if job_id == "*" else check_job_id(job_id)
-    return f"llmep.cancel.{tokens(endpoint)}.{job}"
+    return f"{endpoint_prefix(endpoint)}.cancel.{job}"
+
+
+def idempotency_subject(endpoint: EndpointRef | str, digest: str) -> str:
+    if not re.fullmatch(r"[0-9a-f]{16,64}", digest):
+        raise ValueError("idempotency digest must be 16-64 lowercase hex digits")
+    return f"{endpoint_prefix(endpoint)}.idem.{digest}"
+
+
+# ---- shared: signals, quotas, usage, batches ------------------------------------------------
 
 
 def held_key(endpoint: EndpointRef | str, gateway_id: str) -> str:
@@ -205,12 +290,6 @@ def kv_subject(bucket: str, key: str) -> str:
     """The subject a key's values are published on (NATS's own convention): a core
     subscription to it sees every update of the key, which is how waiters learn a job ended."""
     return f"$KV.{bucket}.{key}"
-
-
-def idempotency_key(endpoint: EndpointRef | str, digest: str) -> str:
-    if not re.fullmatch(r"[0-9a-f]{16,64}", digest):
-        raise ValueError("idempotency digest must be 16-64 lowercase hex digits")
-    return f"{tokens(endpoint)}.{digest}"
 
 
 def tenant_token(name: str) -> str:

@@ -222,9 +222,6 @@ class Permissions:
     def may_publish(self, subject: str) -> bool:
         return _permitted(subject, self.pub_allow, self.pub_deny)
 
-    def may_subscribe(self, subject: str) -> bool:
-        return _permitted(subject, self.sub_allow, self.sub_deny)
-
 
 def subject_matches(pattern: str, subject: str) -> bool:
     """NATS wildcard matching: ``*`` is one token, a final ``>`` one or more."""
@@ -241,6 +238,48 @@ def _permitted(subject: str, allow: tuple[str, ...], deny: tuple[str, ...]) -> b
     return any(subject_matches(p, subject) for p in allow) and not any(
         subject_matches(p, subject) for p in deny
     )
+
+
+@dataclass(frozen=True)
+class UserLimits:
+    """A user's own bounds (nats-server enforces ``payload``, the largest message it may
+    publish, and ``subs``, the subscriptions it may hold; -1: the account's or the server's).
+    The JWT's ``data`` limit is not enforced for client connections, so it is not offered."""
+
+    payload: int = -1
+    subs: int = -1
+
+    @classmethod
+    def from_claims(cls, claims: dict[str, Any]) -> UserLimits:
+        nats = claims.get("nats") or {}
+        return cls(payload=int(nats.get("payload", -1)), subs=int(nats.get("subs", -1)))
+
+
+@dataclass(frozen=True)
+class AccountLimits:
+    """The account's JetStream bounds (nats-io/jwt ``JetStreamLimits``; -1: none). Untiered:
+    a stream replicated R times counts R times against ``disk_storage``/``mem_storage``.
+    ``max_bytes_required``: the server refuses a stream created without ``max_bytes``, so every
+    stream is bounded (and JetStream reserves its bound on the servers when it is created)."""
+
+    disk_storage: int = -1
+    mem_storage: int = -1
+    streams: int = -1
+    consumer: int = -1
+    max_ack_pending: int = -1
+    max_bytes_required: bool = True
+
+    def claims(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "disk_storage": self.disk_storage,
+            "mem_storage": self.mem_storage,
+            "streams": self.streams,
+            "consumer": self.consumer,
+            "max_ack_pending": self.max_ack_pending,
+        }
+        if self.max_bytes_required:
+            out["max_bytes_required"] = True
+        return out
 
 
 def operator_jwt(operator: Key, *, name: str, system_account: str, issued_at: int) -> str:
@@ -260,11 +299,14 @@ def account_jwt(
     *,
     name: str,
     signing_keys: tuple[str, ...] = (),
-    jetstream: bool = True,
+    jetstream: AccountLimits | None = None,
+    revoked_before: int | None = None,
     issued_at: int,
 ) -> str:
     """An account (``account``: its public key) vouched for by the operator. Users of the
-    account are signed by one of ``signing_keys`` (the account's own key stays offline)."""
+    account are signed by one of ``signing_keys`` (the account's own key stays offline).
+    ``jetstream``: its JetStream bounds (None: no JetStream). ``revoked_before``: every user
+    JWT issued at or before this time is refused (the revocation ``"*"``)."""
     limits: dict[str, Any] = {
         "subs": -1,
         "data": -1,
@@ -275,11 +317,13 @@ def account_jwt(
         "conn": -1,
         "leaf": -1,
     }
-    if jetstream:
-        limits.update({"mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1})
+    if jetstream is not None:
+        limits.update(jetstream.claims())
     nats: dict[str, Any] = {"limits": limits, "default_permissions": {"pub": {}, "sub": {}}}
     if signing_keys:
         nats["signing_keys"] = list(signing_keys)
+    if revoked_before is not None:
+        nats["revocations"] = {"*": int(revoked_before)}
     nats["type"] = "account"
     return encode(operator, account, nats, name=name, issued_at=issued_at)
 
@@ -293,14 +337,17 @@ def user_jwt(
     name: str,
     issued_at: int,
     expires_at: int | None = None,
+    limits: UserLimits | None = None,
 ) -> str:
     """A user (``user``: its public key) of ``account``, signed by the account's signing key
-    ``signer``, allowed exactly ``permissions``; plain client connections only."""
+    ``signer``, allowed exactly ``permissions`` within ``limits``; plain client connections
+    only."""
+    bounds = limits or UserLimits()
     nats: dict[str, Any] = {
         **permissions.claims(),
-        "subs": -1,
+        "subs": bounds.subs,
         "data": -1,
-        "payload": -1,
+        "payload": bounds.payload,
         "allowed_connection_types": ["STANDARD"],
         "type": "user",
     }

@@ -16,6 +16,7 @@ live gateway replica and adds it to the endpoint's queue.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Awaitable, Callable
 
@@ -27,6 +28,7 @@ from nats.js.kv import KeyValue
 
 from llmendpoints_common.batch.signal import BatchSignal
 from llmendpoints_common.identity import EndpointRef
+from llmendpoints_common.queue.connect import settle
 from llmendpoints_common.queue.names import (
     NUDGE_WILDCARD,
     SIGNALS_BUCKET,
@@ -156,7 +158,8 @@ async def nudge(nc: NATS, endpoint: EndpointRef | str) -> None:
 
 async def subscribe_nudges(nc: NATS, callback: NudgeCallback) -> Subscription:
     """Call ``callback(endpoint)`` (an EndpointRef) for every nudge (a coroutine function or a
-    plain one).
+    plain one) published from the moment this returns: the server holds the subscription by
+    then (queue/connect.py, ``settle``).
     Returns the subscription; ``await sub.unsubscribe()`` stops it."""
 
     async def on_message(msg) -> None:
@@ -168,4 +171,13 @@ async def subscribe_nudges(nc: NATS, callback: NudgeCallback) -> Subscription:
         if inspect.isawaitable(result):
             await result
 
-    return await nc.subscribe(NUDGE_WILDCARD, cb=on_message)
+    subscription = await nc.subscribe(NUDGE_WILDCARD, cb=on_message)
+    try:
+        await settle(nc)
+    except BaseException:
+        # Not known to be registered: the caller subscribes again later, and twice would
+        # deliver each nudge twice.
+        with contextlib.suppress(Exception):
+            await subscription.unsubscribe()
+        raise
+    return subscription

@@ -1,13 +1,13 @@
-"""Job records in the ``LLMEP_JOB_STATE`` bucket, changed only by compare-and-set.
+"""Job records in their endpoint's records stream, changed only by compare-and-set.
 
-Writes go straight to the bucket's stream (``$KV.LLMEP_JOB_STATE.<key>``) so that a write can
-carry both the expected revision (``Nats-Expected-Last-Subject-Sequence``: nobody wrote in
+A record is the last message on ``llmep.ep.<ns>.<name>.rec.<id>`` (queue/names.py). A write
+carries both the expected revision (``Nats-Expected-Last-Subject-Sequence``: nobody wrote in
 between) and a time to live (``Nats-TTL``: a record disappears when its retention ends, or at
 its ``policy.ttl`` whatever its state, so ``/status`` then answers 404 with no sweeper). Every
 write carries it: the latest write's TTL is the one that counts. Reads are direct gets of the
-key's last value (answered by any replica of the stream), with the key in the request's subject
-(``$JS.API.DIRECT.GET.KV_LLMEP_JOB_STATE.$KV.LLMEP_JOB_STATE.<ns>.<name>.<id>``), which is what
-lets a runtime pod's credential read its own endpoint's records and no other's.
+subject's last message (answered by any replica of the stream) on the endpoint's own stream
+(``$JS.API.DIRECT.GET.LLMEP_RECORDS_<ns>_<name>.<subject>``), which is what lets a runtime
+pod's credential read its own endpoint's records and no other's.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from llmendpoints_common.jobs.record import JobRecord, record_ttl
 from llmendpoints_common.queue import names
 
 # JetStream's error code for "wrong last sequence" (someone else wrote the key first).
-_WRONG_LAST_SEQUENCE = 10071
+WRONG_LAST_SEQUENCE = 10071
 _EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 # How long a purge marker stays (it is an empty value: a read finds no record).
 _MARKER_TTL_SECONDS = 60
@@ -51,10 +51,10 @@ class JobStates:
     def __init__(self, js: JetStreamContext, endpoint: EndpointRef | str) -> None:
         self._js = js
         self.endpoint = as_ref(endpoint)
-        self._stream = names.kv_stream(names.JOB_STATE_BUCKET)
+        self._stream = names.records_stream(self.endpoint)
 
     def subject(self, job_id: str) -> str:
-        return names.kv_subject(names.JOB_STATE_BUCKET, names.job_key(self.endpoint, job_id))
+        return names.record_subject(self.endpoint, job_id)
 
     async def read(self, job_id: str) -> tuple[JobRecord, int] | None:
         """The record and its revision, or None (never stored, expired, or not a job id)."""
@@ -86,7 +86,7 @@ class JobStates:
                 msg_ttl=None if ttl_seconds is None else max(1, round(ttl_seconds)),
             )
         except APIError as exc:
-            if exc.err_code == _WRONG_LAST_SEQUENCE:
+            if exc.err_code == WRONG_LAST_SEQUENCE:
                 raise StaleRevision(record.id) from None
             raise
         return ack.seq

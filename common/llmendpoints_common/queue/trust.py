@@ -14,10 +14,15 @@ Each key file holds an nkey seed (``SO...``/``SA...``, as ``nsc`` makes them) or
 bytes in base64 (what Helm's ``randBytes 32`` makes; a template cannot encode an nkey). The
 ``account`` file may also hold just the public key (``A...``): nobody here signs with it.
 
-The server configuration is deterministic in the keys (``issued_at`` fixed): every NATS replica
-renders the same, and re-rendering changes nothing. User JWTs carry the time they were minted
-and do not expire: a credential is revoked by rotating the signing key (every creds file then
-has to be minted again; docs/security.md).
+The server configuration is deterministic in the keys and its arguments (``issued_at``
+fixed): every NATS replica renders the same, and re-rendering changes nothing. The account JWT
+carries the account's JetStream bounds (``natsjwt.AccountLimits``: every stream must have a
+``max_bytes``; the account's storage no more than the servers hold) and revokes every user JWT
+minted before ``REVOKED_BEFORE``: credentials of the first queue layout, whose permissions
+reached other roles' consumers (the operator mints its endpoints' credentials anew under a new
+Secret name). User JWTs carry the time they were minted and do not expire: a credential is
+revoked by rotating the signing key (every creds file then has to be minted again;
+docs/security.md).
 """
 
 from __future__ import annotations
@@ -27,12 +32,15 @@ from pathlib import Path
 
 from llmendpoints_common.identity import EndpointRef, as_ref
 from llmendpoints_common.queue import natsjwt, roles
-from llmendpoints_common.queue.natsjwt import CredentialsError, Key
+from llmendpoints_common.queue.natsjwt import AccountLimits, CredentialsError, Key
 
 KEY_FILES = ("operator", "system-account", "account", "account-signing")
 ACCOUNT_NAME = "LLMEP"
 # JWTs of the server configuration carry this as their issue time (deterministic output).
 CONFIG_ISSUED_AT = 1_700_000_000
+# User JWTs issued at or before this time are refused: the first layout's credentials (runtime
+# pods could pull and rewrite the gateway's usage consumer with them; issue 28).
+REVOKED_BEFORE = 1_795_900_000
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,7 @@ def mint(
         permissions,
         name=credential_name(role, endpoint),
         issued_at=issued_at,
+        limits=roles.limits(role),
     )
     return natsjwt.creds(token, user.seed)
 
@@ -177,10 +186,11 @@ def routes_config(password: str, routes: list[str]) -> str:
     )
 
 
-def server_config(installation: Installation) -> str:
+def server_config(installation: Installation, jetstream: AccountLimits | None = None) -> str:
     """The part of nats.conf that makes the server trust this installation's operator and
     know its two accounts (resolver MEMORY: the account JWTs are in the file; nothing to
-    push to the servers at run time)."""
+    push to the servers at run time). ``jetstream``: the account's JetStream bounds (default:
+    every stream bounded, no total beyond the servers' own)."""
     key = installation
     issued = CONFIG_ISSUED_AT
     operator = natsjwt.operator_jwt(
@@ -188,13 +198,15 @@ def server_config(installation: Installation) -> str:
         issued_at=issued,
     )  # fmt: skip
     system = natsjwt.account_jwt(
-        key.operator, key.system_account.public, name="SYS", jetstream=False, issued_at=issued
+        key.operator, key.system_account.public, name="SYS", issued_at=issued
     )
     account = natsjwt.account_jwt(
         key.operator,
         key.account.public,
         name=ACCOUNT_NAME,
         signing_keys=(key.account_signing.public,),
+        jetstream=jetstream or AccountLimits(),
+        revoked_before=REVOKED_BEFORE,
         issued_at=issued,
     )
     return (

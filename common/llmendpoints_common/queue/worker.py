@@ -21,7 +21,7 @@ Guarantees (see docs/jobs.md, "Shared queue"):
   (``policy.executionTimeout``, ``policy.ttl``) ends ``TIMED_OUT`` with the usage its
   ``usage`` function reports; a cancelled one adds its usage to the ``CANCELLED`` record that
   whoever cancelled wrote (once, for its own attempt). The gateway meters both, once per run.
-- **Cancel from anywhere:** a cancel published on ``llmep.cancel.<ns>.<name>.<id>`` aborts the
+- **Cancel from anywhere:** a cancel published on ``llmep.ep.<ns>.<name>.cancel.<id>`` aborts the
   engine request at once; the heartbeat also checks the record, so a missed message delays
   the abort by at most one heartbeat.
 - **Consumers it is given:** with a runtime pod's credential the endpoint's worker consumers
@@ -42,7 +42,7 @@ from typing import Any
 
 import nats.errors
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
+from nats.js.errors import APIError as JetStreamError
 
 from llmendpoints_common.errors import APIError, error_from_exception
 from llmendpoints_common.jobs.models import JobStatus
@@ -58,8 +58,9 @@ from llmendpoints_common.jobs.record import (
 )
 from llmendpoints_common.queue import names
 from llmendpoints_common.queue.client import ATTEMPT_HEADER, QueueJobService, record_ttl
+from llmendpoints_common.queue.pull import PullLane
 from llmendpoints_common.queue.state import StaleRevision
-from llmendpoints_common.queue.topology import NotCreatedYet, QueueLayout, ensure_consumers
+from llmendpoints_common.queue.topology import NotCreatedYet, QueueLayout, ensure_endpoint_queue
 from llmendpoints_common.waiting import wait_until_set
 
 log = logging.getLogger(__name__)
@@ -92,110 +93,8 @@ class _Attempt:
     cancelled: bool = False
 
 
-_NO_MESSAGES = {"404", "408", "409"}  # nothing (left) to deliver, the pull expired, or full
 _JOB_LANES = ("normal", "low")  # the lanes every worker takes (the batch lane: if it may)
 _BATCH_LANE_RETRY_SECONDS = 30.0
-_LANE_REPLY_SECONDS = 2.0
-
-
-class _Lane:
-    """One lane's durable consumer, pulled through a reply inbox of its own.
-
-    ``take(n)`` asks for up to ``n`` messages with ``no_wait`` (the server answers at once with
-    what it has), so asking every lane in turn costs a round trip each, not a poll timeout.
-    ``wait(seconds, until)`` asks for one message and waits for it, for ``until`` (a freed
-    slot), or for the time. A message that arrives after its asker stopped waiting stays in
-    the inbox and is the first a later ``take`` returns, so none is lost.
-    """
-
-    def __init__(self, nc: Any, subject: str, inbox: str, subscription: Subscription) -> None:
-        self._nc = nc
-        self._subject = subject
-        self._inbox = inbox
-        self._sub = subscription
-
-    @classmethod
-    async def open(cls, nc: Any, stream: str, durable: str) -> _Lane:
-        inbox = nc.new_inbox()
-        subscription = await nc.subscribe(inbox)
-        return cls(nc, f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", inbox, subscription)
-
-    def _pending(self, n: int) -> list[Msg]:
-        found: list[Msg] = []
-        queue = self._sub._pending_queue  # nats-py keeps delivered messages here
-        while len(found) < n and not queue.empty():
-            message = queue.get_nowait()
-            if message.data or not _status(message):
-                found.append(message)
-        return found
-
-    async def take(self, n: int) -> list[Msg]:
-        found = self._pending(n)
-        if found:
-            return found
-        await self._nc.publish(
-            self._subject, json.dumps({"batch": n, "no_wait": True}).encode(), reply=self._inbox
-        )
-        while len(found) < n:
-            try:
-                message = await self._sub.next_msg(timeout=_LANE_REPLY_SECONDS)
-            except (nats.errors.TimeoutError, TimeoutError):
-                break
-            status = _status(message)
-            if status is None:
-                found.append(message)
-            elif status in _NO_MESSAGES:
-                break
-        return found
-
-    async def wait(self, seconds: float, until: asyncio.Event) -> list[Msg]:
-        found = self._pending(1)
-        if found:
-            return found
-        expires = int(seconds * 1e9)
-        await self._nc.publish(
-            self._subject, json.dumps({"batch": 1, "expires": expires}).encode(), reply=self._inbox
-        )
-        deadline = time.monotonic() + seconds
-        waiter = asyncio.ensure_future(until.wait())
-        reader: asyncio.Future[Msg] | None = None
-        try:
-            while (left := deadline - time.monotonic()) > 0:
-                reader = asyncio.ensure_future(self._sub.next_msg(timeout=left))
-                done, _ = await asyncio.wait({reader, waiter}, return_when=asyncio.FIRST_COMPLETED)
-                if reader not in done:
-                    return []  # a slot freed: the caller looks at every lane again
-                try:
-                    message = reader.result()
-                except (nats.errors.TimeoutError, TimeoutError):
-                    return []
-                finally:
-                    reader = None
-                status = _status(message)
-                if status is None:
-                    return [message]
-                if status in _NO_MESSAGES:
-                    return []
-            return []
-        finally:
-            waiter.cancel()
-            if reader is not None:  # abandoned (a freed slot, or shutdown): not left unread
-                reader.cancel()
-                with contextlib.suppress(BaseException):
-                    await reader
-
-    async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self._sub.unsubscribe()
-
-
-def _status(message: Msg) -> str | None:
-    """A JetStream status reply's code (``404`` no messages...), None for a job's message."""
-    headers = message.headers or {}
-    status = headers.get("Status")
-    if status is None and not message.data and not message.reply:
-        return "404"
-    return status
 
 
 class QueueWorker:
@@ -227,7 +126,7 @@ class QueueWorker:
         self._running: dict[str, _Attempt] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._batch_tasks: set[asyncio.Task[None]] = set()
-        self._lanes: dict[str, _Lane] = {}
+        self._lanes: dict[str, PullLane] = {}
         self._batch_lane_retry_at = 0.0
         self._slot_freed = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -280,15 +179,18 @@ class QueueWorker:
             await lane.close()
         self._lanes.clear()
 
+    def _may_create(self) -> bool:
+        """A password user makes the endpoint's queue; a pod's credential waits for the
+        operator to."""
+        stream = names.records_stream(self.service.ref)
+        return self.service.connection.may(f"$JS.API.STREAM.CREATE.{stream}")
+
     async def _connect_consumers(self) -> None:
         js = self.service.js
         ref = self.service.ref
         connection = self.service.connection
-        create = connection.may(
-            f"$JS.API.CONSUMER.CREATE.{names.JOBS_STREAM}.{names.jobs_consumer(ref)}"
-        )
-        ack_wait = await ensure_consumers(
-            js, ref, self._layout, create=create, priorities=_JOB_LANES
+        ack_wait = await ensure_endpoint_queue(
+            js, ref, self._layout, create=self._may_create(), priorities=_JOB_LANES
         )
         # Whoever created the consumers chose their ack wait (the heartbeat timeout); when it is
         # shorter than this worker was configured for, its heartbeat shrinks in proportion, so
@@ -297,8 +199,8 @@ class QueueWorker:
             1.0, ack_wait / self._layout.heartbeat_timeout_seconds
         )
         for priority in _JOB_LANES:
-            self._lanes[priority] = await _Lane.open(
-                connection.nc, names.JOBS_STREAM, names.jobs_consumer(ref, priority)
+            self._lanes[priority] = await PullLane.open(
+                connection.nc, names.queue_stream(ref), names.jobs_consumer(ref, priority)
             )
         await self._open_batch_lane()
         self._subscriptions["cancel"] = await connection.nc.subscribe(
@@ -315,22 +217,18 @@ class QueueWorker:
         if time.monotonic() < self._batch_lane_retry_at:
             return
         service = self.service
-        create = service.connection.may(
-            f"$JS.API.CONSUMER.CREATE.{names.JOBS_STREAM}."
-            f"{names.jobs_consumer(service.ref, names.BATCH_PRIORITY)}"
-        )
         try:
-            await ensure_consumers(
-                service.js, service.ref, self._layout, create=create,
+            await ensure_endpoint_queue(
+                service.js, service.ref, self._layout, create=self._may_create(),
                 priorities=(names.BATCH_PRIORITY,),
             )  # fmt: skip
         except NotCreatedYet as exc:
             self._batch_lane_retry_at = time.monotonic() + _BATCH_LANE_RETRY_SECONDS
             log.warning("job queue worker: %s; taking jobs without batches meanwhile", exc)
             return
-        self._lanes[names.BATCH_PRIORITY] = await _Lane.open(
+        self._lanes[names.BATCH_PRIORITY] = await PullLane.open(
             service.connection.nc,
-            names.JOBS_STREAM,
+            names.queue_stream(service.ref),
             names.jobs_consumer(service.ref, names.BATCH_PRIORITY),
         )
 
@@ -565,6 +463,11 @@ class QueueWorker:
                 await message.ack()  # cancelled meanwhile
                 return
             except (nats.errors.Error, OSError) as exc:
+                if _storage_full(exc) and status is not JobStatus.FAILED:
+                    # Its output does not fit in what is left of its endpoint's queue: the job
+                    # ends FAILED saying so, rather than running again to the same end.
+                    status, output, error = JobStatus.FAILED, None, _queue_full_error()
+                    continue
                 if time.monotonic() > deadline:
                     log.error(
                         "job %s: outcome not stored (%s); it runs again elsewhere", record.id, exc
@@ -624,6 +527,22 @@ class QueueWorker:
             await attempt.task
 
 
+def _storage_full(exc: BaseException) -> bool:
+    """JetStream refused a write: the endpoint's records stream is at its bound."""
+    return isinstance(exc, JetStreamError) and "maximum bytes" in (exc.description or "")
+
+
+def _queue_full_error() -> dict[str, Any]:
+    return {
+        "message": "the job's output did not fit in its endpoint's queue (its records, results "
+        "and stream output take all the storage it is given, "
+        "LLMEP_OPERATOR_JOBS_QUEUE_ENDPOINT_MAX_BYTES); retry when results have expired or "
+        "been read",
+        "type": "ServiceUnavailableError",
+        "code": "queue_full",
+    }
+
+
 def _timeout_error(record: JobRecord, budget: float, cut_by_ttl: bool) -> dict[str, Any]:
     if cut_by_ttl:
         ttl_ms = round((record.ttl_seconds or 0) * 1000)
@@ -650,6 +569,7 @@ class _ChunkPublisher:
         self._record = record
         self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._count = 0
+        self._full = False
         self._task = asyncio.create_task(self._drain())
         self._ttl = max(1, round(ttl))
 
@@ -666,10 +586,22 @@ class _ChunkPublisher:
             subject = names.chunk_subject(
                 self._ref, self._record.id, self._record.attempt, self._count
             )
-            while True:
+            while not self._full:
                 try:
                     await self._js.publish(subject, data, headers=headers, msg_ttl=self._ttl)
                     break
+                except JetStreamError as exc:
+                    if not _storage_full(exc):
+                        log.warning("job %s: chunk not stored yet (%s)", self._record.id, exc)
+                        await asyncio.sleep(0.5)
+                        continue
+                    # The endpoint's queue is full: the rest of this attempt's stream output
+                    # is not kept (its result still is, if it fits); retrying would never end.
+                    log.warning(
+                        "job %s: its endpoint's queue is full; stream output not kept",
+                        self._record.id,
+                    )
+                    self._full = True
                 except (nats.errors.Error, OSError) as exc:
                     log.warning("job %s: chunk not stored yet (%s)", self._record.id, exc)
                     await asyncio.sleep(0.5)

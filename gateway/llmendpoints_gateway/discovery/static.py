@@ -54,37 +54,38 @@ def parse_endpoints(text: str) -> list[StaticEndpoint]:
         raise EndpointsFileError(f"not valid YAML: {exc}") from None
     if not isinstance(document, Mapping) or not isinstance(document.get("endpoints"), list):
         raise EndpointsFileError("expected a mapping with an `endpoints` list")
-    result: list[StaticEndpoint] = []
-    for i, entry in enumerate(document["endpoints"]):
-        where = f"endpoints[{i}]"
-        if not isinstance(entry, Mapping):
-            raise EndpointsFileError(f"{where}: must be a mapping with name, models, backends")
-        name = entry.get("name")
-        if not isinstance(name, str) or not name:
-            raise EndpointsFileError(f"{where}.name: a non-empty string is required")
-        namespace = entry.get("namespace", DEFAULT_NAMESPACE)
-        try:
-            check_namespace(namespace, field=f"{where}.namespace")
-        except ValueError as exc:
-            raise EndpointsFileError(str(exc)) from None
-        models = _strings(entry.get("models", [name]), f"{where}.models")
-        backends = tuple(
-            b.rstrip("/") for b in _strings(entry.get("backends", []), f"{where}.backends")
-        )
-        for backend in backends:
-            if not backend.startswith(("http://", "https://")):
-                raise EndpointsFileError(f"{where}.backends: {backend!r} is not an http(s) URL")
-        try:
-            routing = Strategy(entry.get("routing", Strategy.PREFIX_AWARE))
-        except ValueError:
-            raise EndpointsFileError(
-                f"{where}.routing: must be one of {[s.value for s in Strategy]}"
-            ) from None
-        result.append(StaticEndpoint(name, models, backends, routing, namespace))
+    result = [_endpoint(entry, f"endpoints[{i}]") for i, entry in enumerate(document["endpoints"])]
     ids = [f"{e.namespace}/{e.name}" for e in result]
     if len(set(ids)) != len(ids):
         raise EndpointsFileError("endpoints must be unique by namespace and name")
     return result
+
+
+def _endpoint(entry: Any, where: str) -> StaticEndpoint:
+    if not isinstance(entry, Mapping):
+        raise EndpointsFileError(f"{where}: must be a mapping with name, models, backends")
+    name = entry.get("name")
+    if not isinstance(name, str) or not name:
+        raise EndpointsFileError(f"{where}.name: a non-empty string is required")
+    namespace = entry.get("namespace", DEFAULT_NAMESPACE)
+    try:
+        check_namespace(namespace, field=f"{where}.namespace")
+    except ValueError as exc:
+        raise EndpointsFileError(str(exc)) from None
+    models = _strings(entry.get("models", [name]), f"{where}.models")
+    backends = tuple(
+        b.rstrip("/") for b in _strings(entry.get("backends", []), f"{where}.backends")
+    )
+    for backend in backends:
+        if not backend.startswith(("http://", "https://")):
+            raise EndpointsFileError(f"{where}.backends: {backend!r} is not an http(s) URL")
+    try:
+        routing = Strategy(entry.get("routing", Strategy.PREFIX_AWARE))
+    except ValueError:
+        raise EndpointsFileError(
+            f"{where}.routing: must be one of {[s.value for s in Strategy]}"
+        ) from None
+    return StaticEndpoint(name, models, backends, routing, namespace)
 
 
 def _strings(value: Any, where: str) -> tuple[str, ...]:

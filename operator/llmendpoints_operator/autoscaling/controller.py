@@ -88,13 +88,17 @@ class Subject:
     kind: str
     policy: ScalingPolicy
     service: str
-    deployment: str
-    replicas: int  # the Deployment's spec.replicas now
+    deployment: str  # the workload's name: a Deployment, or a LeaderWorkerSet (see workload)
+    replicas: int  # the workload's spec.replicas now (a LeaderWorkerSet's: groups)
     # The Deployment's status.readyReplicas: 0 with replicas > 0 means nothing to measure (the
     # tick is skipped, without a request: an endpoint whose pods are still loading costs no API
     # calls; at minReplicas 0 it reads the outside work only, as at 0 replicas, so that it can
     # go back to zero when nothing waits any more).
     ready_replicas: int | None = None
+    # (apiVersion, kind) of the workload. A LeaderWorkerSet's replicas are groups: its Service
+    # lists their leaders only, so a group is one replica here (its leader's /metrics carry the
+    # whole group's queue) and every decision is in whole groups.
+    workload: tuple[str, str] = ("apps/v1", "Deployment")
 
     @property
     def key(self) -> Key:
@@ -275,13 +279,13 @@ class Autoscaler:
     async def _resize(
         self, kube: KubeApi, subject: Subject, memory: _Memory, decision: Decision, now: float
     ) -> None:
-        """Patch the Deployment's replicas (with why it is at zero, or without), post the Event."""
+        """Patch the workload's replicas (with why it is at zero, or without), post the Event."""
         namespace, name = subject.key
         patch: dict[str, Any] = {"spec": {"replicas": decision.replicas}}
         if decision.to_zero or decision.from_zero:  # say why it is at zero; None removes it
             zero_reason = decision.reason if decision.to_zero else None
             patch["metadata"] = {"annotations": {SCALED_TO_ZERO_ANNOTATION: zero_reason}}
-        await kube.patch("apps/v1", "Deployment", namespace, subject.deployment, patch)
+        await kube.patch(*subject.workload, namespace, subject.deployment, patch)
         memory.patched = (subject.replicas, decision.replicas)
         if decision.from_zero:
             memory.cold_start = ColdStart(decided_at=now)

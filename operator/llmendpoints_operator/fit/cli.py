@@ -1,6 +1,6 @@
 """`llmendpoints-operator fit`: the operator's fit check, run locally before anything is applied.
 
-    llmendpoints-operator fit MODEL --gpus N --gpu-memory 80GiB [--max-model-len ...]
+    llmendpoints-operator fit MODEL --gpus N [--nodes N] --gpu-memory 80GiB [--max-model-len ...]
                               [--tensor-parallel-size ...] [--kv-cache-dtype fp8] [--json] ...
 
 MODEL is a model on a hub (HF_ENDPOINT, else https://huggingface.co; HF_TOKEN for private and
@@ -30,7 +30,7 @@ from llmendpoints_operator.spec import InvalidSpecError, parse
 
 EXIT = {"True": 0, "False": 1, "Unknown": 3}
 # CLI option -> the engine flag it sets through spec.engine.args.
-ENGINE_ARGS = ("pipeline-parallel-size", "kv-cache-dtype", "max-num-seqs", "max-num-batched-tokens")
+ENGINE_ARGS = ("kv-cache-dtype", "max-num-seqs", "max-num-batched-tokens")
 
 
 def add_parser(commands: Any) -> None:
@@ -42,13 +42,17 @@ def add_parser(commands: Any) -> None:
         "HF_ENDPOINT and HF_TOKEN are read as huggingface_hub reads them.",
     )
     fit.add_argument("model", help="a model on the hub (org/name), or a local folder")
-    fit.add_argument("--gpus", type=int, default=1, help="GPUs per replica (default 1)")
+    fit.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
+    fit.add_argument("--nodes", type=int, default=1, help="nodes per replica (default 1)")
     fit.add_argument("--gpu-memory", required=True, help="memory of one GPU, e.g. 80GiB or 24Gi")
     fit.add_argument("--gpu-product", help="the GPU's name, for the message and batch defaults")
     fit.add_argument("--gpus-per-node", type=int, help="for suggestions of more GPUs (default 8)")
     fit.add_argument("--revision", help="branch, tag or commit (default main)")
     fit.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
-    fit.add_argument("--tensor-parallel-size", type=int, help="default: one shard per GPU")
+    fit.add_argument("--tensor-parallel-size", type=int, help="default: the GPUs left")
+    fit.add_argument("--pipeline-parallel-size", type=int, help="default: --nodes or 1")
+    fit.add_argument("--data-parallel-size", type=int, help="default 1")
+    fit.add_argument("--enable-expert-parallel", action="store_true", help="vLLM's flag")
     fit.add_argument("--gpu-memory-utilization", type=float, help="default 0.9")
     fit.add_argument("--dtype", help="auto, bfloat16, float16, float32 (default auto)")
     fit.add_argument("--quantization", help="e.g. fp8 (default: the checkpoint's)")
@@ -61,6 +65,9 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
     engine: dict[str, Any] = {
         "maxModelLen": args.max_model_len,
         "tensorParallelSize": args.tensor_parallel_size,
+        "pipelineParallelSize": args.pipeline_parallel_size,
+        "dataParallelSize": args.data_parallel_size,
+        "enableExpertParallel": args.enable_expert_parallel or None,
         "gpuMemoryUtilization": args.gpu_memory_utilization,
         "dtype": args.dtype,
         "quantization": args.quantization,
@@ -73,7 +80,11 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": {"name": args.model, "revision": args.revision},
         "engine": {k: v for k, v in engine.items() if v is not None},
-        "resources": {"gpus": args.gpus, "gpuMemory": quantity_bytes(args.gpu_memory)},
+        "resources": {
+            "gpus": args.gpus,
+            "nodes": args.nodes,
+            "gpuMemory": quantity_bytes(args.gpu_memory),
+        },
     }
 
 

@@ -82,20 +82,16 @@ def _flag_bool(flags: Mapping[str, str], flag: str) -> bool:
     return vllm_env.parse_bool(flags.get(flag, "false"))
 
 
-def parallelism(ep: Endpoint, flags: Mapping[str, str]) -> Parallelism:
-    """THE place where the check reads the endpoint's parallel layout.
-
-    Tensor parallel from the spec (manifests.tensor_parallel_size: one shard per GPU by
-    default); pipeline and data parallel, and expert parallelism, from engine.args/env until the
-    spec has fields for them; one node. (The multi-node fields spec.resources.nodes,
-    spec.engine.pipelineParallelSize, spec.engine.dataParallelSize and
-    spec.engine.enableExpertParallel are read here once they exist.)"""
+def parallelism(ep: Endpoint) -> Parallelism:
+    """THE place where the check reads the endpoint's parallel layout: the spec's sizes as the
+    operator derives them (parallelism.py), over spec.resources.nodes nodes."""
+    sizes = ep.spec.parallelism
     return Parallelism(
-        tensor=manifests.tensor_parallel_size(ep) or 1,
-        pipeline=_flag_int(flags, "--pipeline-parallel-size") or 1,
-        data=_flag_int(flags, "--data-parallel-size") or 1,
-        nodes=1,
-        expert=_flag_bool(flags, "--enable-expert-parallel"),
+        tensor=sizes.tensor,
+        pipeline=sizes.pipeline,
+        data=sizes.data,
+        nodes=sizes.nodes,
+        expert=sizes.expert,
     )
 
 
@@ -127,7 +123,7 @@ def fit_inputs(ep: Endpoint) -> FitInputs:
     engine = ep.spec.engine
     offload = flags.get("--cpu-offload-gb")
     return FitInputs(
-        parallel=parallelism(ep, flags),
+        parallel=parallelism(ep),
         gpu_memory_utilization=engine.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
         max_model_len=engine.max_model_len,
         dtype=engine.dtype,

@@ -1,7 +1,7 @@
 """The job API on the shared queue (``JOBS_QUEUE_URL``): this pod answers every verb for every
 job of its endpoint (``ENDPOINT_NAMESPACE``/``ENDPOINT_ID``), and is one of the endpoint's
 workers. With ``JOBS_QUEUE_CREDS_FILE`` (the operator mounts one per endpoint) it can reach that
-endpoint's subjects, records and consumers and nothing else.
+endpoint's own two streams and worker consumers and nothing else.
 
 - The verbs are ``llmendpoints_common.queue.client.QueueJobService``'s (the gateway uses the
   same), so a job submitted anywhere is seen, streamed, cancelled from here.
@@ -33,6 +33,7 @@ from typing import Any
 from llmendpoints_common.destinations import DestinationPolicy
 from llmendpoints_common.errors import ServiceUnavailableError
 from llmendpoints_common.identity import EndpointRef
+from llmendpoints_common.jobs import admission
 from llmendpoints_common.jobs.models import JobLimits, JobRequest, check_limits, job_sequences
 from llmendpoints_common.jobs.record import JobRecord, JobUsage
 from llmendpoints_common.jobs.service import status_body
@@ -205,8 +206,14 @@ class SharedQueueJobs:
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
+        # Jobs accepted here are this pod's word: billed to the endpoint's own name, never to a
+        # gateway key (llmendpoints_common.jobs.admission).
         self._service = QueueJobService(
-            connection, self.settings.endpoint, self.settings.service, on_final=self._ended
+            connection,
+            self.settings.endpoint,
+            self.settings.service,
+            on_final=self._ended,
+            admitted_by=admission.ENDPOINT,
         )
         self._worker = QueueWorker(
             self._service,

@@ -187,3 +187,44 @@ async def test_at_min_0_a_replica_not_ready_yet_is_kept_while_its_work_waits():
     assert decision is not None and decision.replicas == 1 and events == []
     assert [kind for kind, _, _ in kube.patches] == ["LLMEndpoint"]  # status only
     assert "waiting for it: 1 queued job(s)" in decision.reason
+
+
+def _groups(replicas: int, ready: int, min_replicas: int = 1) -> Subject:
+    from dataclasses import replace
+
+    return replace(
+        SUBJECT,
+        deployment="chat-group",
+        workload=("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
+        policy=ScalingPolicy(minReplicas=min_replicas, maxReplicas=3, scaleToZeroAfterSeconds=0),
+        replicas=replicas,
+        ready_replicas=ready,
+    )
+
+
+async def test_a_multi_node_endpoint_scales_its_leader_worker_set_in_whole_groups() -> None:
+    """The Service lists one leader per group (SLICE's one pod): its queue is the group's."""
+    scaler, kube, events = _tick_setup(queue_depth=20)
+    decision = await scaler.tick(_groups(replicas=1, ready=1))
+    assert decision is not None and decision.replicas == 2  # groups, at most maxReplicas 3
+    assert kube.patches[0] == ("LeaderWorkerSet", None, {"spec": {"replicas": 2}})
+    assert events == [("Normal", "ScaleUp", decision.reason)]
+
+
+async def test_groups_scale_to_zero_and_back_from_the_work_that_waits() -> None:
+    from llmendpoints_operator.autoscaling.decision import Outside
+
+    scaler, kube, _ = _tick_setup(queue_depth=0)
+    scaler.set_outside(FakeOutside(Outside()))
+    decision = await scaler.tick(_groups(replicas=1, ready=0, min_replicas=0))
+    assert decision is not None and decision.to_zero
+    assert kube.patches[0][:2] == ("LeaderWorkerSet", None)
+    assert kube.patches[0][2]["spec"] == {"replicas": 0}
+    assert kube.patches[0][2]["metadata"]["annotations"]  # why it is at zero, on the workload
+
+    scaler, kube, _ = _tick_setup(queue_depth=0)
+    scaler.set_outside(FakeOutside(Outside(jobs_queued=3)))
+    decision = await scaler.tick(_groups(replicas=0, ready=0, min_replicas=0))
+    assert decision is not None and decision.from_zero and decision.replicas >= 1
+    assert kube.patches[0][:2] == ("LeaderWorkerSet", None)
+    assert kube.patches[0][2]["spec"] == {"replicas": decision.replicas}

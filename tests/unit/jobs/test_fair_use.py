@@ -240,36 +240,20 @@ async def until(predicate, timeout: float = 10.0) -> None:
             await asyncio.sleep(0.005)
 
 
-async def test_jobs_are_admitted_by_sequences() -> None:
+@pytest.mark.parametrize(
+    ("limit", "n"),
+    [(4, 4), (2, 3)],
+    ids=["a-heavy-job-holds-every-slot", "a-job-heavier-than-the-whole-limit-runs-alone"],
+)
+async def test_jobs_are_admitted_by_sequences(limit: int, n: int) -> None:
+    """A job takes one slot per sequence: one with ``n`` as large as MAX_CONCURRENCY holds them
+    all, one larger still runs (alone, rather than never), and a light job waits behind either,
+    counted as queued, until the heavy one ends."""
     engine = FakeEngine(step_delay=0.01)
-    executor = executor_for(engine, max_concurrency=4)
+    executor = executor_for(engine, max_concurrency=limit)
     heavy = await executor.submit(
         parse_job_request(
-            b'{"input": {"prompt": "x", "sampling_params": {"n": 4, "max_tokens": 10000}}}'
-        ),
-        sync=False,
-    )
-    await until(lambda: heavy.status is JobStatus.IN_PROGRESS)
-    light = await executor.submit(
-        parse_job_request(b'{"input": {"prompt": "x", "sampling_params": {"max_tokens": 1}}}'),
-        sync=False,
-    )
-    await asyncio.sleep(0.2)
-    # The heavy job holds all 4 sequences' slots: the light one waits, counted as queued.
-    assert light.status is JobStatus.IN_QUEUE
-    assert (executor.running_sequences, executor.queued_for_scaling) == (4, 1)
-    await executor.cancel(heavy.id)
-    light = await executor.wait(light.id, 10)
-    assert light.status is JobStatus.COMPLETED
-    await executor.drain(1)
-
-
-async def test_a_job_heavier_than_the_whole_limit_runs_alone() -> None:
-    engine = FakeEngine(step_delay=0.01)
-    executor = executor_for(engine, max_concurrency=2)
-    heavy = await executor.submit(
-        parse_job_request(
-            b'{"input": {"prompt": "x", "sampling_params": {"n": 3, "max_tokens": 10000}}}'
+            b'{"input": {"prompt": "x", "sampling_params": {"n": %d, "max_tokens": 10000}}}' % n
         ),
         sync=False,
     )
@@ -280,6 +264,7 @@ async def test_a_job_heavier_than_the_whole_limit_runs_alone() -> None:
     )
     await asyncio.sleep(0.2)
     assert light.status is JobStatus.IN_QUEUE
+    assert (executor.running_sequences, executor.queued_for_scaling) == (n, 1)
     await executor.cancel(heavy.id)
     assert (await executor.wait(light.id, 10)).status is JobStatus.COMPLETED
     await executor.drain(1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import pathlib
 from typing import Any
 
@@ -61,11 +62,18 @@ def test_subresources_and_printer_columns(version: dict[str, Any]) -> None:
         "labelSelectorPath": ".status.selector",
     }
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Model", "Phase", "Ready", "Replicas", "Reason", "Cold-Start", "URL", "Age"]
+    assert columns == [
+        "Model", "Phase", "Ready", "Replicas", "Reason", "Cold-Start", "Nodes", "URL", "Age"
+    ]  # fmt: skip
     by_name = {c["name"]: c for c in version["additionalPrinterColumns"]}
     # `kubectl get llmep -o wide` says why an endpoint is not ready (ScaledToZero, ...).
     assert by_name["Reason"]["jsonPath"] == '.status.conditions[?(@.type=="Ready")].reason'
     assert by_name["Cold-Start"]["jsonPath"] == ".status.autoscaling.coldStart.seconds"
+    # Nodes per replica (-o wide): more than 1, Ready and Replicas count LeaderWorkerSet groups.
+    assert (by_name["Nodes"]["jsonPath"], by_name["Nodes"]["priority"]) == (
+        ".spec.resources.nodes",
+        1,
+    )
 
 
 def test_schema_is_structural_and_documented(schema: dict[str, Any]) -> None:
@@ -269,6 +277,20 @@ def _doc(spec: dict[str, Any], name: str = "demo") -> dict[str, Any]:
             ".spec.api",
         ),
         (_doc({"engine": {"tensorParallelSize": 4}, "resources": {"gpus": 2}}), ".spec"),
+        # Every GPU of a replica holds a shard: tensor x pipeline x data = gpus x nodes.
+        (_doc({"engine": {"tensorParallelSize": 2}, "resources": {"gpus": 4}}), ".spec"),
+        (
+            _doc({"engine": {"tensorParallelSize": 8}, "resources": {"gpus": 8, "nodes": 2}}),
+            ".spec",
+        ),
+        (_doc({"engine": {"pipelineParallelSize": 3}, "resources": {"gpus": 8}}), ".spec"),
+        (_doc({"engine": {"dataParallelSize": 4}, "resources": {"gpus": 8, "nodes": 8}}), ".spec"),
+        (
+            _doc({"engine": {"tensorParallelSize": 3}, "resources": {"gpus": 0, "nodes": 2}}),
+            ".spec",
+        ),
+        # A multi-node endpoint's name prefixes its StatefulSets' pods: at most 42 characters.
+        (_doc({"resources": {"gpus": 8, "nodes": 2}}, name="a" * 43), "<root>"),
         (_doc({"model": {"name": "m", "bakedIntoImage": True}}), ".spec"),
         (
             _doc(
@@ -330,6 +352,18 @@ def test_cel_rules_reject_what_the_operator_rejects(
         _doc({"scaling": {"maxReplicas": 2}}),
         _doc({"engine": {"tensorParallelSize": 2}, "resources": {"gpus": 2}}),
         _doc({"engine": {"tensorParallelSize": 2}, "resources": {"gpus": 0}}),
+        _doc({"resources": {"gpus": 8, "nodes": 2}}),  # tensor 8, pipeline 2 (derived)
+        _doc({"engine": {"tensorParallelSize": 16}, "resources": {"gpus": 8, "nodes": 2}}),
+        _doc({"engine": {"pipelineParallelSize": 4}, "resources": {"gpus": 8, "nodes": 2}}),
+        _doc(
+            {
+                "engine": {"dataParallelSize": 16, "enableExpertParallel": True},
+                "resources": {"gpus": 8, "nodes": 2},
+            }
+        ),
+        _doc({"engine": {"dataParallelSize": 2}, "resources": {"gpus": 8}}),  # tensor 4
+        _doc({"resources": {"gpus": 0, "nodes": 2}}),  # a CPU group: pipeline 2
+        _doc({"resources": {"gpus": 8, "nodes": 2}}, name="a" * 42),
         _doc({"cache": {"existingClaim": "c"}}),
         _doc({"model": {"name": "m", "bakedIntoImage": True}, "engine": {"image": "r/i:1"}}),
         _doc(
@@ -392,3 +426,118 @@ def test_scale_to_zero_is_left_to_the_operator(schema: dict[str, Any]) -> None:
     with pytest.raises(spec.InvalidSpecError, match="LLMEP_OPERATOR_GATEWAY_URL"):
         spec.parse("demo", "ns", doc["spec"])
     assert spec.parse("demo", "ns", doc["spec"], scale_to_zero=True).spec.scaling.min_replicas == 0
+
+
+def _sizes_spec(gpus: int, nodes: int, t: int | None, p: int | None, d: int | None) -> dict:
+    engine = {
+        key: value
+        for key, value in (
+            ("tensorParallelSize", t),
+            ("pipelineParallelSize", p),
+            ("dataParallelSize", d),
+        )
+        if value is not None
+    }
+    return {"model": {"name": "m"}, "resources": {"gpus": gpus, "nodes": nodes}, "engine": engine}
+
+
+def test_the_parallelism_rules_agree_with_the_operator_on_every_combination(
+    schema: dict[str, Any],
+) -> None:
+    """The CEL rules at .spec and parallelism.derive accept and refuse exactly the same sizes
+    (the CRD in the cluster checks at `kubectl apply`, the operator again at every reconcile)."""
+    import celpy
+
+    env = celpy.Environment()
+    programs = [
+        env.program(env.compile(rule["rule"]))
+        for rule in schema["properties"]["spec"]["x-kubernetes-validations"]
+    ]
+    checked = refused = 0
+    for gpus, nodes, t, p, d in itertools.product(
+        (0, 1, 8), (1, 2, 4), (None, 1, 2, 8, 16), (None, 1, 2), (None, 1, 2, 16)
+    ):
+        doc = _sizes_spec(gpus, nodes, t, p, d)
+        cel_ok = all(program.evaluate({"self": celpy.json_to_cel(doc)}) for program in programs)
+        try:
+            spec.parse("demo", "ns", doc)
+            operator_ok = True
+        except spec.InvalidSpecError:
+            operator_ok = False
+        assert cel_ok == operator_ok, (gpus, nodes, t, p, d)
+        checked += 1
+        refused += not operator_ok
+    assert 0 < refused < checked
+
+
+def test_a_mismatch_at_kubectl_apply_names_the_sizes(schema: dict[str, Any]) -> None:
+    """The messageExpression: the API server's answer says which sizes were seen."""
+    import celpy
+
+    [rule] = [
+        rule
+        for rule in schema["properties"]["spec"]["x-kubernetes-validations"]
+        if "messageExpression" in rule
+    ]
+    env = celpy.Environment()
+    doc = _sizes_spec(8, 2, 8, None, None)
+    message = env.program(env.compile(rule["messageExpression"])).evaluate(
+        {"self": celpy.json_to_cel(doc)}
+    )
+    assert str(message) == (
+        "engine: tensorParallelSize 8 x pipelineParallelSize 1 x dataParallelSize 1 must multiply "
+        "to resources.gpus 8 x resources.nodes 2 = 16 (every GPU of a replica holds one shard)"
+    )
+
+
+def _pruned(value: Any, node: dict[str, Any], path: str = "") -> list[str]:
+    """The paths of `value` the API server would prune under the structural schema `node`."""
+    if node.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    if isinstance(value, dict):
+        props = node.get("properties")
+        extra = node.get("additionalProperties")
+        out = []
+        for key, child in value.items():
+            if props is not None and key in props:
+                out += _pruned(child, props[key], f"{path}.{key}")
+            elif isinstance(extra, dict):
+                out += _pruned(child, extra, f"{path}.{key}")
+            else:
+                out.append(f"{path}.{key}")
+        return out
+    if isinstance(value, list) and isinstance(node.get("items"), dict):
+        return [p for item in value for p in _pruned(item, node["items"], f"{path}[]")]
+    return []
+
+
+def test_a_multi_node_status_survives_the_schema(schema: dict[str, Any]) -> None:
+    """Everything the operator writes in a multi-node endpoint's status is in the CRD's status
+    schema (the API server silently prunes what is not)."""
+    from llmendpoints_operator import groups, status
+
+    ep = spec.parse("big", "ns", {"model": {"name": "m"}, "resources": {"gpus": 8, "nodes": 2}})
+    pod = groups.UnreadyPod(1, 1, "big-group-1-1", "gpu-7", "OOMKilled", "exit code 137")
+    state = status.DeploymentState.from_leader_worker_set(
+        {
+            "spec": {"replicas": 2, "leaderWorkerTemplate": {"size": 2}},
+            "status": {"readyReplicas": 1},
+        }
+    )
+    written = status.compute(
+        name="big",
+        namespace="ns",
+        endpoint=ep,
+        invalid_message=None,
+        observed=status.Observed(
+            deployment=state,
+            cache=status.CacheState(),
+            unready=(pod,),
+            workload_problem=status.groups_api_missing(2),
+        ),
+        previous=None,
+        now="2026-01-01T00:00:00Z",
+        observed_generation=1,
+    )
+    assert written["groups"]["lastFailure"]["node"] == "gpu-7"
+    assert _pruned(written, schema["properties"]["status"]) == []

@@ -16,7 +16,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from llmendpoints_operator import manifests
+from llmendpoints_operator import groups, manifests
 from llmendpoints_operator.config import OperatorSettings
 from llmendpoints_operator.spec import Endpoint, parse
 
@@ -40,15 +40,26 @@ def _example(path: pathlib.Path) -> Endpoint:
 def _all(ep: Endpoint) -> list[dict[str, Any]]:
     """What a first reconcile writes."""
     replicas = manifests.replicas_to_write(ep, None)
-    deployment = manifests.build_deployment(ep, SETTINGS, replicas=replicas)
+    workload = groups.build_workload(ep, SETTINGS, replicas=replicas)
     pool = manifests.build_inference_pool(ep, SETTINGS)
-    return [deployment, *manifests.build_children(ep, SETTINGS), *([pool] if pool else [])]
+    return [workload, *manifests.build_children(ep, SETTINGS), *([pool] if pool else [])]
 
 
 def _core(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The objects of Kubernetes' own kinds (an InferencePool is checked against its CRD's
-    schema in test_operator_inference_pool.py)."""
-    return [obj for obj in objs if obj["kind"] != manifests.INFERENCE_POOL_KIND]
+    schema in test_operator_inference_pool.py), and a LeaderWorkerSet's pod templates as the
+    Pods they make (the LeaderWorkerSet itself: against its CRD's schema in
+    test_operator_groups.py)."""
+    core = []
+    for obj in objs:
+        if obj["kind"] == groups.LWS_KIND:
+            lwt = obj["spec"]["leaderWorkerTemplate"]
+            for template in (lwt["leaderTemplate"], lwt["workerTemplate"]):
+                meta = {"name": obj["metadata"]["name"], **template["metadata"]}
+                core.append({"apiVersion": "v1", "kind": "Pod", "metadata": meta, **template})
+        elif obj["kind"] != manifests.INFERENCE_POOL_KIND:
+            core.append(obj)
+    return core
 
 
 def _container(deployment: dict[str, Any]) -> dict[str, Any]:
@@ -76,7 +87,7 @@ def test_every_built_manifest_passes_the_kubernetes_schemas(
     example: pathlib.Path, version: str
 ) -> None:
     ep = _example(example)
-    for obj in _core([*_all(ep), manifests.build_deployment(ep, SETTINGS, replicas=None)]):
+    for obj in _core([*_all(ep), groups.build_workload(ep, SETTINGS, replicas=None)]):
         kubernetes_validate.validate(obj, version, strict=True)
 
 
@@ -426,13 +437,15 @@ def test_pods_get_their_endpoint_id_and_the_shared_queue() -> None:
     deployment = manifests.build_deployment(ep, queued, replicas=1)
     env = {v["name"]: v.get("value", v.get("valueFrom")) for v in _container(deployment)["env"]}
     # The password URL reaches the pod from the endpoint's Secret, never as a plain value.
-    assert env["JOBS_QUEUE_URL"] == {"secretKeyRef": {"name": "chat-a-queue-creds", "key": "url"}}
+    assert env["JOBS_QUEUE_URL"] == {
+        "secretKeyRef": {"name": "chat-a-queue-creds-v2", "key": "url"}
+    }
     assert "llmep:secret" not in json.dumps(deployment)
     assert env["ENDPOINT_ID"] == "chat-a"
     assert env["ENDPOINT_NAMESPACE"] == ep.namespace
     assert env["LLMEP_JOBS_QUEUE_REPLICAS"] == "3"
     secret = manifests.build_queue_creds_secret(ep, url=queued.jobs_queue_url)
-    assert secret["metadata"]["name"] == "chat-a-queue-creds"
+    assert secret["metadata"]["name"] == "chat-a-queue-creds-v2"
     assert base64.b64decode(secret["data"]["url"]).decode() == queued.jobs_queue_url
     assert secret["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "llmendpoints-operator"
 
@@ -449,7 +462,7 @@ def test_pods_mount_their_own_queue_creds_with_per_endpoint_credentials() -> Non
     assert env["JOBS_QUEUE_CREDS_FILE"] == "/etc/llmendpoints/queue/queue.creds"
     (volume,) = [v for v in pod["volumes"] if v["name"] == "queue-creds"]
     assert volume["secret"] == {
-        "secretName": "chat-a-queue-creds",
+        "secretName": "chat-a-queue-creds-v2",
         "items": [{"key": "queue.creds", "path": "queue.creds"}],
     }
     assert {"name": "queue-creds", "mountPath": "/etc/llmendpoints/queue", "readOnly": True} in (

@@ -42,6 +42,18 @@ class FakeKube:
         self.calls: list[tuple[str, str, str]] = []
         self.refuse: str | None = None  # a verb the "API server" answers with 403
         self.fail: dict[tuple[str, str], kube.ApiError] = {}  # (verb, kind) -> the answer
+        self.pods: list[dict[str, Any]] = []  # what a list of Pods answers
+
+    async def list(
+        self, api_version: str, kind: str, namespace: str, *, label_selector: str
+    ) -> list[dict[str, Any]]:
+        self._check("list", kind, label_selector)
+        wanted = dict(part.split("=", 1) for part in label_selector.split(","))
+        return [
+            pod
+            for pod in self.pods
+            if wanted.items() <= ((pod.get("metadata") or {}).get("labels") or {}).items()
+        ]
 
     def _check(self, verb: str, kind: str, name: str) -> None:
         self.calls.append((verb, kind, name))
@@ -105,6 +117,7 @@ class World:
         self.kube = FakeKube()
         self.endpoints: dict[Any, list[Any]] = {}
         self.deployments: dict[Any, list[Any]] = {}
+        self.groups: dict[Any, list[Any]] = {}
         self.model_claims: dict[str, list[Claim]] = {}
         self.indexes = Indexes(
             llmendpoints=self.endpoints,
@@ -112,6 +125,7 @@ class World:
             claim_phases={},
             claim_users={},
             model_claims=self.model_claims,
+            runtime_groups=self.groups,
         )
         self.events: list[tuple[str, str, str]] = []
         self.registry = CollectorRegistry()
@@ -169,6 +183,13 @@ class World:
         stored = self.kube.objects[("Deployment", NS, name)]
         self.deployments[(NS, name)] = [
             status.DeploymentState.from_object({**stored, "status": status_fields})
+        ]
+
+    def observe_groups(self, name: str, **status_fields: Any) -> None:
+        """What kopf's LeaderWorkerSet index holds once the watch brings the stored one."""
+        stored = self.kube.objects[("LeaderWorkerSet", NS, f"{name}-group")]
+        self.groups[(NS, name)] = [
+            status.DeploymentState.from_leader_worker_set({**stored, "status": status_fields})
         ]
 
     async def reconcile(self, endpoint: Mapping[str, Any], trigger: str = "update") -> None:
@@ -570,6 +591,206 @@ async def test_an_endpoint_of_unknown_age_never_takes_a_model_name() -> None:
     undated = world.add("dated", {"model": {"name": "org/m"}}, namespace="team-b", created=None)
     state = world.reconciler.model_name(undated)
     assert (state.name, state.owner) == ("dated", "team-a/dated")
+
+
+# --- multi-node endpoints: a LeaderWorkerSet of groups ------------------------------------------
+
+GROUPS = {
+    "model": {"name": "org/big"},
+    "resources": {"gpus": 8, "nodes": 2},
+    "scaling": {"minReplicas": 1, "maxReplicas": 3},
+}
+
+
+def _conditions_of(st: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in st["conditions"]}
+
+
+async def test_a_multi_node_endpoint_is_a_leader_worker_set_and_no_deployment() -> None:
+    world = World()
+    await world.reconcile(world.add("big", GROUPS), trigger="create")
+
+    writes = world.kube.writes()
+    assert ("create", "LeaderWorkerSet", "big-group") in writes
+    assert not [w for w in writes if w[1] == "Deployment"]
+    lws = world.kube.objects[("LeaderWorkerSet", NS, "big-group")]
+    assert lws["spec"]["replicas"] == 1 and lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    [ref] = lws["metadata"]["ownerReferences"]
+    assert (ref["kind"], ref["uid"], ref["controller"]) == ("LLMEndpoint", "uid-big", True)
+    service = world.kube.objects[("Service", NS, "big")]
+    assert service["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    st = world.kube.status_of("big")
+    assert st["selector"].endswith(",leaderworkerset.sigs.k8s.io/worker-index=0")
+    assert st["groups"] == {"name": "big-group", "size": 2, "ready": 0, "desired": 1}
+    assert next(m for _, reason, m in world.events if reason == "Created").startswith(
+        "created LeaderWorkerSet big-group, "
+    )
+
+
+async def test_a_group_that_is_not_ready_names_its_failing_pod_and_keeps_the_last_failure() -> None:
+    world = World()
+    endpoint = world.add("big", GROUPS)
+    await world.reconcile(endpoint, trigger="create")
+    world.kube.objects[("LeaderWorkerSet", NS, "big-group")]["spec"]["replicas"] = 2
+    world.observe_groups("big", replicas=2, readyReplicas=1, updatedReplicas=2)
+    leader = {
+        "metadata": {
+            "name": "big-group-1",
+            "labels": {
+                "llmendpoints.dev/endpoint": "big",
+                "leaderworkerset.sigs.k8s.io/group-index": "1",
+                "leaderworkerset.sigs.k8s.io/worker-index": "0",
+            },
+        },
+        "spec": {"nodeName": "gpu-3"},
+        "status": {"conditions": [{"type": "Ready", "status": "False"}]},
+    }
+    worker = {
+        "metadata": {
+            "name": "big-group-1-1",
+            "labels": {
+                **leader["metadata"]["labels"],
+                "leaderworkerset.sigs.k8s.io/worker-index": "1",
+            },
+        },
+        "spec": {"nodeName": "gpu-7"},
+        "status": {
+            "containerStatuses": [
+                {
+                    "ready": False,
+                    "restartCount": 1,
+                    "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off"}},
+                }
+            ]
+        },
+    }
+    world.kube.pods = [leader, worker]
+    await world.reconciler.publish_status(endpoint)
+
+    st = world.kube.status_of("big")
+    assert st["groups"]["ready"] == 1 and st["groups"]["desired"] == 2
+    assert [(p["pod"], p["reason"]) for p in st["groups"]["unready"]] == [
+        ("big-group-1", "Starting"),
+        ("big-group-1-1", "CrashLoopBackOff"),
+    ]
+    assert st["groups"]["lastFailure"]["node"] == "gpu-7"
+    conditions = _conditions_of(st)
+    assert conditions["Progressing"] == ("False", "GroupFailing")
+    assert st["phase"] == "Degraded"  # one group serves, one does not
+    progressing = next(c for c in st["conditions"] if c["type"] == "Progressing")
+    assert "worker 1 (pod big-group-1-1 on node gpu-7) CrashLoopBackOff" in progressing["message"]
+
+    # The group is recreated (new pods, starting): the failure stays on record, not unready.
+    world.kube.pods = [{**leader}, {**worker, "status": {}}]
+    await world.reconciler.publish_status(endpoint)
+    st = world.kube.status_of("big")
+    assert [p["reason"] for p in st["groups"]["unready"]] == ["Starting", "Starting"]
+    assert st["groups"]["lastFailure"]["pod"] == "big-group-1-1"
+    # Every group ready: no pods listed any more.
+    world.observe_groups("big", replicas=2, readyReplicas=2, updatedReplicas=2)
+    calls = len(world.kube.calls)
+    await world.reconciler.publish_status(endpoint)
+    assert not [c for c in world.kube.calls[calls:] if c[0] == "list"]
+    assert world.kube.status_of("big")["groups"].get("unready") is None  # nulled
+
+
+async def test_without_the_leader_worker_set_api_the_status_says_how_to_install_it() -> None:
+    world = World()
+    world.kube.fail[("create", "LeaderWorkerSet")] = kube.NotFound(
+        404, "NotFound", "the server could not find the requested resource"
+    )
+    await world.reconcile(world.add("big", GROUPS), trigger="create")  # no exception
+
+    # The rest of the endpoint is written all the same.
+    assert ("apply", "Service", "big") in world.kube.writes()
+    st = world.kube.status_of("big")
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "LeaderWorkerSetNotInstalled")
+    assert "leaderworkerset.x-k8s.io/v1" in ready["message"]
+    assert (
+        "kubectl apply --server-side -f https://github.com/kubernetes-sigs/lws/releases/download/"
+        "v0.9.0/manifests.yaml" in ready["message"]
+    )
+    assert st["phase"] == "Pending"
+    assert ("Warning", "LeaderWorkerSetNotInstalled") in [(t, r) for t, r, _ in world.events]
+    assert [e["metadata"]["name"] for e in world.reconciler.waiting_for_groups_api()] == ["big"]
+
+    # Installed: the next reconcile creates the groups and the condition goes.
+    del world.kube.fail[("create", "LeaderWorkerSet")]
+    await world.reconcile(world.add("big", GROUPS))
+    assert ("LeaderWorkerSet", NS, "big-group") in world.kube.objects
+    ready = next(c for c in world.kube.status_of("big")["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "Starting"
+    assert world.reconciler.waiting_for_groups_api() == []
+
+
+async def test_a_forbidden_leader_worker_set_says_to_upgrade_the_chart() -> None:
+    world = World()
+    world.kube.fail[("create", "LeaderWorkerSet")] = kube.ApiError(
+        403, "Forbidden", "cannot create leaderworkersets"
+    )
+    await world.reconcile(world.add("big", GROUPS), trigger="create")
+    ready = next(c for c in world.kube.status_of("big")["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "LeaderWorkerSetForbidden" and "chart" in ready["message"]
+
+
+def _workload_writes(world: World) -> list[tuple[str, str, str]]:
+    return [c for c in world.kube.writes() if c[1] in ("Deployment", "LeaderWorkerSet")]
+
+
+async def test_switching_nodes_replaces_the_workload_and_keeps_its_replica_count() -> None:
+    world = World()
+    single = {**GROUPS, "resources": {"gpus": 8}}
+    await world.reconcile(world.add("big", single), trigger="create")
+    world.kube.objects[("Deployment", NS, "big")]["spec"]["replicas"] = 2  # the autoscaler's
+    world.observe_deployment("big", replicas=2, readyReplicas=2, availableReplicas=2)
+    world.kube.calls.clear()
+
+    await world.reconcile(world.add("big", GROUPS, generation=2))
+    # The new workload first, then the old one goes.
+    assert _workload_writes(world) == [
+        ("create", "LeaderWorkerSet", "big-group"),
+        ("delete", "Deployment", "big"),
+    ]
+    assert world.kube.objects[("LeaderWorkerSet", NS, "big-group")]["spec"]["replicas"] == 2
+    world.deployments.clear()  # the watch brings the deletion
+    world.observe_groups("big", replicas=2, readyReplicas=0)
+
+    # And back to one node: a Deployment again, the LeaderWorkerSet deleted.
+    world.kube.calls.clear()
+    await world.reconcile(world.add("big", single, generation=3))
+    assert _workload_writes(world) == [
+        ("create", "Deployment", "big"),
+        ("delete", "LeaderWorkerSet", "big-group"),
+    ]
+    assert world.kube.objects[("Deployment", NS, "big")]["spec"]["replicas"] == 2
+    assert world.kube.status_of("big").get("groups") is None  # nulled by the merge patch
+
+
+async def test_the_autoscaler_scales_the_groups() -> None:
+    world = World()
+    endpoint = world.add("big", GROUPS)
+    await world.reconcile(endpoint, trigger="create")
+    world.observe_groups("big", replicas=1, readyReplicas=1)
+    [subject] = autoscaled_subjects(world.indexes, OperatorSettings())
+    assert subject.workload == ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
+    assert (subject.deployment, subject.service) == ("big-group", "big")
+    assert (subject.replicas, subject.ready_replicas) == (1, 1)
+    assert subject.policy.max_replicas == 3  # groups
+
+
+def test_a_status_patch_nulls_what_nested_objects_no_longer_hold() -> None:
+    from llmendpoints_operator.reconcile import _nulling
+
+    previous = {
+        "phase": "Failed",
+        "groups": {"ready": 0, "unready": [1], "lastFailure": {"node": "a", "pod": "p"}},
+    }
+    new = {"phase": "Ready", "groups": {"ready": 1, "lastFailure": {"pod": "q"}}}
+    assert _nulling(previous, new) == {
+        "phase": "Ready",
+        "groups": {"ready": 1, "unready": None, "lastFailure": {"node": None, "pod": "q"}},
+    }
 
 
 class FakeFitChecker:

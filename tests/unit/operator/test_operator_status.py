@@ -400,3 +400,66 @@ def test_a_taken_model_name_is_warned_once_per_owner_and_changes_nothing_else() 
     assert _events(taken, with_owner("team-b/older", taken)) == [("Warning", "ModelNameTaken")]
     assert _events(taken, with_owner(None, taken)) == [("Normal", "ModelNameAvailable")]
     assert _events(ours, with_owner(None, ours)) == []
+
+
+# --- multi-node endpoints: replicas are LeaderWorkerSet groups -----------------------------------
+
+GROUPS_SPEC = {"model": {"name": "org/m"}, "resources": {"gpus": 8, "nodes": 2}}
+
+
+def _groups(desired: int = 2, **status_fields: Any) -> DeploymentState:
+    return DeploymentState.from_leader_worker_set(
+        {
+            "kind": "LeaderWorkerSet",
+            "metadata": {"generation": 3},
+            "spec": {"replicas": desired, "leaderWorkerTemplate": {"size": 2}},
+            "status": {"observedGeneration": 3, **status_fields},
+        }
+    )
+
+
+def test_a_leader_worker_set_counts_groups() -> None:
+    state = _groups(2, replicas=2, readyReplicas=1, updatedReplicas=2)
+    assert (state.desired, state.replicas, state.ready, state.available, state.updated) == (
+        2,
+        2,
+        1,
+        1,
+        2,
+    )
+    assert (state.group_size, state.unit) == (2, "groups")
+    assert status.workload_state({"kind": "LeaderWorkerSet", "spec": {}}).group_size == 1
+    st = _compute(state, endpoint=_ep(GROUPS_SPEC))
+    available = next(c for c in st["conditions"] if c["type"] == "Available")
+    assert available["message"] == "1/2 groups available"
+    assert st["phase"] == "Scaling"  # one group still starting
+    assert st["groups"] == {"name": "demo-group", "size": 2, "ready": 1, "desired": 2}
+    assert st["selector"] == (
+        "llmendpoints.dev/endpoint=demo,leaderworkerset.sigs.k8s.io/worker-index=0"
+    )
+    # A single-node endpoint has no groups block and selects every pod.
+    single = _compute(_deployment(1, **AVAILABLE))
+    assert "groups" not in single and single["selector"] == "llmendpoints.dev/endpoint=demo"
+
+
+def test_a_missing_leader_worker_set_api_is_the_ready_reason_and_a_warning() -> None:
+    problem = status.groups_api_missing(2)
+    st = status.compute(
+        name="demo",
+        namespace="team",
+        endpoint=_ep(GROUPS_SPEC),
+        invalid_message=None,
+        observed=Observed(deployment=None, cache=CacheState(), workload_problem=problem),
+        previous=None,
+        now=T0,
+    )
+    conditions = _conditions(st)
+    assert conditions["Ready"] == ("False", "LeaderWorkerSetNotInstalled")
+    assert conditions["Available"] == ("False", "LeaderWorkerSetNotInstalled")
+    assert st["phase"] == "Pending"
+    events = status.transition_events(None, st)
+    assert [(e.type, e.reason) for e in events] == [
+        ("Warning", "Unauthenticated"),
+        ("Warning", "LeaderWorkerSetNotInstalled"),
+    ]
+    assert status.transition_events(st, st) == []  # once
