@@ -63,6 +63,7 @@ sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "runtime")]
 
 from gateway.harness import launch_gateway, launch_standin, write_endpoints  # noqa: E402
 from ports import free_port  # noqa: E402
+from proc_kit import cpu_seconds, rss_mib  # noqa: E402
 from runtime_process import ServedProcess, running_runtime  # noqa: E402
 
 MiB = 1024 * 1024
@@ -128,14 +129,6 @@ def machine() -> str:
 # -- measuring the server ---------------------------------------------------------------------
 
 
-def rss_mib(pid: int) -> float:
-    """Resident memory of one process, MiB (the runtime's API process: where bodies land)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
 class RssSampler:
     """Samples a process's RSS every ``interval`` seconds in a thread; keeps the peak."""
 
@@ -158,12 +151,6 @@ class RssSampler:
     def __exit__(self, *_exc) -> None:
         self._stop.set()
         self._thread.join()
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of one process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: list[float], q: float) -> float:

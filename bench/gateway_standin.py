@@ -21,6 +21,16 @@ thousands of streams cost the backend next to nothing and failures can be made o
   (``last_authorization``, ``last_api_key``, ``last_caller``): what a pod learns of a caller.
 - ``standin_pad``: that many bytes of padding in a JSON answer, before its ``usage`` (a large
   answer, as embeddings of a big batch are).
+- ``standin_delta``: what each streamed event's delta carries, one token an event as vLLM
+  streams them: ``content`` (default), ``reasoning`` / ``reasoning_content`` (a reasoning model's
+  thinking, vLLM 0.32's name and others'), or ``tool_calls``: one tool call whose first event
+  carries its id and name (the ``TOOL_HEAD_TOKENS`` tokens a tool parser holds back until the
+  name is whole) and every later one a token of its arguments (``TOOL_ARGUMENTS`` cut into
+  pieces by ``tokens``). ``standin_fail_at``: the event ``"midstream"`` fails before (default 2).
+  ``sent_tokens`` in ``/stats``: the completion tokens of every event sent, cut streams included
+  (what a cut stream generated).
+- ``standin_unterminated``: after the first event, that many bytes of one event that never ends
+  (``data: {"choices": [{"delta": {"content": "yyy...``), in 64 KiB writes, then the body's end.
 - ``GET /metrics``: the engine series the gateway's scorer reads, as vLLM names them:
   ``vllm:num_requests_running`` (the streams open now, plus what ``/standin/engine`` adds),
   ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:cache_config_info``
@@ -37,6 +47,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import time
 
 
@@ -57,6 +68,7 @@ class Standin:
             "prompt_tokens": 0,
             "completion_tokens": 0,
             "usage_requested": 0,
+            "sent_tokens": 0,
             "paths": [],
             "last_authorization": None,
             "last_api_key": None,
@@ -154,17 +166,19 @@ class Standin:
                 "headers": [(b"content-type", b"text/event-stream")],
             }
         )
+        sent_before = self.stats["sent_tokens"]
         self.stats["open"] += 1
         gone = asyncio.ensure_future(receive())  # http.disconnect when the client leaves
+        fail_at = int(request.get("standin_fail_at", 2))
         try:
-            for i in range(chunks):
-                if fail == "midstream" and i == 2:
+            for i, (delta, spent) in enumerate(stream_deltas(request, chunks)):
+                if fail == "midstream" and i == fail_at:
                     raise ConnectionAbortedError("standin: failing mid-stream")
                 event = {
                     "id": "cmpl-standin",
                     "object": "chat.completion.chunk",
                     "model": request.get("model"),
-                    "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}],
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": None}],
                 }
                 await send(
                     {
@@ -173,10 +187,16 @@ class Standin:
                         "more_body": True,
                     }
                 )
+                self.stats["sent_tokens"] += spent
+                usage["completion_tokens"] = self.stats["sent_tokens"] - sent_before
+                if i == 0 and request.get("standin_unterminated"):
+                    await _unterminated(send, int(request["standin_unterminated"]))
+                    return
                 done, _ = await asyncio.wait({gone}, timeout=interval)
                 if done:
                     self.stats["disconnects"] += 1
                     return
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
             if (request.get("stream_options") or {}).get("include_usage"):
                 self.stats["usage_requested"] += 1
                 self.stats["prompt_tokens"] += usage["prompt_tokens"]
@@ -272,18 +292,73 @@ class Standin:
         return "\n".join(lines) + "\n"
 
 
+# A tool call's arguments as a model writes them, and the tokens a tool parser holds back before
+# the call's first event (``<tool_call>{"name": "get_weather", "arguments": `` and the like).
+TOOL_ARGUMENTS = json.dumps(
+    {
+        "location": "San Francisco, California, United States",
+        "unit": "celsius",
+        "days": 7,
+        "include": ["hourly forecast", "precipitation probability", "wind speed"],
+        "notes": "Plan a hike on the coast; prefer mornings without fog.",
+    }
+)
+TOOL_HEAD_TOKENS = 10
+# Token-like pieces: a word with its leading space, a number, a run of punctuation (a
+# byte-level BPE's pre-tokenizer), words over 8 characters split in two.
+_PIECES = re.compile(r" ?[A-Za-z]{1,8}| ?[0-9]{1,3}| ?[^\sA-Za-z0-9]+|\s+")
+
+
+def tokens(text: str) -> list[str]:
+    return _PIECES.findall(text)
+
+
+def stream_deltas(request: dict, chunks: int):
+    """(delta, completion tokens it stands for) of each streamed event."""
+    kind = request.get("standin_delta", "content")
+    if kind != "tool_calls":
+        for _ in range(chunks):
+            yield {kind: "x"}, 1
+        return
+    head = {"index": 0, "id": "chatcmpl-tool-standin", "type": "function"}
+    yield (
+        {"tool_calls": [{**head, "function": {"name": "get_weather", "arguments": ""}}]},
+        (TOOL_HEAD_TOKENS),
+    )
+    pieces = tokens(TOOL_ARGUMENTS)
+    for i in range(chunks - 1):
+        piece = pieces[i % len(pieces)]
+        yield {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}, 1
+
+
+async def _unterminated(send, size: int) -> None:
+    """One event that never ends (``size`` bytes), then the body's end."""
+    await send(
+        {
+            "type": "http.response.body",
+            "body": b'data: {"choices": [{"index": 0, "delta": {"content": "',
+            "more_body": True,
+        }
+    )
+    block = b"y" * 65_536
+    for start in range(0, size, len(block)):
+        part = block[: size - start]
+        await send({"type": "http.response.body", "body": part, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 def _words(message) -> int:
     content = message.get("content") if isinstance(message, dict) else None
     return len(content.split()) if isinstance(content, str) else 0
 
 
 async def _read(receive) -> bytes:
-    body = b""
+    parts = []  # joined once: a 10 MB body is not copied 160 times over
     while True:
         message = await receive()
-        body += message.get("body", b"")
+        parts.append(message.get("body", b""))
         if not message.get("more_body"):
-            return body
+            return b"".join(parts)
 
 
 async def _text(send, status, text: str, headers=()):

@@ -19,6 +19,13 @@ The gateway reaches the replicas as in a cluster: with the endpoint's gateway to
 a secret written to STACK_DIR, as the operator does), never with the client's key; the replicas
 trust the caller's name it sends next to that token. A setting for every replica is one entry in
 `runtime_env` / `gateway_env`; a file they need goes in `write_files`.
+
+NATS runs as the chart runs it: decentralised JWT authentication from an installation's keys
+(STACK_DIR/nats-keys, made once by `llmendpoints-operator queue-auth keys`, kept so the stored
+queue stays readable), each component with its own credential minted by the same command the
+chart's init containers run -- the gateway's, the endpoint's for both replicas -- and the queue's
+streams and the endpoint's consumers created with the operator's credential, as the operator
+does (the others' may not). A client without a creds file is refused.
 """
 
 from __future__ import annotations
@@ -104,6 +111,7 @@ def base_env() -> dict[str, str]:
 
 def runtime_env(config: StackConfig, port: int, files: dict[str, Path]) -> dict[str, str]:
     return {
+        "JOBS_QUEUE_CREDS_FILE": str(files["runtime_creds"]),
         **base_env(),
         "MODEL_NAME": str(config.model),
         "OPENAI_SERVED_MODEL_NAME_OVERRIDE": "demo",
@@ -128,6 +136,7 @@ def gateway_env(config: StackConfig, files: dict[str, Path]) -> dict[str, str]:
         "GATEWAY_ENDPOINTS_FILE": str(files["endpoints"]),
         "API_KEYS_FILE": str(files["keys"]),
         "JOBS_QUEUE_URL": config.nats_url,
+        "JOBS_QUEUE_CREDS_FILE": str(files["gateway_creds"]),
         "GATEWAY_ID": "gateway-1",
         "LOG_FORMAT": "text",
     }
@@ -177,7 +186,58 @@ def write_files(config: StackConfig) -> dict[str, Path]:
         "keys": keys,
         "gateway_token_secret": secret_file,
         "gateway_token": token_file,
+        **queue_trust(config),
     }
+
+
+def queue_auth(*args: str) -> None:
+    """``llmendpoints-operator queue-auth ...``: what the chart's init containers run."""
+    done = subprocess.run(
+        [str(BIN / "llmendpoints-operator"), "queue-auth", *args],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise StackError(f"queue-auth {args[0]}: {done.stderr.strip()}")
+
+
+def queue_trust(config: StackConfig) -> dict[str, Path]:
+    """The queue's keys (made once, kept), the server's trust (auth.conf) and a creds file for
+    the gateway and one for the endpoint's replicas."""
+    keys, creds = config.state / "nats-keys", config.state / "creds"
+    if not (keys / "account-signing").is_file():
+        queue_auth("keys", "--out-dir", str(keys))
+    queue_auth("server-config", "--keys-dir", str(keys), "--out-dir", str(config.state))
+    creds.mkdir(exist_ok=True)
+    gateway, runtime = creds / "gateway.creds", creds / f"runtime-{ENDPOINT}.creds"
+    queue_auth("creds", "--keys-dir", str(keys), "--role", "gateway", "--out", str(gateway))
+    queue_auth(
+        "creds", "--keys-dir", str(keys), "--role", "runtime", "--endpoint", ENDPOINT_ID,
+        "--out", str(runtime),
+    )  # fmt: skip
+    return {"nats_keys": keys, "gateway_creds": gateway, "runtime_creds": runtime}
+
+
+def provision_queue(config: StackConfig, keys: Path) -> None:
+    """The streams and the endpoint's worker consumers, made as the operator makes them (its
+    own credential, minted in memory): the gateway's and the replicas' may not create them."""
+    import asyncio
+
+    from llmendpoints_common.identity import EndpointRef
+    from llmendpoints_common.queue.topology import QueueLayout
+    from llmendpoints_common.queue.trust import Signer
+    from llmendpoints_operator.jobs_queue import JobsQueue
+
+    async def provision() -> None:
+        queue = JobsQueue(config.nats_url, layout=QueueLayout(), signer=Signer.from_dir(keys))
+        try:
+            await queue.ensure_endpoint(EndpointRef(*ENDPOINT_ID.split("/")))
+        finally:
+            await queue.close()
+
+    try:
+        asyncio.run(provision())
+    except Exception as exc:
+        raise StackError(f"creating the queue's streams and consumers failed: {exc}") from exc
 
 
 # ------------------------------------------------------------------ processes
@@ -244,11 +304,16 @@ class Stack:
         files = write_files(config)
         store = config.state / "jetstream"
         nats_conf = config.state / "nats.conf"
-        nats_conf.write_text("max_payload: 33554432\n")  # /runsync bodies may be 20 MB
-        self._child("nats", [str(BIN / "nats-server"), "-c", str(nats_conf), "-js", "-sd",
-                             str(store), "-a", config.host, "-p", str(config.nats_port)],
+        nats_conf.write_text(
+            "max_payload: 33554432\n"  # /runsync bodies may be 20 MB
+            f"jetstream {{ store_dir: {json.dumps(str(store))} }}\n"
+            "include auth.conf\n"  # the installation's trust (queue_trust), as in the chart
+        )
+        self._child("nats", [str(BIN / "nats-server"), "-c", str(nats_conf),
+                             "-a", config.host, "-p", str(config.nats_port)],
                     base_env())  # fmt: skip
         self._wait(lambda: port_open(config.host, config.nats_port), "nats-server", 30)
+        provision_queue(config, files["nats_keys"])
         gateway = self._child(
             "gateway",
             [str(BIN / "llmendpoints-gateway"), "serve"],
@@ -316,12 +381,13 @@ LLM Endpoints stack (demo model: random weights, gibberish answers)
               {c.url(c.gateway_port)}/v2/{ENDPOINT}       RunPod job API
               {c.url(c.gateway_metrics_port)}/metrics     its Prometheus metrics
 {replicas}
-  queue       {c.nats_url}
+  queue       {c.nats_url}   (a creds file needed)
 
   tenant key  {c.tenant_key}   (name tenant-a, {c.tenant_rpm} requests per minute)
   admin key   {c.admin_key}        (name ops)
 
-  usage:  JOBS_QUEUE_URL={c.nats_url} {BIN.relative_to(ROOT) if BIN.is_relative_to(ROOT) else BIN}/llmendpoints-gateway usage --since "$(date -u +%Y-%m-%dT00:00:00Z)"
+  queue credentials (NATS JWT, one per role, as the chart mints them): {c.state / "creds"}
+  usage:  JOBS_QUEUE_URL={c.nats_url} JOBS_QUEUE_CREDS_FILE={c.state / "creds" / "gateway.creds"} {BIN.relative_to(ROOT) if BIN.is_relative_to(ROOT) else BIN}/llmendpoints-gateway usage --since "$(date -u +%Y-%m-%dT00:00:00Z)"
   logs:   {c.state / "logs"}
   Ctrl-C stops everything.
 """

@@ -13,7 +13,9 @@ ones are parsed here, for errors that name the exact spot.
 
 What was read is kept in the request's scope (``scope[BODY]``) and replayed to the application;
 later ``receive()`` calls go to the server, so a client's disconnect still reaches whoever
-serves the request (vLLM aborts the generation on it).
+serves the request (vLLM aborts the generation on it). The scope outlives the request -- uvicorn's
+protocol keeps the last one for as long as its connection is open, idle keep-alive included --
+so the body goes from it when the request ends (``release``, called by the edge's server).
 """
 
 from __future__ import annotations
@@ -102,6 +104,15 @@ async def chunks_of(receive: Receive) -> AsyncIterator[bytes]:
         yield message.get("body", b"")
         if not message.get("more_body", False):
             return
+
+
+def release(scope: Scope) -> int:
+    """The request ended: drop what the edge kept of its body; its size. A kept-alive
+    connection holds its last request's scope until the next request or its idle timeout
+    (75 s): 40 idle clients that each sent 10 MB held 400 MB."""
+    scope.pop(PARSED, None)
+    body = scope.pop(BODY, None)
+    return len(body) if body is not None else 0
 
 
 def closing(exc: APIError) -> APIError:

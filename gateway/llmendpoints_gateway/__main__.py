@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import json
 import os
 import sys
@@ -21,7 +20,7 @@ from pydantic import ValidationError
 
 from llmendpoints_gateway import __version__
 from llmendpoints_gateway.config import GatewaySettings
-from llmendpoints_gateway.metering import USAGE_COLUMNS, summarize
+from llmendpoints_gateway.metering import summarize, usage_csv
 from llmendpoints_gateway.workers import Supervisor, WorkerSlot, die_with_supervisor, worker_count
 
 # server.py (the whole gateway: discovery, NATS, the Kubernetes client) and usage.py are imported
@@ -141,9 +140,7 @@ def _usage(since: float, until: float | None, fmt: str) -> int:
         json.dump(rows, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        writer = csv.DictWriter(sys.stdout, fieldnames=USAGE_COLUMNS, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
+        sys.stdout.write(usage_csv(rows))
     return 0
 
 

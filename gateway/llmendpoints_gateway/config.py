@@ -94,6 +94,12 @@ class GatewaySettings(EdgeSettings, BatchEnv):
         validation_alias="GATEWAY_METRICS_PORT",
         description="Port of /metrics, apart from the client port (0: no metrics endpoint).",
     )
+    metrics_host: str | None = Field(
+        None,
+        validation_alias="GATEWAY_METRICS_HOST",
+        description="Address /metrics listens on (the chart sets the pod's IP: what Prometheus "
+        "scrapes, not every interface); unset: HOST's.",
+    )
     default_token_reservation: int = Field(
         1024,
         ge=1,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -90,12 +91,8 @@ class HoldQueue:
     def __len__(self) -> int:
         return len(self._waiters)
 
-    async def wait(
-        self, timeout: float, disconnected: Awaitable[object], *, key: str = "", size: int = 0
-    ) -> None:
-        """Return when released; raise 503 (full, the key's share taken, the byte budget
-        spent, timeout, closing) or ClientGone. ``key``: the caller's key name; ``size``: the
-        bytes its request keeps while held."""
+    def _admit(self, key: str, size: int) -> None:
+        """Raise 503 when this request may not be held (closing, full, the key's share, bytes)."""
         if self._closed:
             self._on_reject("shutdown")
             raise unavailable("the gateway is shutting down; retry")
@@ -118,6 +115,19 @@ class HoldQueue:
                 f"endpoint {self.endpoint!r} has no ready replica and the gateway holds as "
                 f"many request bytes as it may ({self.budget.max_bytes}); retry later"
             )
+
+    async def wait(
+        self, timeout: float, disconnected: Awaitable[object], *, key: str = "", size: int = 0
+    ) -> None:
+        """Return when released; raise 503 (full, the key's share taken, the byte budget
+        spent, timeout, closing) or ClientGone. ``key``: the caller's key name; ``size``: the
+        bytes its request keeps while held."""
+        try:
+            self._admit(key, size)
+        except BaseException:
+            if inspect.iscoroutine(disconnected):
+                disconnected.close()  # never awaited: closed, not left to the collector's warning
+            raise
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         self._by_key[key] = self._by_key.get(key, 0) + 1

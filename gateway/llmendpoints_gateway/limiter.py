@@ -75,6 +75,7 @@ from llmendpoints_gateway.quotas import (
     renew,
     reserved_tokens,
     settle_locally,
+    too_large,
 )
 from llmendpoints_gateway.request import RequestLog
 
@@ -201,14 +202,33 @@ class Limiter:
 
     # ------------------------------------------------------------------ the request path
 
-    async def admit(self, key: Key, *, hold: bool = True, tokens: int = 0) -> Ticket | None:
+    async def admit(
+        self,
+        key: Key,
+        *,
+        hold: bool = True,
+        tokens: int = 0,
+        asked: int = 0,
+        asked_field: str | None = None,
+    ) -> Ticket | None:
         """Count one request of ``key`` (and hold a concurrency lease while it runs when
         ``hold``; reserve ``tokens`` of tokensPerMinute, settled by ``finish``); None for a key
         without limits. Over a limit: RateLimitError (429) naming the limit and the key's name,
-        with Retry-After and the x-ratelimit-* headers."""
+        with Retry-After and the x-ratelimit-* headers. A request whose ``asked_field`` asks
+        for more completion tokens (``asked``) than the key's whole tokensPerMinute: 429 at
+        once, counting nothing, telling clients not to retry (``x-should-retry``, which the
+        openai SDKs honour)."""
         limits = key.limits
         if not limits.any:
             return None
+        refusal = too_large(key.name, limits, asked, asked_field)
+        if refusal is not None:
+            raise RateLimitError(
+                refusal,
+                param=asked_field,
+                code="rate_limit_exceeded",
+                headers={"x-should-retry": "false"},
+            )
         token = self._token(key.name)
         self._names[token] = key.name
         lease = (

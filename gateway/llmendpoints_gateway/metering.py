@@ -19,12 +19,14 @@ record's id as the message id (unique per answer; a job's own id for its records
 published twice (a publish retried after a lost acknowledgement, a job's result read through two
 replicas) is stored once.
 
-This module is pure (scanners, extraction, records, aggregation); usage.py publishes the
-records, meters jobs and reads the records back.
+This module is pure (extraction, records, aggregation; stream_meter.py reads streams); usage.py
+publishes the records, meters jobs and reads the records back.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import re
 from collections.abc import Iterable
@@ -155,6 +157,10 @@ class MeteredRequest:
     strip: bool  # take that chunk out of the client's stream (the client did not ask for it)
     reserve_tokens: int  # what the request may use: prompt estimate + n x max_tokens
     prompt_estimate: int
+    # The completion tokens it asks for outright: n x max_tokens (the field it set, None when
+    # it set none: a default of the gateway's is no reason to refuse it).
+    asked_tokens: int = 0
+    asked_field: str | None = None
 
 
 def _refuse(field: str, what: str, value: Any) -> BadRequestError:
@@ -194,16 +200,16 @@ def metered_request(
     prompts = payload.get("prompt")
     if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int):
         sequences *= len(prompts)  # a list of prompts (not one prompt's token ids)
-    limit = next(
-        (
-            counts[n]
-            for n in ("max_completion_tokens", "max_tokens", "max_output_tokens")
-            if n in counts
-        ),
-        default_max_tokens,
+    field = next(
+        (n for n in ("max_completion_tokens", "max_tokens", "max_output_tokens") if n in counts),
+        None,
     )
+    limit = counts[field] if field is not None else default_max_tokens
     prompt = prompt_estimate(payload, body_bytes)
-    return MeteredRequest(stream, ask_usage, ask_usage, prompt + sequences * limit, prompt)
+    asked = sequences * limit if field is not None else 0
+    return MeteredRequest(
+        stream, ask_usage, ask_usage, prompt + sequences * limit, prompt, asked, field
+    )
 
 
 def prompt_estimate(payload: dict[str, Any], body_bytes: int) -> int:
@@ -243,107 +249,6 @@ def with_usage_option(body: bytes, payload: dict[str, Any]) -> bytes:
     options = dict(payload.get("stream_options") or {})
     options["include_usage"] = True
     return json.dumps({**payload, "stream_options": options}).encode()
-
-
-# A non-empty generated text in an SSE event: a chat delta's content, a completion's text, a
-# /v1/responses text delta (the role-only first delta and finish events carry "").
-_TEXT = re.compile(rb'"(?:content|text|delta)"\s*:\s*"(?!")')
-# A stream's last event: chat and completions end with ``[DONE]``, /v1/responses with a
-# terminal ``response.*`` event. At an event's start only: generated text inside a JSON string
-# cannot hold a raw newline, so it never matches.
-_LAST_EVENT = re.compile(
-    rb"(?:\A|\n\n)(?:data: ?\[DONE\]|event: ?response\.(?:completed|failed|incomplete)\r?\n)"
-)
-
-
-class StreamUsage:
-    """Reads an SSE answer as it passes: finds the usage, optionally drops the usage-only chunk.
-
-    ``feed`` returns the bytes to send on to the client. Without stripping they are the bytes
-    received, unchanged. With stripping, whole events are sent as they complete (vLLM writes
-    one event per write, so nothing waits in practice) and a trailing partial event is held
-    until its end arrives.
-
-    A stream cut before its usage chunk (the client left, the replica failed) is still billed:
-    its completion tokens estimated by the events that carried text (vLLM streams a token an
-    event), its prompt by the request's size (``estimated``).
-
-    ``ended``: the stream's last event has passed. A client may close the connection then,
-    before the body's end (the openai SDK's synchronous stream does, at ``[DONE]``): it had the
-    whole answer, so it did not leave early."""
-
-    def __init__(self, strip: bool, prompt_estimate: int = 0):
-        self.strip = strip
-        self.prompt_estimate = prompt_estimate
-        self.found: Usage | None = None
-        self.text_events = 0
-        self.ended = False
-        self._tail = b""
-
-    @property
-    def estimated(self) -> bool:
-        return self.found is None and self.text_events > 0
-
-    @property
-    def usage(self) -> Usage | None:
-        if self.found is not None:
-            return self.found
-        if self.text_events:
-            return Usage(self.prompt_estimate, self.text_events)
-        return None
-
-    def feed(self, chunk: bytes) -> bytes:
-        self.text_events += len(_TEXT.findall(chunk))
-        data = self._tail + chunk if self._tail else chunk
-        cut = data.rfind(b"\n\n")
-        if cut < 0:
-            if not self.strip:
-                # Only a partial event's head is worth keeping, and only if usage may follow.
-                self._tail = data[-(1 << 20) :]
-                return chunk
-            self._tail = data
-            return b""
-        complete, self._tail = data[: cut + 2], data[cut + 2 :]
-        if not self.ended and _LAST_EVENT.search(complete) is not None:
-            self.ended = True
-        if b'"usage"' not in complete:
-            return complete if self.strip else chunk
-        kept: list[bytes] = []
-        for event in complete.split(b"\n\n")[:-1]:
-            usage, usage_only = _event_usage(event)
-            if usage is not None:
-                self.found = usage
-                if self.strip and usage_only:
-                    continue
-            kept.append(event + b"\n\n")
-        return b"".join(kept) if self.strip else chunk
-
-    def flush(self) -> bytes:
-        """What is held at the end of the stream (an unterminated last event)."""
-        tail, self._tail = self._tail, b""
-        return tail if self.strip else b""
-
-
-def _event_usage(event: bytes) -> tuple[Usage | None, bool]:
-    """(usage in this SSE event, whether it is the usage-only chunk: ``choices`` empty)."""
-    for line in event.split(b"\n"):
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if not data.startswith(b"{"):
-            continue
-        try:
-            document = json.loads(data)
-        except ValueError:
-            continue
-        if not isinstance(document, dict):
-            continue
-        if "usage" in document:
-            return usage_of(document["usage"]), document.get("choices") == []
-        response = document.get("response")  # /v1/responses: response.completed
-        if document.get("type") == "response.completed" and isinstance(response, dict):
-            return usage_of(response.get("usage")), False
-    return None, False
 
 
 # Answers up to this size are kept whole and parsed; of larger ones (embeddings of a big batch)
@@ -471,3 +376,29 @@ def summarize(records: Iterable[UsageRecord]) -> list[dict[str, Any]]:
         row["prompt_tokens"] += record.prompt_tokens
         row["completion_tokens"] += record.completion_tokens
     return [rows[k] for k in sorted(rows)]
+
+
+# A spreadsheet reads a cell starting with one of these as a formula (OWASP, "CSV Injection").
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def csv_text(value: str) -> str:
+    """A text cell of the usage export, safe to open in a spreadsheet (pure): control
+    characters written as escapes (``\\n``, ``\\r``, ``\\t``, ``\\xNN``: one record, one line),
+    and a leading ``=``, ``+``, ``-`` or ``@`` behind a ``'`` so it is shown, never evaluated.
+    Quotes and commas are the CSV writer's to quote. The model is what a client sent."""
+    text = _CONTROL.sub(lambda m: _ESCAPES.get(m[0], f"\\x{ord(m[0]):02x}"), value)
+    return "'" + text if text.startswith(_FORMULA_START) else text
+
+
+def usage_csv(rows: Iterable[dict[str, Any]]) -> str:
+    """``summarize``'s rows as the export's CSV, a header first, text cells made safe
+    (``csv_text``) (pure)."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=USAGE_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: csv_text(v) if isinstance(v, str) else v for k, v in row.items()})
+    return out.getvalue()

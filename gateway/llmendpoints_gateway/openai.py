@@ -27,16 +27,12 @@ from llmendpoints_edge.paths import encode
 from llmendpoints_gateway.access import Access
 from llmendpoints_gateway.keys import Key
 from llmendpoints_gateway.limiter import Limiter
-from llmendpoints_gateway.metering import (
-    BodyUsage,
-    StreamUsage,
-    metered_request,
-    with_usage_option,
-)
+from llmendpoints_gateway.metering import BodyUsage, metered_request, with_usage_option
 from llmendpoints_gateway.metrics import GatewayMetrics
 from llmendpoints_gateway.proxy import Meter, UpstreamFailed, bad_gateway, forward, upstream_headers
 from llmendpoints_gateway.registry import Endpoint, NoReplicaLeft, Registry, RouteKey
 from llmendpoints_gateway.request import Disconnect, RequestLog
+from llmendpoints_gateway.stream_meter import StreamUsage
 from llmendpoints_gateway.upstream import UpstreamPool
 
 logger = logging.getLogger("llmendpoints.gateway")
@@ -168,7 +164,13 @@ class OpenAIRoutes:
         state.endpoint = ep.id
         metered = metered_request(upstream_path, payload, len(body), self.default_max_tokens)
         if key is not None and key.limits.any:
-            state.ticket = await self.limiter.admit(key, hold=True, tokens=metered.reserve_tokens)
+            state.ticket = await self.limiter.admit(
+                key,
+                hold=True,
+                tokens=metered.reserve_tokens,
+                asked=metered.asked_tokens,
+                asked_field=metered.asked_field,
+            )
         state.record_kind = "openai"  # admitted: it is a request of the key's, billed or not
         if metered.ask_usage:
             body = with_usage_option(body, payload)

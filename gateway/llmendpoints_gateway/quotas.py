@@ -382,6 +382,20 @@ _LIMIT_WORDS = {
 }
 
 
+def too_large(key_name: str, limits: Limits, asked: int, field: str | None) -> str | None:
+    """Why a request asking for ``asked`` completion tokens (``field`` x n) can never be served
+    under the key's tokensPerMinute, or None. Admitted, it would wait for an empty minute and
+    then take all of it; refused at once, the client learns what to change."""
+    budget = limits.tokens_per_minute
+    if budget is None or field is None or asked <= budget:
+        return None
+    return (
+        f"Request too large for API key {key_name!r}: {field} (x n) asks for {asked} tokens, "
+        f"above the key's limit tokensPerMinute = {budget} tokens per minute; lower {field} "
+        "(retrying will not help)"
+    )
+
+
 def denial_message(key_name: str, limits: Limits, denied: Denied) -> str:
     """Names the limit and the key's name (never the key)."""
     words, attr = _LIMIT_WORDS[denied.limit]

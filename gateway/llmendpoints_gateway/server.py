@@ -17,6 +17,7 @@ import os
 import socket
 
 from llmendpoints_common.gateway_token import read_secret
+from llmendpoints_edge.memory import HeapTrimmer
 from llmendpoints_edge.server import serve as serve_edge
 
 from llmendpoints_gateway.access import Access
@@ -153,7 +154,9 @@ def build(settings: GatewaySettings, worker: WorkerSlot | None = None) -> Gatewa
         sock = socket.socket(fileno=worker.metrics_fd)
         parts.append(MetricsServer(metrics, "127.0.0.1", sock.getsockname()[1], sock))
     elif settings.metrics_port:
-        parts.append(MetricsServer(metrics, settings.host, settings.metrics_port))
+        parts.append(
+            MetricsServer(metrics, settings.metrics_host or settings.host, settings.metrics_port)
+        )
     gateway.started.extend(part.start for part in parts)
     gateway.stopped.extend(part.stop for part in reversed(parts))
     return gateway
@@ -175,4 +178,6 @@ def serve(settings: GatewaySettings, worker: WorkerSlot | None = None) -> None:
         proxy_headers=False,  # it logs no client address: no X-Forwarded-* layer per request
         backlog=4096,
         sockets=[socket.socket(fileno=worker.listen_fd)] if worker else None,
+        # Bodies of 10 MB by the dozen come and go here: their memory goes back when they do.
+        trimmer=HeapTrimmer(),
     )

@@ -349,7 +349,8 @@ class Supervisor:
         app.router.add_get("/metrics", self._metrics_handler)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, self.settings.host, self.settings.metrics_port).start()
+        host = self.settings.metrics_host or self.settings.host
+        await web.TCPSite(runner, host, self.settings.metrics_port).start()
         return runner
 
     async def _metrics_handler(self, _: web.Request) -> web.Response:

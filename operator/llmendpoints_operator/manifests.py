@@ -227,6 +227,11 @@ def build_env(ep: Endpoint) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": name, "value": value} for name, value in plain if value is not None
     ]
+    # The control port listens on the pod's IP, which the kubelet probes and the autoscaler
+    # scrapes: not on every interface of the pod.
+    env.append(
+        {"name": "LLMEP_CONTROL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    )
     if model.hf_token_secret_ref is not None:
         ref = model.hf_token_secret_ref
         env.append(

@@ -177,9 +177,12 @@ def start_control_listener(runtime: Runtime) -> control_listener.ControlPort | N
         metrics=lambda: (app.metrics_now(runtime), CONTENT_TYPE),
     )
     try:
-        port = control_listener.start(surface, settings.host, settings.control_port, thread=False)
+        port = control_listener.start(
+            surface, settings.control_host or settings.host, settings.control_port, thread=False
+        )
     except OSError as exc:
-        raise ConfigError("LLMEP_CONTROL_PORT", str(exc)) from None
+        setting = "LLMEP_CONTROL_HOST" if settings.control_host else "LLMEP_CONTROL_PORT"
+        raise ConfigError(setting, str(exc)) from None
     # Published from the event loop, which stays responsive under load (a thread did not get
     # the GIL often enough); the first publication is already there.
     runtime.on_serving.append(port.publisher.run)

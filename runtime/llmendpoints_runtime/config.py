@@ -131,9 +131,17 @@ class RuntimeSettings(EdgeSettings, BatchEnv):
         ge=1,
         le=65535,
         validation_alias="LLMEP_CONTROL_PORT",
-        description="A second port (on HOST) answering /health, /ready, /ping and /metrics from "
-        "a process of its own, whatever the event loop is doing: for the kubelet's probes and "
-        "the autoscaler's scrape under load (the operator sets it). Unset: no such port.",
+        description="A second port (on LLMEP_CONTROL_HOST) answering /health, /ready, /ping and "
+        "/metrics from a process of its own, whatever the event loop is doing: for the kubelet's "
+        "probes and the autoscaler's scrape under load (the operator sets it). Unset: no such "
+        "port.",
+    )
+    control_host: str | None = Field(
+        None,
+        validation_alias="LLMEP_CONTROL_HOST",
+        description="The address the control port listens on: the operator sets the pod's IP "
+        "(the address the kubelet probes), so the port is not on every interface of the pod. "
+        "Unset: HOST's (a local run with HOST=127.0.0.1 keeps it on loopback).",
     )
     startup_log_interval_seconds: float = Field(
         10.0,

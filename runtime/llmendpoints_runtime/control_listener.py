@@ -25,8 +25,11 @@ the autoscaler's scrape at it). The main port keeps answering the same paths (Sa
 RunPod load balancers call /ping there).
 
 Deliberately small: one request per connection (``Connection: close``), GET (and POST for
-/ping), no body read, headers bounded in size and time, at most MAX_CONNECTIONS answered at once
-(the rest are closed unanswered, as a full backlog would).
+/ping), no body read; the head bounded in size and in time from the connection's accept, at most
+MAX_CONNECTIONS open with the oldest closed for a new one (``ControlListener``). It listens where
+``LLMEP_CONTROL_HOST`` says: the operator gives it the pod's IP (downward API), the address the
+kubelet probes and the autoscaler scrapes, so nothing else in the pod's network namespace shares
+it with the world.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import contextlib
 import json
 import logging
 import os
+import selectors
 import shutil
 import signal
 import socket
@@ -54,8 +58,18 @@ from llmendpoints_runtime.health import Probe
 logger = logging.getLogger("llmendpoints.control")
 
 MAX_HEAD_BYTES = 8 * 1024
-READ_TIMEOUT_SECONDS = 5.0
-MAX_CONNECTIONS = 16
+# A request head must be whole this long after its connection was accepted. A kubelet's, or a
+# Prometheus's, arrives with the connection -- unless its sender waits for a CPU, which on a
+# starved machine takes seconds (tests/README.md): the kubelet's own probe timeout, 5 s in the
+# operator's pods, is as long as waiting helps. The answer must be written within the second.
+HEADER_DEADLINE_SECONDS = 5.0
+ANSWER_DEADLINE_SECONDS = 10.0
+# Connections open at once; one more closes the oldest still sending its head. Each costs a
+# socket and a few hundred bytes; with the head deadline, pushing a probe out takes this many
+# connections opened within 2 s.
+MAX_CONNECTIONS = 256
+ACCEPTS_PER_PASS = MAX_CONNECTIONS // 2
+LOOK_SECONDS = 0.5  # the loop wakes at least this often (close(), the parent's death)
 PUBLISH_INTERVAL_SECONDS = 0.1
 METRICS_EVERY = 5  # publications: /metrics text is rendered every 0.5 s
 STALE_AFTER_SECONDS = 30.0
@@ -149,16 +163,37 @@ def _response(result: Answer, *, head_only: bool = False) -> bytes:
 # -- the listener (in the child process; also usable in-process by tests) -------------------------
 
 
+@dataclass(eq=False)
+class _Connection:
+    sock: socket.socket
+    deadline: float  # reading: the whole head by then; writing: the whole answer
+    head: bytes = b""
+    out: memoryview | None = None  # the answer being written (None: still reading the head)
+
+
 class ControlListener:
-    """A listening socket and an accept thread; each connection is answered in a short-lived
-    thread (at most MAX_CONNECTIONS at once), so one slow client cannot hold the others."""
+    """A listening socket served by one thread with a selector: every connection is
+    non-blocking, so no client holds another, and each has deadlines.
+
+    - The request head must be complete HEADER_DEADLINE_SECONDS after the connection was
+      accepted, however it trickles in (408, closed); it must end within MAX_HEAD_BYTES (431).
+    - At most MAX_CONNECTIONS are open; one more closes the oldest still sending its head. A
+      kubelet, or a Prometheus, sends its request as it connects; what open connections sent
+      is read before new ones are accepted, so clients that connect and then send nothing, or
+      a byte now and then, cannot keep it out: before these bounds 16 connections sending a
+      byte every 4 s took every slot, and /health went unanswered 20 times out of 20.
+    """
 
     def __init__(self, surface: ControlSurface, host: str, port: int) -> None:
         self.surface = surface
-        self._sock = socket.create_server((host, port), family=_family(host), backlog=128)
-        self._sock.settimeout(1.0)  # the accept loop looks up now and then (parent_alive)
+        # A deep backlog: under a flood a probe's connection waits its turn in it rather than
+        # having its SYN dropped (and retried a second later).
+        self._sock = socket.create_server((host, port), family=_family(host), backlog=1024)
+        self._sock.setblocking(False)
         self.port = self._sock.getsockname()[1]
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._sock, selectors.EVENT_READ, None)
+        self._open: dict[socket.socket, _Connection] = {}  # in the order they were accepted
         self._thread = threading.Thread(target=self.serve, name="llmep-control", daemon=True)
         self._closed = False
 
@@ -170,43 +205,84 @@ class ControlListener:
         self._closed = True
         self._sock.close()
 
+    @property
+    def open_connections(self) -> int:
+        return len(self._open)
+
     def serve(self, keep_going: Callable[[], bool] = lambda: True) -> None:
-        while not self._closed and keep_going():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return  # closed
-            if not self._slots.acquire(blocking=False):
-                conn.close()  # as a full backlog would; probes retry at their period
-                continue
-            threading.Thread(target=self._serve_one, args=(conn,), daemon=True).start()
-
-    def _serve_one(self, conn: socket.socket) -> None:
+        """Until ``close`` or ``keep_going()`` is false (looked at least every LOOK_SECONDS)."""
         try:
-            with conn:
-                conn.settimeout(READ_TIMEOUT_SECONDS)
-                conn.sendall(self._handle(conn))
-        except OSError:
-            pass  # the client left, or sent nothing in time
-        except Exception:
-            logger.exception("control port: unexpected error")
+            while not self._closed and keep_going():
+                try:
+                    events = self._selector.select(self._wait(time.monotonic()))
+                except (OSError, ValueError):
+                    return  # closed under us
+                accept = False
+                for key, mask in events:  # the connections open first, then new ones:
+                    if key.data is None:  # a probe that has sent its request is answered
+                        accept = True  # before newcomers can push it out
+                    elif key.data.sock not in self._open:
+                        continue  # dropped meanwhile
+                    elif mask & selectors.EVENT_READ:
+                        self._read(key.data)
+                    else:
+                        self._write(key.data)
+                if accept:
+                    self._accept()
+                self._expire(time.monotonic())
         finally:
-            self._slots.release()
+            for conn in list(self._open.values()):
+                self._drop(conn)
+            self._selector.close()
 
-    def _handle(self, conn: socket.socket) -> bytes:
-        data = b""
-        while b"\r\n\r\n" not in data:
+    def _wait(self, now: float) -> float:
+        soonest = min((c.deadline for c in self._open.values()), default=now + LOOK_SECONDS)
+        return min(LOOK_SECONDS, max(0.0, soonest - now))
+
+    def _accept(self) -> None:
+        # At most half the cap a pass: a flood waiting in the backlog cannot push out, in the
+        # same pass, a connection accepted before it (the rest wait for the next pass).
+        for _ in range(ACCEPTS_PER_PASS):
             try:
-                chunk = conn.recv(4096)
-            except TimeoutError:
-                return _response(_error(408, "request headers not received in time"))
-            if not chunk:
-                raise OSError("closed before the headers ended")
-            data += chunk
-            if len(data) > MAX_HEAD_BYTES and b"\r\n\r\n" not in data:
-                return _response(_error(431, f"request headers above {MAX_HEAD_BYTES} bytes"))
+                sock, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return  # closed, or out of descriptors: the next pass tries again
+            if len(self._open) >= MAX_CONNECTIONS:
+                self._drop(self._oldest())
+            sock.setblocking(False)
+            conn = _Connection(sock, time.monotonic() + HEADER_DEADLINE_SECONDS)
+            self._open[sock] = conn
+            self._selector.register(sock, selectors.EVENT_READ, conn)
+            # A probe's request is usually in by now: answered before anything else happens.
+            self._read(conn)
+
+    def _oldest(self) -> _Connection:
+        """Who goes for a newcomer: the oldest still waiting for its head (the one that has
+        had longest to send it), else the oldest of all."""
+        waiting = (c for c in self._open.values() if c.out is None)
+        return next(waiting, None) or next(iter(self._open.values()))
+
+    def _read(self, conn: _Connection) -> None:
+        try:
+            chunk = conn.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._drop(conn)  # closed before the head ended
+            return
+        conn.head += chunk
+        if b"\r\n\r\n" in conn.head:
+            self._respond(conn, self._answer(conn.head))
+        elif len(conn.head) > MAX_HEAD_BYTES:
+            self._respond(
+                conn, _response(_error(431, f"request headers above {MAX_HEAD_BYTES} bytes"))
+            )
+
+    def _answer(self, data: bytes) -> bytes:
         head = _head(data)
         if head is None:
             return _response(_error(400, "not an HTTP request"))
@@ -217,6 +293,42 @@ class ControlListener:
             logger.exception("control port: %s %s failed", method, target)
             result = _error(500, "internal error; see the server log")
         return _response(result, head_only=method == "HEAD")
+
+    def _respond(self, conn: _Connection, payload: bytes) -> None:
+        conn.out = memoryview(payload)
+        conn.deadline = time.monotonic() + ANSWER_DEADLINE_SECONDS
+        self._selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+        self._write(conn)  # usually all of it, at once
+
+    def _write(self, conn: _Connection) -> None:
+        assert conn.out is not None
+        try:
+            sent = conn.sock.send(conn.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(conn)
+            return
+        conn.out = conn.out[sent:]
+        if not conn.out:
+            self._drop(conn)  # one request per connection
+
+    def _expire(self, now: float) -> None:
+        for conn in [c for c in self._open.values() if c.deadline <= now]:
+            if conn.out is None:  # the head did not arrive in time: say so, if it can be said
+                late = _error(
+                    408, f"request headers not received within {HEADER_DEADLINE_SECONDS:g} s"
+                )
+                with contextlib.suppress(OSError):
+                    conn.sock.send(_response(late))
+            self._drop(conn)
+
+    def _drop(self, conn: _Connection) -> None:
+        if self._open.pop(conn.sock, None) is None:
+            return
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._selector.unregister(conn.sock)
+        conn.sock.close()
 
 
 def _family(host: str) -> socket.AddressFamily:

@@ -75,6 +75,7 @@ def test_every_gateway_document_validates_strictly(
             "ServiceAccount",
             "ClusterRole",
             "ClusterRoleBinding",
+            "Namespace",  # the key Secrets' own (kept on uninstall)
             "Role",  # list/watch of the key Secrets' namespace
             "RoleBinding",
             "Secret",  # the gateway token secret (generated once, kept)
@@ -162,9 +163,10 @@ def test_gateway_rbac_reads_only_what_discovery_needs(helm: Path, tmp_path: Path
     account = _one(docs, "ServiceAccount")["metadata"]["name"]
     assert binding["subjects"][0]["name"] == account
     assert _one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == account
-    # Key Secrets (labelled llmendpoints.dev/api-key): list and watch, in one namespace only.
+    # Key Secrets (labelled llmendpoints.dev/api-key): list and watch, in a namespace of their
+    # own -- never the release's, where the NATS keys and the gateway token secret are.
     keys_role = _one(docs, "Role")
-    assert keys_role["metadata"]["namespace"] == "llm-system"
+    assert keys_role["metadata"]["namespace"] == "llm-system-keys"
     assert keys_role["rules"] == [
         {"apiGroups": [""], "resources": ["secrets"], "verbs": ["list", "watch"]}
     ]
@@ -173,7 +175,7 @@ def test_gateway_rbac_reads_only_what_discovery_needs(helm: Path, tmp_path: Path
         e["name"]: e.get("value")
         for e in _one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
     }
-    assert env["GATEWAY_KEYS_NAMESPACE"] == "llm-system"
+    assert env["GATEWAY_KEYS_NAMESPACE"] == "llm-system-keys"
     namespaced = _gateway_docs(
         render(
             helm,
@@ -184,6 +186,64 @@ def test_gateway_rbac_reads_only_what_discovery_needs(helm: Path, tmp_path: Path
     roles = {d["metadata"]["name"]: d for d in namespaced if d["kind"] == "Role"}
     assert sorted(r["metadata"]["namespace"] for r in roles.values()) == ["keys", "team-a"]
     assert not [d for d in namespaced if d["kind"] == "ClusterRole"]
+
+
+def _secret_grants(docs: list[dict[str, Any]]) -> list[tuple[str, str, set[str]]]:
+    """(role kind, namespace or "*", verbs) of every rule of the gateway's on Secrets."""
+    return [
+        (d["kind"], d["metadata"].get("namespace", "*"), set(rule["verbs"]))
+        for d in _gateway_docs(docs)
+        if d["kind"] in ("Role", "ClusterRole")
+        for rule in d["rules"]
+        if "secrets" in rule["resources"]
+    ]
+
+
+def test_the_gateway_lists_no_secret_of_the_release_namespace(helm: Path, tmp_path: Path) -> None:
+    """The gateway faces the internet; the release namespace holds the NATS account signing keys
+    and the gateway token secret. Before: its key Role listed and watched every Secret there
+    (RBAC cannot narrow a list to a label). Now the key Secrets have a namespace of their own,
+    made by the chart and kept on uninstall, and naming the release's is refused."""
+    docs = render(helm, tmp_path, {"gateway": {"enabled": True}})
+    assert _secret_grants(docs) == [("Role", "llm-system-keys", {"list", "watch"})]
+    (namespace,) = [d for d in _gateway_docs(docs) if d["kind"] == "Namespace"]
+    assert namespace["metadata"]["name"] == "llm-system-keys"
+    assert namespace["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    # an existing namespace of the admin's: used, not created
+    own = render(
+        helm,
+        tmp_path,
+        {"gateway": {"enabled": True, "keySecretsNamespace": "tenant-keys", "createKeySecretsNamespace": False}},
+    )  # fmt: skip
+    assert _secret_grants(own) == [("Role", "tenant-keys", {"list", "watch"})]
+    assert not [d for d in own if d["kind"] == "Namespace"]
+    # with the queue on, the NATS keys Secret and the token secret stay in the release namespace
+    queued = render(helm, tmp_path, {"gateway": {"enabled": True}, "queue": {"enabled": True}})
+    held = {
+        (d["metadata"].get("namespace"), d["metadata"]["name"])
+        for d in queued
+        if d["kind"] == "Secret"
+    }
+    assert ("llm-system", "llmendpoints-nats-keys") in held, held
+    assert ("llm-system", "llmendpoints-gateway-token") in held, held
+    assert all(ns != "llm-system" for _, ns, _ in _secret_grants(queued))
+    refused = run_helm(
+        helm,
+        "template", "llmendpoints", str(CHART), "--namespace", "llm-system",
+        values={"gateway": {"enabled": True, "keySecretsNamespace": "llm-system"}},
+        tmp_path=tmp_path,
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert "gateway.keySecretsNamespace" in refused.stderr and "signing keys" in refused.stderr
+
+
+def test_the_gateway_metrics_listen_on_the_pod_ip(helm: Path, tmp_path: Path) -> None:
+    """/metrics (per-endpoint, optionally per-key series) on the pod's IP, what Prometheus
+    scrapes; before: HOST, every interface of the pod."""
+    docs = render(helm, tmp_path, {"gateway": {"enabled": True}})
+    container = _one(_gateway_docs(docs), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    (host,) = [e for e in container["env"] if e["name"] == "GATEWAY_METRICS_HOST"]
+    assert host["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
 
 
 def test_network_policy_admits_only_the_gateway_and_the_operator(

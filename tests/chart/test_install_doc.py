@@ -20,6 +20,7 @@ from .helm_kit import ROOT, only, render, run_helm
 DOC = (ROOT / "docs" / "install.md").read_text()
 REGISTRY = "registry.example.com/llm"  # what the page exports
 RELEASE_NS = "llm-system"
+KEYS_NS = "llm-system-keys"
 
 
 def blocks(language: str) -> list[str]:
@@ -33,7 +34,9 @@ def command(start: str) -> str:
         for line in text.splitlines():
             line = " ".join(line.split())
             if line.startswith(start):
-                return line.replace("$REGISTRY", REGISTRY).replace("$RELEASE_NS", RELEASE_NS)
+                for name, value in (("$REGISTRY", REGISTRY), ("$RELEASE_NS", RELEASE_NS)):
+                    line = line.replace(name, value)
+                return line.replace("$KEYS_NS", KEYS_NS)
     raise AssertionError(f"no command starting {start!r} in docs/install.md")
 
 
@@ -88,7 +91,15 @@ def _env(docs: list[dict[str, Any]], deployment: str) -> dict[str, dict[str, Any
 def test_every_command_is_copyable() -> None:
     """No `<placeholder>` in a shell block (a shell reads `<x>` as a redirection), and every
     variable a block uses is one the page exports."""
-    exported = {"REGISTRY", "RELEASE_NS", "KEY", "PROMETHEUS_RELEASE", "HF_TOKEN", "MODEL_REVISION"}
+    exported = {
+        "REGISTRY",
+        "RELEASE_NS",
+        "KEYS_NS",
+        "KEY",
+        "PROMETHEUS_RELEASE",
+        "HF_TOKEN",
+        "MODEL_REVISION",
+    }
     for block in blocks("bash"):
         assert not re.search(r"<[A-Za-z][\w -]*>", block), block
         used = set(re.findall(r"\$([A-Z_]+)\b", block)) | set(re.findall(r"\$\{([A-Z_]+)\}", block))
@@ -186,22 +197,25 @@ def test_the_documented_endpoint_scales_to_zero_only_with_gateway_and_queue() ->
         parse("qwen", "team-a", doc["spec"], scale_to_zero=False)
 
 
-def test_the_documented_tenant_key_secret_is_a_key_with_limits() -> None:
+def test_the_documented_tenant_key_secret_is_a_key_with_limits(docs) -> None:
     from llmendpoints_gateway.keys import KEY_SECRET_LABEL, secret_api_key
 
-    create = command("kubectl -n $RELEASE_NS create secret generic team-a-key")
+    # where the page puts key Secrets is where the chart's gateway reads them
+    assert f"export KEYS_NS={KEYS_NS}" in DOC
+    assert _env(docs, "llmendpoints-gateway")["GATEWAY_KEYS_NAMESPACE"]["value"] == KEYS_NS
+    create = command("kubectl -n $KEYS_NS create secret generic team-a-key")
     literals = dict(
         w.split("=", 1)[1].split("=", 1)
         for w in shlex.split(create)
         if w.startswith("--from-literal")
     )
     literals["key"] = "sk-" + "ab" * 24  # what $(openssl rand -hex 24) gives
-    label = command("kubectl -n $RELEASE_NS label secret team-a-key")
+    label = command("kubectl -n $KEYS_NS label secret team-a-key")
     assert f"{KEY_SECRET_LABEL}=true" in label
     secret = {
         "metadata": {
             "name": "team-a-key",
-            "namespace": RELEASE_NS,
+            "namespace": KEYS_NS,
             "labels": {KEY_SECRET_LABEL: "true"},
         },
         "data": {k: base64.b64encode(v.encode()).decode() for k, v in literals.items()},
@@ -254,7 +268,10 @@ def test_upgrade_upgrades_the_crd_and_uninstall_leaves_what_the_page_says(docs) 
     pvcs = [f"{template}-{nats['metadata']['name']}-{i}" for i in range(nats["spec"]["replicas"])]
     delete = shlex.split(command("kubectl -n $RELEASE_NS delete pvc"), comments=True)
     assert delete[delete.index("pvc") + 1 :] == pvcs
-    assert "kubectl -n $RELEASE_NS delete secret team-a-key" in DOC
+    assert "kubectl delete namespace $KEYS_NS" in DOC  # the key namespace is kept
+    (keys,) = [d for d in docs if d["kind"] == "Namespace"]
+    assert keys["metadata"]["name"] == KEYS_NS
+    assert keys["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
 
 
 def test_the_crd_strategy_the_page_names_is_the_charts() -> None:

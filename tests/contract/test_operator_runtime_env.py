@@ -26,6 +26,7 @@ SECRETS = {
     ("keys", "api-keys"): "key-one\nkey-two\n",
     ("demo-admin-key", "admin-api-key"): "generated-admin-key",  # the operator's own Secret
 }
+POD_FIELDS = {"status.podIP": "10.244.1.17"}  # what the kubelet puts in for the downward API
 
 
 def _pod_environment(
@@ -74,7 +75,11 @@ def _pod_environment(
     env: dict[str, str] = {}
     for var in container["env"]:
         if "valueFrom" in var:
-            ref = var["valueFrom"]["secretKeyRef"]
+            source = var["valueFrom"]
+            if "fieldRef" in source:  # the downward API, as the kubelet fills it in
+                env[var["name"]] = POD_FIELDS[source["fieldRef"]["fieldPath"]]
+                continue
+            ref = source["secretKeyRef"]
             env[var["name"]] = SECRETS[(ref["name"], ref["key"])]
             continue
         value = var["value"]
@@ -144,6 +149,14 @@ def test_minimal_spec_serves_the_model_under_the_endpoint_name(tmp_path: pathlib
     # ... for serving; engine control takes the endpoint's generated admin key.
     admin_file = pathlib.Path(cfg.settings.admin_api_keys_file)
     assert admin_file.read_text() == "generated-admin-key"
+
+
+def test_the_control_port_listens_on_the_pods_ip_only(tmp_path: pathlib.Path) -> None:
+    """The kubelet probes, and the autoscaler scrapes, the pod's IP: the control port listens
+    there, not on every interface (before: HOST, 0.0.0.0), while the main port stays on all."""
+    settings = config.load_config(_pod_environment({"model": {"name": "m"}}, tmp_path)).settings
+    assert settings.control_host == POD_FIELDS["status.podIP"]
+    assert settings.control_port == 8001 and settings.host == "0.0.0.0"
 
 
 def test_disabling_a_boolean_engine_field_reaches_vllm(tmp_path: pathlib.Path) -> None:

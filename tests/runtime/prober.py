@@ -8,7 +8,9 @@ Each record: wall time sent, path, connect and total milliseconds, status, body 
 parsed; for /metrics the autoscaling gauges only), or the error. The file also holds the time
 this process spent runnable but waiting for a CPU (its schedstat), so a reader can tell a slow
 server from a prober that was not running. Shared by tests/runtime/test_runtime_signals.py and
-bench/probes_under_load.py.
+bench/probes_under_load.py. As a module it also gives ``SlowClients`` (connections that trickle
+a request head, or send nothing, reopened as soon as they are closed) and ``kubelet_probes``,
+for the control port's tests and bench/abuse.py.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import json
 import os
 import re
+import selectors
 import socket
 import sys
 import threading
@@ -72,6 +75,70 @@ def probe_once(host: str, port: int, path: str, timeout: float) -> dict:
         record["total_ms"] = (time.monotonic() - began) * 1000
         record["error"] = f"{type(exc).__name__}: {exc}"
     return record
+
+
+class SlowClients:
+    """``count`` connections kept open against the port, each reopened the moment the server
+    closes it; each sends the start of a request line and then ``every`` seconds one more header
+    byte (None: nothing ever). One thread drives them all (a selector), so hundreds cost the
+    machine little besides the reconnections."""
+
+    def __init__(self, port: int, count: int, every: float | None) -> None:
+        self.port, self.count, self.every = port, count, every
+        self.stop = threading.Event()
+        self.closed_by_server = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> SlowClients:
+        self._thread.start()
+        time.sleep(1.0)  # all of them connected
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.stop.set()
+        self._thread.join(30)
+
+    def _open(self, selector: selectors.BaseSelector) -> None:
+        try:
+            sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+            if self.every is not None:
+                sock.sendall(b"GET /health HTTP/1.1\r\nX-Slow: ")
+        except OSError:
+            time.sleep(0.01)
+            return
+        sock.setblocking(False)
+        selector.register(sock, selectors.EVENT_READ)
+
+    def _run(self) -> None:
+        selector = selectors.DefaultSelector()
+        next_byte = time.monotonic() + (self.every or 0)
+        try:
+            while not self.stop.is_set():
+                while len(selector.get_map()) < self.count and not self.stop.is_set():
+                    self._open(selector)
+                for key, _ in selector.select(0.2):  # the server answered (408) or closed it
+                    selector.unregister(key.fileobj)
+                    key.fileobj.close()
+                    self.closed_by_server += 1
+                if self.every is not None and time.monotonic() >= next_byte:
+                    next_byte += self.every
+                    for key in list(selector.get_map().values()):
+                        with contextlib.suppress(OSError):
+                            key.fileobj.send(b"x")
+        finally:
+            for key in list(selector.get_map().values()):
+                key.fileobj.close()
+            selector.close()
+
+
+def kubelet_probes(port: int, count: int = 20) -> list[dict]:
+    """``count`` probes of /health a kubelet would send (a fresh connection each, the request
+    written as it connects), each allowed 10 s: twice the pod spec's timeoutSeconds."""
+    probes = []
+    for _ in range(count):
+        probes.append(probe_once("127.0.0.1", port, "/health", timeout=10))
+        time.sleep(0.25)
+    return probes
 
 
 def run_delay_ms() -> float:

@@ -19,6 +19,20 @@ def _read(pid: int, name: str) -> str:
         return ""
 
 
+def rss_mib(pid: int) -> float:
+    """Resident memory of one process, MiB."""
+    for line in _read(pid, "status").splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process (all its threads) so far."""
+    fields = _read(pid, "stat").rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def engine_core_pids(runtime_pid: int) -> list[int]:
     """vLLM's engine-core processes under the runtime (vLLM titles them VLLM::EngineCore)."""
     return [

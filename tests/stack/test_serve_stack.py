@@ -59,8 +59,8 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def tour_blocks(ports: dict[str, int]) -> list[tuple[str, str]]:
-    """(language, code) of the README's tour, with this test's ports."""
+def tour_blocks(ports: dict[str, int], state: Path) -> list[tuple[str, str]]:
+    """(language, code) of the README's tour, with this test's ports and STACK_DIR."""
     text = (ROOT / "README.md").read_text()
     tour = text.split("<!-- stack-tour:start -->", 1)[1].split("<!-- stack-tour:end -->", 1)[0]
     blocks = re.findall(r"```(python|bash)\n(.*?)```", tour, re.S)
@@ -70,6 +70,7 @@ def tour_blocks(ports: dict[str, int]) -> list[tuple[str, str]]:
         "127.0.0.1:8001": f"127.0.0.1:{ports['replica1']}",
         "127.0.0.1:8002": f"127.0.0.1:{ports['replica2']}",
         "127.0.0.1:4222": f"127.0.0.1:{ports['nats']}",
+        ".cache/serve-stack/": f"{state}/",
     }
     result = []
     for lang, code in blocks:
@@ -136,8 +137,34 @@ def test_it_prints_the_urls_and_keys(stack):
         assert needle in text, needle
 
 
+def test_the_queue_refuses_a_client_without_a_credential(stack):
+    """NATS runs with the chart's JWT authentication (before: no auth at all, so anything on
+    the machine read every job and usage record): no creds file, no connection; the gateway's
+    own reaches it."""
+    import asyncio
+
+    import nats
+
+    url = f"nats://127.0.0.1:{stack['ports']['nats']}"
+
+    async def attempt(**options) -> str:
+        try:
+            nc = await nats.connect(
+                url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=5, **options
+            )
+        except Exception as exc:  # nats-py raises its own error types
+            return str(exc)
+        await nc.close()
+        return "connected"
+
+    assert "Authorization Violation" in asyncio.run(attempt())
+    gateway = stack["state"] / "creds" / "gateway.creds"
+    assert asyncio.run(attempt(user_credentials=str(gateway))) == "connected"
+    assert f"JOBS_QUEUE_CREDS_FILE={gateway}" in stack["output"].read_text()
+
+
 def test_the_readme_tour_runs_as_written(stack, capsys):
-    blocks = tour_blocks(stack["ports"])
+    blocks = tour_blocks(stack["ports"], stack["state"])
     namespace: dict = {}
     # The OpenAI SDK through the gateway.
     exec(compile(blocks[0][1], "README tour: openai", "exec"), namespace)

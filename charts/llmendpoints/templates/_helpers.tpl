@@ -147,6 +147,17 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: llmendpoints
 {{- end }}
 
+{{/* The namespace of the gateway's tenant key Secrets: never the release's, where the NATS
+signing keys and the gateway token secret live (the gateway lists and watches every Secret of
+its key namespace: RBAC cannot narrow a list to a label). Default: "<release namespace>-keys". */}}
+{{- define "llmendpoints.gateway.keysNamespace" -}}
+{{- $ns := .Values.gateway.keySecretsNamespace | default (printf "%s-keys" .Release.Namespace | trunc 63 | trimSuffix "-") }}
+{{- if eq $ns .Release.Namespace }}
+{{- fail (printf "gateway.keySecretsNamespace: %q is the release namespace; the gateway lists and watches every Secret of its key namespace (RBAC cannot narrow that to a label), and the NATS signing keys and the gateway token secret live in the release namespace. Give the key Secrets a namespace of their own (the default: %s-keys; docs/install.md, \"Upgrade\", moves existing keys)" $ns .Release.Namespace) }}
+{{- end }}
+{{- $ns }}
+{{- end }}
+
 {{- define "llmendpoints.gateway.image" -}}
 {{- $img := .Values.gateway.image }}
 {{- if $img.digest }}

@@ -222,6 +222,9 @@ class Permissions:
     def may_publish(self, subject: str) -> bool:
         return _permitted(subject, self.pub_allow, self.pub_deny)
 
+    def may_subscribe(self, subject: str) -> bool:
+        return _permitted(subject, self.sub_allow, self.sub_deny)
+
 
 def subject_matches(pattern: str, subject: str) -> bool:
     """NATS wildcard matching: ``*`` is one token, a final ``>`` one or more."""

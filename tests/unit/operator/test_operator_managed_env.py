@@ -39,6 +39,7 @@ def _refused(env: list[dict[str, Any]] | None = None, args: dict[str, Any] | Non
         "JOBS_QUEUE_CREDS_FILE",
         "GATEWAY_TOKEN_FILE",
         "LLMEP_CONTROL_PORT",
+        "LLMEP_CONTROL_HOST",  # an author cannot put the probed port back on every interface
         # worker-vllm and vLLM spellings of variables the operator writes
         "SERVED_MODEL_NAME",
         "MODEL",

@@ -405,7 +405,7 @@ def test_engine_args_and_env_override_the_derived_lora_settings() -> None:
     )
     names = [v["name"] for v in manifests.build_env(ep)]
     assert names.count("MAX_LORAS") == 1 and names.count("MAX_LORA_RANK") == 1
-    env = {v["name"]: v["value"] for v in manifests.build_env(ep)}
+    env = {v["name"]: v.get("value") for v in manifests.build_env(ep)}
     assert (
         env["MAX_LORAS"] == "16" and env["MAX_LORA_RANK"] == "64" and env["ENABLE_LORA"] == "true"
     )
@@ -426,7 +426,7 @@ def test_runtime_pods_get_no_service_account_token(example: pathlib.Path) -> Non
 
 def test_pods_get_their_endpoint_id_and_the_shared_queue() -> None:
     ep = _endpoint({"model": {"name": "org/m"}}, name="chat-a")
-    alone = {v["name"]: v["value"] for v in _container(_all(ep)[0])["env"]}
+    alone = {v["name"]: v.get("value") for v in _container(_all(ep)[0])["env"]}
     assert alone["ENDPOINT_ID"] == "chat-a"
     assert "JOBS_QUEUE_URL" not in alone  # no queue configured: the in-pod job store
     queued = OperatorSettings(
@@ -457,7 +457,7 @@ def test_pods_mount_their_own_queue_creds_with_per_endpoint_credentials() -> Non
     )
     pod = manifests.build_deployment(ep, keyed, replicas=1)["spec"]["template"]["spec"]
     container = pod["containers"][0]
-    env = {v["name"]: v["value"] for v in container["env"]}
+    env = {v["name"]: v.get("value") for v in container["env"]}
     assert env["JOBS_QUEUE_URL"] == "nats://llmendpoints-nats:4222"
     assert env["JOBS_QUEUE_CREDS_FILE"] == "/etc/llmendpoints/queue/queue.creds"
     (volume,) = [v for v in pod["volumes"] if v["name"] == "queue-creds"]

@@ -1,10 +1,12 @@
-"""The control port (LLMEP_CONTROL_PORT): probes and /metrics answered by a thread of their own,
-on a real socket, while the event loop of this process is kept busy."""
+"""The control port (LLMEP_CONTROL_PORT): probes and /metrics answered by a process of their own
+(control_listener.start, what the runtime runs) on a real socket, while this process's event
+loop is kept busy and while clients misbehave: trickling, silent, more than it keeps open."""
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -15,12 +17,15 @@ from pathlib import Path
 import pytest
 from llmendpoints_runtime import control_listener
 from llmendpoints_runtime.control_listener import (
+    HEADER_DEADLINE_SECONDS,
+    MAX_CONNECTIONS,
     MAX_HEAD_BYTES,
     ControlListener,
     ControlSurface,
     answer,
 )
 from llmendpoints_runtime.health import Health
+from prober import SlowClients, kubelet_probes, probe_once
 
 
 def surface(health: Health, metrics: bytes = b"llmendpoints_queue_depth 3.0\n") -> ControlSurface:
@@ -257,3 +262,65 @@ def test_the_child_dies_with_its_parent():
 
     wait_for(gone, "the control port's process to end with its parent")
     assert not Path(directory).exists()  # nothing left behind in /dev/shm
+
+
+# -- clients that misbehave, against the child process -------------------------------------------
+
+
+def test_sixteen_trickling_connections_do_not_stop_the_kubelets_probe(control_port):
+    """16 connections sending a header byte every 4 s, reopened as soon as they are closed.
+    Before: they held every connection the port served (each read waited 5 s for the next
+    byte) and /health went unanswered 20 times out of 20 -- a kubelet would restart a healthy
+    pod. Now each must finish its head within HEADER_DEADLINE_SECONDS of its accept."""
+    running, _, _ = control_port
+    with SlowClients(running.port, 16, every=4.0) as attacker:
+        probes = kubelet_probes(running.port)
+        # each was cut at its deadline, not served
+        wait_for(lambda: attacker.closed_by_server >= 16, "the slow clients cut", timeout=60)
+    assert [p.get("status") for p in probes] == [200] * 20, probes
+
+
+def test_more_silent_connections_than_it_keeps_do_not_stop_the_probe(control_port):
+    """Twice MAX_CONNECTIONS connections that send nothing, each reopened when closed:
+    a new connection closes the oldest still sending its head, and a probe, whose request comes
+    with its connection, is read before newcomers can push it out."""
+    running, _, _ = control_port
+    with SlowClients(running.port, 2 * MAX_CONNECTIONS, every=None):
+        probes = kubelet_probes(running.port)
+    assert [p.get("status") for p in probes] == [200] * 20, probes
+
+
+def test_headers_that_trickle_past_the_deadline_get_408_and_a_close(listener):
+    """A byte every 0.3 s forever: never idle long, yet closed with 408 at the deadline (the
+    old per-read timeout let it live as long as it kept sending)."""
+    running, _ = listener
+    with socket.create_connection(("127.0.0.1", running.port), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nX-Slow: ")
+        answer = b""
+        for _ in range(int(4 * HEADER_DEADLINE_SECONDS / 0.3) + 20):
+            readable, _, _ = select.select([sock], [], [], 0.3)
+            if readable:
+                answer = sock.recv(65536)
+                break
+            sock.sendall(b"x")
+        try:
+            rest = sock.recv(65536)  # then the server closes it
+        except ConnectionResetError:  # (a reset: it closed with our last bytes unread)
+            rest = b""
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert rest == b""
+    assert request(running.port, get("/health"))[0] == 200
+
+
+def test_it_listens_on_the_address_given_only():
+    """The runtime gives it LLMEP_CONTROL_HOST (the operator: the pod's IP). 127.0.0.2 stands
+    for the pod's IP: answered there, refused on the pod's other addresses."""
+    health = Health()
+    health.engine_ready()
+    running = control_listener.start(surface(health), "127.0.0.2", 0)
+    try:
+        assert probe_once("127.0.0.2", running.port, "/health", timeout=10)["status"] == 200
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", running.port), timeout=10).close()
+    finally:
+        running.close()
