@@ -52,8 +52,11 @@ import time
 
 
 class Standin:
-    def __init__(self, name: str, ready_after: float, kv_tokens: int = 16384):
+    def __init__(
+        self, name: str, ready_after: float, kv_tokens: int = 16384, control_port: int = 0
+    ):
         self.name = name
+        self.control_port = control_port  # named in the main port's probe answers, as ours do
         self.ready_at = time.monotonic() + ready_after
         self.stats = {
             "name": name,
@@ -70,6 +73,9 @@ class Standin:
             "last_authorization": None,
             "last_api_key": None,
             "last_caller": None,
+            # every request by port ("main", "control") and "METHOD /path", and who sent them
+            "seen": {"main": {}, "control": {}},
+            "user_agents": {"main": [], "control": []},
         }
         self.engine = {"running": 0, "waiting": 0, "kv_usage": 0.0, "adapters": [], "max_lora": 0}
         self.kv_tokens = kv_tokens
@@ -85,11 +91,10 @@ class Standin:
                 if message["type"] == "lifespan.shutdown":
                     return
         path = scope["path"]
-        if path == "/ready":
-            ok = time.monotonic() >= self.ready_at
-            return await _json(
-                send, 200 if ok else 503, {"status": "ready" if ok else "initializing"}
-            )
+        self.count("main", scope)
+        if path in ("/ready", "/health"):  # /health: what vllm-router probes
+            named = [(b"x-llmep-control-port", str(self.control_port).encode())]
+            return await self.probe(send, named if self.control_port else [])
         if path == "/stats":
             return await _json(send, 200, self.stats)
         if path == "/metrics":
@@ -228,6 +233,21 @@ class Standin:
             gone.cancel()
             self.stats["open"] -= 1
 
+    def count(self, port: str, scope) -> None:
+        if scope["path"] == "/stats":
+            return
+        seen = self.stats["seen"][port]
+        what = f"{scope['method']} {scope['path']}"
+        seen[what] = seen.get(what, 0) + 1
+        agent = dict(scope["headers"]).get(b"user-agent", b"").decode("latin-1")
+        if agent not in self.stats["user_agents"][port]:
+            self.stats["user_agents"][port].append(agent)
+
+    async def probe(self, send, headers: list) -> None:
+        ok = time.monotonic() >= self.ready_at
+        status = {"status": "ready" if ok else "initializing"}
+        await _json(send, 200 if ok else 503, status, headers)
+
     def _cache(self, request: dict) -> None:
         """The pretend prefix cache: a request's leading messages (each prefix of the list)
         that an earlier request began with are hits, counted in words."""
@@ -341,12 +361,12 @@ async def _read(receive) -> bytes:
             return b"".join(parts)
 
 
-async def _text(send, status, text: str):
+async def _text(send, status, text: str, headers=()):
     await send(
         {
             "type": "http.response.start",
             "status": status,
-            "headers": [(b"content-type", b"text/plain; version=0.0.4")],
+            "headers": [(b"content-type", b"text/plain; version=0.0.4"), *headers],
         }
     )
     await send({"type": "http.response.body", "body": text.encode()})
@@ -364,12 +384,31 @@ def _prompt_words(request: dict) -> int:
     return words
 
 
-async def _json(send, status, body):
+class ControlPort:
+    """``--control-port``: the stand-in's probes and /metrics on a port of their own, as the
+    runtime's control port answers them (its answers say how old they are)."""
+
+    def __init__(self, standin: Standin) -> None:
+        self.standin = standin
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.standin(scope, receive, send)  # the lifespan
+        self.standin.count("control", scope)
+        age = [(b"x-llmep-answer-age-ms", b"0")]
+        if scope["path"] in ("/ready", "/health"):
+            return await self.standin.probe(send, age)
+        if scope["path"] == "/metrics":
+            return await _text(send, 200, self.standin.metrics(), age)
+        return await _json(send, 404, {"error": {"message": "not on the control port"}})
+
+
+async def _json(send, status, body, headers=()):
     await send(
         {
             "type": "http.response.start",
             "status": status,
-            "headers": [(b"content-type", b"application/json")],
+            "headers": [(b"content-type", b"application/json"), *headers],
         }
     )
     await send({"type": "http.response.body", "body": json.dumps(body).encode()})
@@ -383,18 +422,32 @@ def main() -> None:
     parser.add_argument("--name", default=None)
     parser.add_argument("--ready-after", type=float, default=0.0)
     parser.add_argument("--kv-tokens", type=int, default=16384, help="KV cache it reports")
-    args = parser.parse_args()
-    app = Standin(args.name or f"standin-{args.port}", args.ready_after, args.kv_tokens)
-    uvicorn.run(
-        app,
-        host="127.0.0.1",
-        port=args.port,
-        http="httptools",
-        loop="uvloop",
-        log_level="warning",
-        backlog=4096,
-        timeout_keep_alive=30,
+    parser.add_argument("--control-port", type=int, default=0, help="also a control port")
+    parser.add_argument(
+        "--name-control-port", type=int, default=0, help="name this port, listen on none there"
     )
+    args = parser.parse_args()
+    named = args.name_control_port or args.control_port
+    app = Standin(args.name or f"standin-{args.port}", args.ready_after, args.kv_tokens, named)
+    apps = [(app, args.port)] + (
+        [(ControlPort(app), args.control_port)] if args.control_port else []
+    )
+    servers = [
+        uvicorn.Server(
+            uvicorn.Config(
+                served, host="127.0.0.1", port=port, http="httptools", loop="uvloop",
+                log_level="warning", backlog=4096, timeout_keep_alive=30,
+                lifespan="on" if served is app else "off",
+            )
+        )
+        for served, port in apps
+    ]  # fmt: skip
+    import uvloop
+
+    async def serve_all() -> None:
+        await asyncio.gather(*(server.serve() for server in servers))
+
+    uvloop.run(serve_all())
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@
     .venv/bin/python bench/prefix_routing.py            # ~10 min on 2 shared cores
     .venv/bin/python bench/prefix_routing.py --rounds 2 --strategies round-robin,scored
     .venv/bin/python bench/prefix_routing.py --strategies scored,scored-2w   # 1 vs 2 workers
+    # side by side with vllm-router's policies (and an older checkout's gateway):
+    .venv/bin/python bench/prefix_routing.py --strategies \
+        scored,vr-cache_aware,vr-round_robin,vr-consistent_hash,scored-before --before PATH
     # Drive a gateway you run yourself (the replicas' /metrics give the engines' counters):
     .venv/bin/python bench/prefix_routing.py --gateway http://127.0.0.1:8080 \
         --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 \
@@ -31,7 +34,11 @@ load) on this checkout's gateway; `chwbl`: `prefix-aware` as it was before the s
 consistent hashing with bounded load on the system messages and first user turn -- on the
 gateway of git ref --chwbl-ref (default: where this branch left main), run from that tree;
 `scored-2w` (`-4w`): `scored` on a gateway with GATEWAY_WORKERS=2 (4), whose processes each
-have their own prefix index (connections, so requests, spread over them by the kernel). Every run
+have their own prefix index (connections, so requests, spread over them by the kernel);
+`scored-before`: `scored` on the gateway of the checkout --before; `vr-cache_aware`,
+`vr-round_robin`, `vr-consistent_hash`: vllm-router (the vLLM project's Rust router, PyPI) with
+that policy, its other settings its defaults (issue 33's side by side). The replicas run with
+their control port on (LLMEP_CONTROL_PORT), as the operator's pods do. Every run
 gets fresh system prompts, so no run is warmed by an earlier one, and the strategies alternate
 within a round, their order rotated every round (A B C, B C A, ...), because the machine is
 shared. Measured per run, from the engines themselves: vLLM's prefix-cache hit rate
@@ -302,10 +309,17 @@ class Strategy:
     ref: str | None = None  # git ref of the gateway's tree (None: this checkout)
     workers: int = 1
     shared: bool = True  # GATEWAY_SHARE_PREFIX_INDEX (through a nats-server, with workers)
+    peer: bool = False  # ``routing`` is a vllm-router policy, routed by vllm-router
+    before: bool = False  # the gateway of the checkout --before
 
 
 STRATEGIES = {
     "round-robin": Strategy("round-robin"),
+    # vllm-router (PyPI; the vLLM project's Rust router), side by side (issue 33)
+    "vr-cache_aware": Strategy("cache_aware", peer=True),
+    "vr-round_robin": Strategy("round_robin", peer=True),
+    "vr-consistent_hash": Strategy("consistent_hash", peer=True),
+    "scored-before": Strategy("prefix-aware", before=True),
     "chwbl": Strategy("prefix-aware", ref="CHWBL"),  # the ref: --chwbl-ref
     "scored": Strategy("prefix-aware"),
     "scored-2w": Strategy("prefix-aware", workers=2),
@@ -341,6 +355,7 @@ def own_stack(args, strategies: list[str], out: Path):
             env.pop("OPENAI_SERVED_MODEL_NAME_OVERRIDE")
             env.update(
                 SERVED_MODEL_NAME=" ".join(model_name(s) for s in strategies),
+                LLMEP_CONTROL_PORT=str(rv.free_port()),  # as the operator's pods have it
                 ENABLE_PREFIX_CACHING="true",
                 MAX_MODEL_LEN=str(args.max_model_len),
                 NUM_GPU_BLOCKS_OVERRIDE=str(args.gpu_blocks),
@@ -351,9 +366,17 @@ def own_stack(args, strategies: list[str], out: Path):
             )
         replicas = [next(waiter) for waiter in starting]
         gateways: dict[tuple[str | None, int, bool], list[str]] = {}
+        targets: dict[str, Target] = {}
         for name in strategies:
             strategy = STRATEGIES[name]
+            if strategy.peer:
+                targets[name] = stack.enter_context(peer_router(name, replicas, out))
+                continue
             ref = chwbl_ref(args.chwbl_ref) if strategy.ref == "CHWBL" else None
+            if strategy.before:
+                if args.before is None:
+                    raise SystemExit(f"{name} needs --before PATH (an older checkout)")
+                ref = str(args.before.resolve())
             gateways.setdefault((ref, strategy.workers, strategy.shared), []).append(name)
         # Workers share limits and their prefix indexes through the queue: a nats-server.
         queue = (
@@ -361,7 +384,6 @@ def own_stack(args, strategies: list[str], out: Path):
             if any(workers > 1 for _, workers, _ in gateways)
             else None
         )
-        targets: dict[str, Target] = {}
         for (ref, workers, shared), names in gateways.items():
             endpoints = [
                 {
@@ -374,12 +396,14 @@ def own_stack(args, strategies: list[str], out: Path):
             ]
             metrics_port = rv.free_port()
             label = f"gateway-{ref or 'here'}-{workers}w{'' if shared else '-own'}"
+            checkout = Path(ref) if ref and Path(ref).is_dir() else None
             url, _ = stack.enter_context(
                 gvd.gateway(
                     endpoints,
-                    out / f"{label}.log",
+                    out / f"{label.replace('/', '_')}.log",
                     workers=workers,
-                    ref=ref,
+                    ref=None if checkout else ref,
+                    code=checkout,
                     extra_env={
                         "GATEWAY_METRICS_PORT": str(metrics_port),
                         "GATEWAY_LOAD_FACTOR": str(args.load_factor),
@@ -391,6 +415,38 @@ def own_stack(args, strategies: list[str], out: Path):
             for n in names:
                 targets[n] = Target(url, model_name(n), f"http://127.0.0.1:{metrics_port}/metrics")
         yield {s: targets[s] for s in strategies}, replicas
+
+
+@contextlib.contextmanager
+def peer_router(name: str, replicas: list[str], out: Path):
+    """vllm-router with the strategy's policy over the replicas (its default settings)."""
+    port = rv.free_port()
+    argv = [
+        str(Path(sys.executable).parent / "vllm-router"),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--policy", STRATEGIES[name].routing, "--log-level", "warning",
+        "--worker-urls", *replicas,
+    ]  # fmt: skip
+    with (out / f"{name}.log").open("wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 300
+            body = {"model": model_name(name), "prompt": "hi", "max_tokens": 1}
+            while True:
+                assert process.poll() is None, f"{name} exited; see its log"
+                assert time.monotonic() < deadline, f"{name} not routable; see its log"
+                with contextlib.suppress(httpx.TransportError):
+                    if (
+                        httpx.post(url + "/v1/completions", json=body, timeout=30).status_code
+                        == 200
+                    ):
+                        break
+                time.sleep(0.5)
+            yield Target(url, model_name(name))
+        finally:
+            process.terminate()
+            process.wait(30)
 
 
 def gateway_reasons(metrics_url: str, model: str) -> dict[str, float]:
@@ -448,6 +504,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--chwbl-ref", help="git ref of the gateway for `chwbl` (default: merge-base with main)"
+    )
+    parser.add_argument(
+        "--before", type=Path, help="`scored-before`: the gateway of this older checkout"
     )
     parser.add_argument(
         "--load-factor", type=float, default=1.25, help="the bound (GATEWAY_LOAD_FACTOR)"

@@ -393,10 +393,17 @@ class Server:
 
 @contextlib.contextmanager
 def running_server(
-    server: str, model: Path, log_path: Path, before: Path | None = None
+    server: str,
+    model: Path,
+    log_path: Path,
+    before: Path | None = None,
+    *,
+    extra_env: dict[str, str] | None = None,
+    start_timeout: float = START_TIMEOUT,
 ) -> Iterator[Server]:
     port = free_port()
     argv, env = server_command(server, model, port, before)
+    env.update(extra_env or {})
     url = f"http://127.0.0.1:{port}"
     # Ours answers /ready?strict=1 200 once the engine is up; plain vLLM's /health is 200 once
     # it listens, which it does only after its engine is up.
@@ -410,9 +417,9 @@ def running_server(
                     raise RuntimeError(
                         f"{server} server exited with {process.returncode}; see {log_path}"
                     )
-                if time.monotonic() - started > START_TIMEOUT:
+                if time.monotonic() - started > start_timeout:
                     raise TimeoutError(
-                        f"{server} server not ready in {START_TIMEOUT:.0f} s; see {log_path}"
+                        f"{server} server not ready in {start_timeout:.0f} s; see {log_path}"
                     )
                 with contextlib.suppress(httpx.TransportError):
                     if httpx.get(probe, timeout=2.0).status_code == 200:

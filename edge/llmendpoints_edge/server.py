@@ -82,6 +82,27 @@ class DrainingServer(uvicorn.Server):
         self.component = component
         self.drain_timeout = drain_timeout
         self._drain_task: asyncio.Task | None = None
+        self._tick: asyncio.Future[None] | None = None
+
+    async def main_loop(self) -> None:
+        """uvicorn's loop, ticking once a second instead of ten times a second: its periodic
+        work (the Date header) is once a second anyway, and an idle process should not wake
+        ten times a second for nothing (measured: 1.2 ms of CPU a second in an idle gateway,
+        issue 33). A signal or the drain's end wakes it at once."""
+        loop = asyncio.get_running_loop()
+        counter = 0
+        should_exit = await self.on_tick(counter)
+        while not should_exit:
+            counter = (counter + 10) % 864000  # a multiple of 10: uvicorn's once-a-second work
+            self._tick = tick = loop.create_future()
+            timer = loop.call_later(1.0, self._wake_main_loop)
+            await tick
+            timer.cancel()
+            should_exit = await self.on_tick(counter)
+
+    def _wake_main_loop(self) -> None:
+        if self._tick is not None and not self._tick.done():
+            self._tick.set_result(None)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
@@ -95,6 +116,7 @@ class DrainingServer(uvicorn.Server):
             logger.warning("second %s: exiting now", signal.Signals(sig).name)
             self.force_exit = True
             self.should_exit = True
+            self._wake_main_loop()
             return
         logger.info("%s received: draining (readiness is now 503)", signal.Signals(sig).name)
         self.component.start_draining()
@@ -116,6 +138,7 @@ class DrainingServer(uvicorn.Server):
                 self.component.busy(),
             )
         self.should_exit = True
+        self._wake_main_loop()
 
 
 class RawBody:

@@ -56,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     # A worker of several, or the pod's batch driver host, as the supervisor starts them
     # (workers.py).
-    for option in ("--worker", "--listen-fd", "--metrics-fd", "--supervisor-pid", "--drain-fd"):
+    for option in (
+        "--worker", "--listen-fd", "--metrics-fd", "--supervisor-pid", "--drain-fd",
+        "--board-fd", "--wake-fd",
+    ):  # fmt: skip
         serve_cmd.add_argument(option, help=argparse.SUPPRESS)
     serve_cmd.add_argument("--batch-drivers", action="store_true", help=argparse.SUPPRESS)
     usage = commands.add_parser(
@@ -99,6 +102,7 @@ def _serve(args: argparse.Namespace, settings: GatewaySettings) -> int:
         worker = WorkerSlot(
             int(index), int(count), int(args.listen_fd), int(args.metrics_fd),
             int(args.supervisor_pid), int(args.drain_fd),
+            int(args.board_fd or -1), int(args.wake_fd or -1),
         )  # fmt: skip
         die_with_supervisor(worker.supervisor_pid)
     elif (count := worker_count(settings)) > 1 or wants_batch_host(settings):

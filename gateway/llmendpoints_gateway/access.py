@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from llmendpoints_common.errors import APIError, AuthenticationError, ServiceUnavailableError
 from llmendpoints_edge.asgi import Scope
-from llmendpoints_edge.keys import key_from_headers
 
 from llmendpoints_gateway.keys import Key, KeyRing
 from llmendpoints_gateway.registry import Endpoint, Registry
@@ -42,12 +41,9 @@ class Access:
         """The caller's key, or None. An unknown key is as good as none: it is refused (401)
         only where a key is needed, so open endpoints stay open to clients that always send
         one (the openai SDK insists on an api_key)."""
-        secret = key_from_headers(scope["headers"])
-        if secret is None:
-            return None
-        key = self.keys.identify(secret)
+        key, sent = self.keys.identify_headers(scope["headers"])
         if key is None:
-            state.invalid_key = True
+            state.invalid_key = sent
             return None
         state.key_name = key.name
         return key

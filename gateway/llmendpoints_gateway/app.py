@@ -229,20 +229,21 @@ class Gateway:
         finally:
             self.active -= 1
             self.metering.finish(state)
-            access_log.info(
-                "%s %s %d",
-                scope["method"],
-                scope["path"],
-                state.status,
-                extra={
-                    "endpoint": state.endpoint,
-                    "model": state.model,
-                    "replica": state.replica,
-                    "routing": state.outcome,
-                    "key": state.key_name,
-                    "duration_ms": round((time.perf_counter() - begun) * 1000, 2),
-                },
-            )
+            if access_log.isEnabledFor(logging.INFO):  # its fields are built only to be logged
+                access_log.info(
+                    "%s %s %d",
+                    scope["method"],
+                    scope["path"],
+                    state.status,
+                    extra={
+                        "endpoint": state.endpoint,
+                        "model": state.model,
+                        "replica": state.replica,
+                        "routing": state.outcome,
+                        "key": state.key_name,
+                        "duration_ms": round((time.perf_counter() - begun) * 1000, 2),
+                    },
+                )
             request_id_var.reset(token)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send, state: RequestLog) -> None:

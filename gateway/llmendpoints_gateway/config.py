@@ -141,8 +141,10 @@ class GatewaySettings(EdgeSettings, BatchEnv):
         validation_alias="GATEWAY_ENGINE_LOAD_INTERVAL_SECONDS",
         description="Prefix-aware routing: how often each ready replica's engine load "
         "(running and waiting requests, KV-cache usage, adapters, prefix-cache counters) is "
-        "read from its /metrics, by each gateway process (0: never; the scorer then weighs "
-        "this process's own in-flight requests).",
+        "read from its pod's control port (once per gateway pod, whatever GATEWAY_WORKERS), "
+        "while its endpoint has requests in flight or held and for twice "
+        "GATEWAY_IDLE_PROBE_INTERVAL_SECONDS after; never while it is idle (0: never; the "
+        "scorer then weighs the gateway's own in-flight requests).",
     )
     share_prefix_index: bool = Field(
         True,
@@ -155,7 +157,16 @@ class GatewaySettings(EdgeSettings, BatchEnv):
         0.5,
         gt=0,
         validation_alias="GATEWAY_PROBE_INTERVAL_SECONDS",
-        description="Static endpoints: how often each backend's /ready?strict=1 is probed.",
+        description="Static endpoints: how often a backend that is not ready is probed "
+        "(/ready?strict=1, on its control port once it named one) while its endpoint has "
+        "requests waiting or in flight.",
+    )
+    idle_probe_interval_seconds: float = Field(
+        5.0,
+        gt=0,
+        validation_alias="GATEWAY_IDLE_PROBE_INTERVAL_SECONDS",
+        description="Static endpoints: how often every other backend's readiness is probed "
+        "(the period of the readiness probe the operator gives runtime pods).",
     )
     upstream_connect_timeout_seconds: float = Field(
         5.0,

@@ -37,7 +37,7 @@ from typing import Any
 import yaml
 from llmendpoints_common.jobs.admission import ENDPOINT_KEY_PREFIX
 from llmendpoints_common.jobs.service import key_owner
-from llmendpoints_edge.keys import WatchedFile, parse_key_list
+from llmendpoints_edge.keys import WatchedFile, key_from_headers, parse_key_list
 
 from llmendpoints_gateway.quotas import NO_LIMITS, Limits, LimitsError, parse_limits
 
@@ -168,6 +168,7 @@ def _key_entry(entry: Any, where: str, *, require_name: bool = False) -> tuple[b
     return d, Key(name, None if endpoints is None else frozenset(endpoints), admin, limits)
 
 
+MAX_CACHED_HEADERS = 4096
 KEY_SECRET_LABEL = "llmendpoints.dev/api-key"
 _SECRET_LIMITS = ("requestsPerMinute", "tokensPerMinute", "maxConcurrent")
 
@@ -241,8 +242,14 @@ class KeyRing:
     _secret_keys: dict[bytes, Key] | None = None  # Kubernetes: labelled Secrets
     _merged: dict[bytes, Key] = field(default_factory=dict)
     _by_name: dict[str, Key] = field(default_factory=dict)
+    # The request path's cache: the raw key header(s) a valid key came in -> that key (emptied
+    # whenever the keys change; unknown keys are never cached, so it grows with valid keys
+    # only, and stops at MAX_CACHED_HEADERS), and whether every request needs a key.
+    _by_header: dict[bytes, Key] = field(default_factory=dict)
+    _has_keys: bool = False  # gateway_keys, as of the last change of the keys
 
     def __post_init__(self) -> None:
+        self._has_keys = self.gateway_keys
         if self.keys_file:
             self._files.append(
                 WatchedFile(self.keys_file, parse_keys_file, "API_KEYS_FILE", self.check_interval)
@@ -293,7 +300,7 @@ class KeyRing:
 
     @property
     def requires_key_everywhere(self) -> bool:
-        return self.require_keys or self.gateway_keys
+        return self.require_keys or self._has_keys
 
     def requires_key(self, endpoint: str) -> bool:
         return self.requires_key_everywhere or bool(self._endpoint_keys.get(endpoint))
@@ -305,6 +312,30 @@ class KeyRing:
     def identify(self, secret: str) -> Key | None:
         self._refresh()
         return self._merged.get(digest(secret))
+
+    def identify_headers(self, headers: Iterable[tuple[bytes, bytes]]) -> tuple[Key | None, bool]:
+        """(the key a request's headers carry, whether they carry one at all): the same answer
+        as ``identify(key_from_headers(headers))``, without decoding and hashing the secret of
+        a key seen before."""
+        self._refresh()
+        raw = None
+        for name, value in headers:
+            if name == b"authorization" or name == b"x-api-key":
+                raw = value if raw is None else raw + b"\n" + name + b":" + value
+        if raw is None:
+            return None, False
+        key = self._by_header.get(raw)
+        if key is not None:
+            return key, True
+        secret = key_from_headers(headers)
+        if secret is None:
+            return None, False
+        key = self._merged.get(digest(secret))
+        if key is not None:
+            if len(self._by_header) >= MAX_CACHED_HEADERS:
+                self._by_header.clear()
+            self._by_header[raw] = key
+        return key, True
 
     def allows(self, key: Key | None, endpoint: str, unique_name: str | None = None) -> bool:
         """May ``key`` (None: no valid key) use ``endpoint`` (its id; ``unique_name``: its name
@@ -344,6 +375,8 @@ class KeyRing:
             merged.update(watched.value or {})
         self._merged = merged
         self._by_name = {key.name: key for key in merged.values()}
+        self._by_header = {}
+        self._has_keys = self.gateway_keys
 
     def _refresh(self) -> None:
         changed = False

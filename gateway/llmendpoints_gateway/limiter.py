@@ -10,6 +10,9 @@ requests already admitted report (quotas.py).
 Cost on the request path:
 
 - a key without limits: nothing (no NATS, no lock);
+- any key with limits while the limits are this replica's own (no JOBS_QUEUE_URL, or NATS
+  away): admitted and settled on the spot, no future or task per request (measured,
+  bench/key_path.py: a task per ended request was most of a keyed request's extra cost);
 - a key with requestsPerMinute / tokensPerMinute only: usually none. A replica that writes an
   admission also takes an allowance (quotas.admit_shared): a share of what is left of the
   minute's requests (quotas.reservation: 1/8 of it, at most 32) and, when the request reserves
@@ -82,6 +85,7 @@ _WRONG_LAST_SEQUENCE = 10071
 _EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 # One write to the bucket may take this long before the replica decides on its own state.
 WRITE_TIMEOUT_SECONDS = 2.0
+MAX_CACHED_NAMES = 10_000  # key names whose bucket token is kept (cleared beyond)
 
 # op(state, now) -> (new state, result, changed)
 Op = Callable[[QuotaState, float], tuple[QuotaState, Any, bool]]
@@ -137,6 +141,7 @@ class Limiter:
         # tenant token -> what this replica holds of the key's minute and has not used yet
         self._allowance: dict[str, Allowance] = {}
         self._taking: dict[str, Allowance] = {}  # taken by the ops of the write being computed
+        self._tokens: dict[str, str] = {}  # key name -> its token (quota_key: a sha256)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -224,7 +229,7 @@ class Limiter:
                 code="rate_limit_exceeded",
                 headers={"x-should-retry": "false"},
             )
-        token = names.quota_key(key.name)
+        token = self._token(key.name)
         self._names[token] = key.name
         lease = (
             f"{self._lease_prefix}.{next(self._lease_ids)}"
@@ -252,7 +257,10 @@ class Limiter:
                 self._taking[token] = taking.add(extra) if taking is not None else extra
             return after, (denied, rate_headers(view, limits, now), extra), (denied is None)
 
-        denied, headers, extra = await self._submit(token, op)
+        if self._decided_here(token):
+            denied, headers, extra = self._apply_local(token, [op])[0]
+        else:
+            denied, headers, extra = await self._submit(token, op)
         if denied is not None:
             raise _rate_limited(key.name, limits, denied, headers)
         if extra.requests or extra.tokens:
@@ -261,6 +269,15 @@ class Limiter:
         if lease is not None:
             self._held.setdefault(token, set()).add(lease)
         return Ticket(key.name, limits, lease, headers, reserved=reserved, window=extra.window)
+
+    def _token(self, name: str) -> str:
+        """The key name's token in the bucket (a hash: computed once per name)."""
+        token = self._tokens.get(name)
+        if token is None:
+            if len(self._tokens) >= MAX_CACHED_NAMES:
+                self._tokens.clear()
+            token = self._tokens[name] = names.quota_key(name)
+        return token
 
     def _admit_locally(self, name: str, token: str, limits: Limits, reserved: int) -> Ticket | None:
         """Admit with no round trip when this replica's copy of the state (it follows the
@@ -284,7 +301,7 @@ class Limiter:
 
     def peek(self, key: Key) -> list[tuple[bytes, bytes]]:
         """The x-ratelimit-* headers as this replica sees the key now, counting nothing."""
-        token = names.quota_key(key.name)
+        token = self._token(key.name)
         cached = self._cache.get(token) if self.shared else None
         state = cached[0] if cached is not None else self._local.get(token, QuotaState())
         now = self.clock()
@@ -315,7 +332,7 @@ class Limiter:
         if ticket is None or ticket.finished:
             return
         ticket.finished = True
-        token = names.quota_key(ticket.name)
+        token = self._token(ticket.name)
         if ticket.lease is not None:
             held = self._held.get(token)
             if held is not None:
@@ -343,6 +360,9 @@ class Limiter:
             after = finish(state, now, ticket.lease, charged, reserved, window)
             return after, None, True
 
+        if self._decided_here(token):
+            self._apply_local(token, [op])
+            return
         task = asyncio.get_running_loop().create_task(self._submit(token, op))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -351,6 +371,11 @@ class Limiter:
         """Tokens of work admitted earlier (a job's, known when it ends)."""
         if key.limits.tokens_per_minute is not None and tokens > 0:
             self.finish(Ticket(key.name, key.limits, None, []), tokens)
+
+    def _decided_here(self, token: str) -> bool:
+        """This replica's own state decides (no NATS, and no shared write of the key under way):
+        applied at once, with no write to wait for -- no future, no task per request."""
+        return not self.shared and token not in self._pending
 
     # ------------------------------------------------------------------ group commit
 

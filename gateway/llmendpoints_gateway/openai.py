@@ -158,8 +158,10 @@ class OpenAIRoutes:
             ep = self.registry.by_model(model)
             if ep is None:
                 raise model_not_found(model)
-            # A key never learns what models other tenants' endpoints serve.
-            self.access.check(key, ep, state, hidden=model_not_found(model))
+            # A key never learns what models other tenants' endpoints serve (the refusal is
+            # built only for a refused request).
+            if not self.access.allows(key, ep):
+                self.access.check(key, ep, state, hidden=model_not_found(model))
         elif isinstance(model, str):
             state.model = model
         state.endpoint = ep.id
@@ -276,6 +278,9 @@ class OpenAIRoutes:
                 return
         except asyncio.CancelledError:
             if disconnected.gone:
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()  # the disconnect's own cancellation, answered here
                 if state.meter is not None and state.meter.ended:
                     return  # it left after the stream's last event: answered (state.status)
                 raise ClientGone() from None

@@ -11,9 +11,12 @@ it on the newcomer's status, from the same rule).
 
 Routing (``lease``): ``prefix-aware`` endpoints are scored (scoring.choose) over what this process
 knows of each ready replica -- the prompt blocks it sent there (the endpoint's PrefixIndex), the
-engine's own load (engine_load.EngineLoadFeed, one per process, fed back through
+engine's own load (pod_reader.PodReader, one reader per gateway pod, fed back through
 ``engine_sampled``), this process's in-flight requests and those sent since the engine's last
 sample; round-robin and least-loaded go through routing.Router as before.
+
+Activity (``pod_board.Activity``): an endpoint is busy while this process has a request of it in
+flight or held; the pod's reader reads the engines of active endpoints only.
 """
 
 from __future__ import annotations
@@ -23,14 +26,15 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from llmendpoints_common.identity import DEFAULT_NAMESPACE
 from llmendpoints_common.model_names import claim_order
 
-from llmendpoints_gateway.engine_load import EngineLoad, EngineLoadFeed, hit_rate
+from llmendpoints_gateway.engine_load import EngineLoad, hit_rate
 from llmendpoints_gateway.holding import HoldBudget, HoldQueue, hold_timeout
 from llmendpoints_gateway.metrics import GatewayMetrics
+from llmendpoints_gateway.pod_board import Activity, slot_of
 from llmendpoints_gateway.prefix_index import PrefixIndex, RouteLog, block_hashes, render_prompt
 from llmendpoints_gateway.routing import Outcome, Router, Strategy, hash64, home_key
 from llmendpoints_gateway.scoring import DEFAULT_WEIGHTS, Candidate, Reason, Weights, choose
@@ -93,6 +97,12 @@ class Endpoint:
     index: PrefixIndex = field(default_factory=PrefixIndex)
     typical: float = 1.0
     sent_since: dict[str, int] = field(default_factory=dict)
+    # replica URL -> its control port's base URL (Kubernetes: the EndpointSlice's `control`).
+    controls: dict[str, str] = field(default_factory=dict)
+    in_flight: int = 0  # this process's requests of the endpoint now (the sum of loads)
+
+    def __post_init__(self) -> None:
+        self.slot = slot_of(self.id)  # its activity slot (pod_board.Activity)
 
     @property
     def id(self) -> str:
@@ -114,6 +124,12 @@ class Lease:
     outcome: Outcome
 
 
+class EngineLoads(Protocol):
+    """Where the scorer finds each replica's latest engine sample (pod_reader.PodReader)."""
+
+    def get(self, replica: str) -> EngineLoad | None: ...
+
+
 class NoReplicaLeft(Exception):
     """Every ready replica was tried for this request and failed before answering."""
 
@@ -130,26 +146,20 @@ class Registry:
         hold_max_bytes: int = 1 << 62,
         weights: Weights = DEFAULT_WEIGHTS,
         count_engine_hits: bool = True,
-        engine_load_interval: float = 0.0,
         share_routes: bool = False,
+        activity: Activity | None = None,
     ):
         self.metrics = metrics
+        # Which endpoints have work (None: not tracked; every replica counts as active).
+        self.activity = activity
         self.weights = weights
         # The engines' own prefix-cache counters are counted by one process of a pod only (the
         # other workers see the same engines: their metrics are summed).
         self.count_engine_hits = count_engine_hits
-        # Each ready replica's engine load, read every ``engine_load_interval`` s (0: not read,
-        # the scorer weighs this process's in-flight requests alone); the composition root
-        # starts and stops it.
-        self.feed = (
-            EngineLoadFeed(
-                targets=self.engine_targets,
-                interval=engine_load_interval,
-                on_sample=self.engine_sampled,
-            )
-            if engine_load_interval > 0
-            else None
-        )
+        # Each ready replica's engine load (the pod reader, set by the composition root: it is
+        # built on this registry; None: not read, the scorer weighs this process's in-flight
+        # requests alone).
+        self.feed: EngineLoads | None = None
         # With ``share_routes``: (endpoint id, replica, blocks) of every prefix-aware request
         # routed, for the other gateway processes (route_sharing.py publishes it; theirs come
         # back through apply_shared).
@@ -212,11 +222,30 @@ class Registry:
             return None
         return RouteKey.of(path, payload, ep.index.chunk_chars)
 
-    # -- the engines' load (engine_load.EngineLoadFeed) --
+    # -- the engines' load (pod_reader.PodReader) --
 
     def engine_targets(self) -> list[str]:
-        """The replicas whose engines the feed reads: every endpoint's discovered ones."""
+        """The replicas whose engines the reader reads: every endpoint's discovered ones."""
         return sorted({r for ep in self.endpoints.values() for r in ep.discovered})
+
+    def control_url(self, replica: str) -> str | None:
+        """The control port of ``replica``'s pod, when discovery knows it."""
+        for ep in self.endpoints.values():
+            control = ep.controls.get(replica)
+            if control is not None:
+                return control
+        return None
+
+    def active_replicas(self, now: float) -> set[str]:
+        """The discovered replicas of endpoints with work in any process of this gateway pod
+        now, or within the activity's grace (every one when activity is not tracked)."""
+        activity = self.activity
+        return {
+            r
+            for ep in self.endpoints.values()
+            if activity is None or activity.active(ep.slot, now)
+            for r in ep.discovered
+        }
 
     def engine_sampled(self, replica: str, previous: EngineLoad | None, new: EngineLoad) -> None:
         """A fresh sample of ``replica``'s engine: what this process sent it since is in the
@@ -305,16 +334,22 @@ class Registry:
         logger.info("endpoint %s removed", endpoint_id)
 
     def set_ready(
-        self, endpoint_id: str, replicas: Iterable[str], names: Mapping[str, str] | None = None
+        self,
+        endpoint_id: str,
+        replicas: Iterable[str],
+        names: Mapping[str, str] | None = None,
+        controls: Mapping[str, str] | None = None,
     ) -> None:
         """Discovery's view: these replicas (URLs) of the endpoint are ready; ``names`` gives
-        their names (pods) for metric labels."""
+        their names (pods) for metric labels, ``controls`` their control ports' URLs."""
         ep = self.endpoints.get(endpoint_id)
         if ep is None:
             return
         ep.discovered = frozenset(replicas)
         if names:
             ep.replica_names.update(names)
+        if controls is not None:
+            ep.controls = {r: c for r, c in controls.items() if r in ep.discovered}
         # A replica that left took its cache with it (a suspended one keeps its index entries:
         # it is still discovered).
         ep.index.retain(ep.discovered)
@@ -483,9 +518,15 @@ class Registry:
     def acquire(self, ep: Endpoint, replica: str) -> None:
         n = ep.loads.get(replica, 0) + 1
         ep.loads[replica] = n
+        ep.in_flight += 1
+        if self.activity is not None:
+            self.activity.busy(ep.slot)
         self.metrics.set_in_flight(ep.id, ep.replica_label(replica), n)
 
     def release(self, ep: Endpoint, replica: str) -> None:
+        ep.in_flight -= 1
+        if ep.in_flight <= 0 and self.activity is not None and not len(ep.hold):
+            self.activity.idle(ep.slot, time.monotonic())
         n = ep.loads.get(replica, 1) - 1
         if n <= 0:
             ep.loads.pop(replica, None)
@@ -527,6 +568,12 @@ class Registry:
     def _held_changed(self, endpoint_id: str, n: int) -> None:
         self.metrics.held.labels(endpoint_id).set(n)
         self.on_held(endpoint_id, n)
+        ep = self.endpoints.get(endpoint_id)
+        if ep is not None and self.activity is not None:
+            if n > 0:
+                self.activity.busy(ep.slot)  # the reader probes a replica that is coming
+            elif ep.in_flight <= 0:
+                self.activity.idle(ep.slot, time.monotonic())
 
 
 class _Leasing:

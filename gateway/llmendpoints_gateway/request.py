@@ -55,7 +55,7 @@ class Disconnect:
         self.gone = False
         self._event: asyncio.Event | None = None  # made by wait(): only a held request waits
         self._task = asyncio.ensure_future(self._watch(receive))
-        self._running: asyncio.Task | None = None
+        self._running: asyncio.Task | None = None  # the request's task, while it runs coro
 
     async def _watch(self, receive: Receive) -> None:
         while True:
@@ -76,12 +76,15 @@ class Disconnect:
         await self._event.wait()
 
     async def run(self, coro):
+        """``coro`` in the request's own task (no task of its own per request), cancelled
+        there if the client disconnects meanwhile (the caller sees CancelledError with
+        ``gone`` set)."""
         if self.gone:
             coro.close()
             raise ClientGone()
-        self._running = asyncio.ensure_future(coro)
+        self._running = asyncio.current_task()
         try:
-            return await self._running
+            return await coro
         finally:
             self._running = None
 

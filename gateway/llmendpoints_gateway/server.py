@@ -41,6 +41,8 @@ from llmendpoints_gateway.keys import KeyRing
 from llmendpoints_gateway.limiter import Limiter
 from llmendpoints_gateway.metrics import GatewayMetrics
 from llmendpoints_gateway.metrics_server import MetricsServer
+from llmendpoints_gateway.pod_board import Activity, PodBoard
+from llmendpoints_gateway.pod_reader import PodReader
 from llmendpoints_gateway.queue import SharedQueue
 from llmendpoints_gateway.registry import Registry
 from llmendpoints_gateway.route_sharing import RouteSharing
@@ -72,10 +74,10 @@ def _queue(settings: GatewaySettings) -> SharedQueue | None:
 
 
 def _discovery(
-    settings: GatewaySettings, registry: Registry, keys: KeyRing
+    settings: GatewaySettings, registry: Registry, keys: KeyRing, reader: PodReader
 ) -> StaticDiscovery | KubeDiscovery:
     if settings.endpoints_file:
-        return StaticDiscovery(settings.endpoints_file, registry, settings.probe_interval_seconds)
+        return StaticDiscovery(settings.endpoints_file, registry, reader)
     return KubeDiscovery(
         registry,
         keys,
@@ -95,9 +97,11 @@ def _registry(
     metrics: GatewayMetrics,
     worker: WorkerSlot | None,
     signals: SignalPublisher | None,
+    activity: Activity,
 ) -> Registry:
     """What this process knows of the endpoints: the pod's hold bounds shared among its
-    workers, the engines' own counters reported once (worker 0), held counts published."""
+    workers, the engines' own counters reported once (worker 0), held counts published,
+    which endpoints have work (``activity``: their engines are read)."""
     return Registry(
         metrics,
         worker.share(settings.hold_queue_length) if worker else settings.hold_queue_length,
@@ -106,9 +110,28 @@ def _registry(
         hold_key_share=settings.hold_key_share,
         hold_max_bytes=worker.share(settings.hold_max_bytes) if worker else settings.hold_max_bytes,
         count_engine_hits=worker is None or worker.index == 0,
-        engine_load_interval=settings.engine_load_interval_seconds,
         share_routes=signals is not None and settings.share_prefix_index,
+        activity=activity,
     )
+
+
+def _pod_reader(
+    settings: GatewaySettings, registry: Registry, activity: Activity, board: PodBoard | None
+) -> PodReader:
+    """Each pod's readiness and engine load, from its control port, once per gateway pod
+    (``board``: shared with the pod's other workers). It feeds the registry it reads for, so
+    it is given to the registry once both exist."""
+    reader = PodReader(
+        registry,
+        activity,
+        load_interval=settings.engine_load_interval_seconds,
+        probe_interval=settings.probe_interval_seconds,
+        idle_interval=settings.idle_probe_interval_seconds,
+        board=board,
+    )
+    if settings.engine_load_interval_seconds > 0:
+        registry.feed = reader
+    return reader
 
 
 def _queue_parts(
@@ -138,11 +161,21 @@ def _queue_parts(
 
 def build(settings: GatewaySettings, worker: WorkerSlot | None = None) -> Gateway:
     """The gateway's parts; ``worker``: this process is one of several (workers.py), which
-    share the pod's hold bounds and report the engines' own counters once (worker 0)."""
+    share the pod's hold bounds and its pod reader (pod_board.py) and report the engines' own
+    counters once (worker 0)."""
     metrics = GatewayMetrics(key_labels=settings.metrics_key_labels)
     queue = _queue(settings)
     signals = SignalPublisher(queue, _process_name(settings, worker)) if queue else None
-    registry = _registry(settings, metrics, worker, signals)
+    # An endpoint stays "active" (its engines read) this long after its last request.
+    grace = 2 * settings.idle_probe_interval_seconds
+    board = (
+        PodBoard(worker.board_fd, worker.count, worker.wake_fd)
+        if worker is not None and worker.board_fd >= 0
+        else None
+    )
+    activity = board.activity(worker.index, grace) if board and worker else Activity.private(grace)
+    registry = _registry(settings, metrics, worker, signals, activity)
+    reader = _pod_reader(settings, registry, activity, board)
     keys = _keys(settings)
     access = Access(keys, registry)
     # Per-key limits: shared by every replica through NATS when there is one, else this
@@ -166,9 +199,7 @@ def build(settings: GatewaySettings, worker: WorkerSlot | None = None) -> Gatewa
         parts += [jobs, publisher, meter]
         if settings.batch_enabled:
             batches = BatchGateway(queue, registry, settings, nudge=signals.nudge_soon)
-    parts += [limiter, _discovery(settings, registry, keys)]
-    if registry.feed is not None:
-        parts.append(registry.feed)  # one feed per process over every endpoint's replicas
+    parts += [limiter, _discovery(settings, registry, keys, reader), reader]
     if worker is not None:
         sock = socket.socket(fileno=worker.metrics_fd)
         parts.append(MetricsServer(metrics, "127.0.0.1", sock.getsockname()[1], sock))
@@ -205,6 +236,7 @@ def serve(settings: GatewaySettings, worker: WorkerSlot | None = None) -> None:
         settings,
         loop="uvloop",
         access_log=False,  # the gateway writes its own access line with routing fields
+        proxy_headers=False,  # it logs no client address: no X-Forwarded-* layer per request
         backlog=4096,
         sockets=[socket.socket(fileno=worker.listen_fd)] if worker else None,
         # Bodies of 10 MB by the dozen come and go here: their memory goes back when they do.
@@ -228,7 +260,16 @@ def build_batch_host(settings: GatewaySettings) -> list[Part]:
     host = BatchHost(
         queue, Access(keys, registry), registry, settings, holder=name, nudge=signals.nudge_soon
     )
-    return [queue, signals, _discovery(settings, registry, keys), host]
+    # Static backends' readiness (a batch for an endpoint with none ready nudges); no engine
+    # load: the host routes no request.
+    reader = PodReader(
+        registry,
+        Activity.private(2 * settings.idle_probe_interval_seconds),
+        load_interval=0.0,
+        probe_interval=settings.probe_interval_seconds,
+        idle_interval=settings.idle_probe_interval_seconds,
+    )
+    return [queue, signals, _discovery(settings, registry, keys, reader), reader, host]
 
 
 def serve_batch_host(settings: GatewaySettings) -> int:

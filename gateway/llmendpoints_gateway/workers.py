@@ -11,10 +11,10 @@ finds the connections that queued meanwhile; it takes no request itself.
 What the workers share, they share as separate gateway replicas do: through the shared queue
 (JOBS_QUEUE_URL) -- per-key limits, usage records, the job API; each publishes its own
 held-request count (``held.<endpoint>.<pod>-<worker>``), which the autoscaler sums. What is per
-process: the routing state (each worker's prefix index knows what it sent; every worker reads
-each replica's engine load), holds (GATEWAY_HOLD_QUEUE_LENGTH and GATEWAY_HOLD_MAX_BYTES are
+process: the routing state (each worker's prefix index knows what it sent), holds (GATEWAY_HOLD_QUEUE_LENGTH and GATEWAY_HOLD_MAX_BYTES are
 divided among the workers, so the pod's bounds stay what they say), discovery (each worker
-watches, or probes, on its own). /metrics: each worker serves its registry on a loopback socket
+watches on its own). What the pod reads of its replicas -- static backends' readiness, engine
+load -- one worker reads and the others follow (pod_board.py: the supervisor's shared page). /metrics: each worker serves its registry on a loopback socket
 the supervisor gives it; the supervisor serves their sum on GATEWAY_METRICS_PORT
 (metrics_merge.py).
 
@@ -71,6 +71,7 @@ from prometheus_client import (
 from llmendpoints_gateway.config import GatewaySettings
 from llmendpoints_gateway.metrics import CONTENT_TYPE
 from llmendpoints_gateway.metrics_merge import merge
+from llmendpoints_gateway.pod_board import PodBoard
 
 logger = logging.getLogger("llmendpoints.gateway.workers")
 
@@ -90,6 +91,8 @@ class WorkerSlot:
     metrics_fd: int
     supervisor_pid: int
     drain_fd: int = -1
+    board_fd: int = -1  # the pod board (pod_board.PodBoard) and its wake-up eventfd
+    wake_fd: int = -1
 
     def share(self, total: int) -> int:
         """This worker's part of a pod-wide bound (at least 1 when the bound is not 0)."""
@@ -242,6 +245,7 @@ class Supervisor:
             return 1
         self._metrics = [listening_socket("127.0.0.1", 0, 64) for _ in range(self.count)]
         self._board = DrainBoard.create(self.count)
+        self._pods = PodBoard.create(self.count)
         logger.info(
             "gateway: %d worker processes on port %d (SO_REUSEPORT)%s",
             self.count,
@@ -278,8 +282,16 @@ class Supervisor:
             "--metrics-fd", str(self._metrics[index].fileno()),
             "--supervisor-pid", str(os.getpid()),
             "--drain-fd", str(self._board.fd),
+            "--board-fd", str(self._pods.fd),
+            "--wake-fd", str(self._pods.wake_fd),
         ]  # fmt: skip
-        fds = (self._listen[index].fileno(), self._metrics[index].fileno(), self._board.fd)
+        fds = (
+            self._listen[index].fileno(),
+            self._metrics[index].fileno(),
+            self._board.fd,
+            self._pods.fd,
+            self._pods.wake_fd,
+        )
         return _Child(f"worker {index}", argv, fds, index)
 
     def _driver_host(self) -> _Child:

@@ -104,6 +104,10 @@ class Runtime:
     on_serving: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     # Ends the process as SIGTERM would (the engine watcher calls it when the engine dies).
     request_stop: Callable[[], None] = field(default=lambda: os.kill(os.getpid(), signal.SIGTERM))
+    # The port the control port's process listens on (LLMEP_CONTROL_PORT), once it does: named
+    # in the main port's probe answers, so a gateway that found this pod by its main port
+    # probes and reads it there instead (gateway pod_reader.py).
+    control_port: int | None = None
 
     # -- what the edge's server asks on SIGTERM (llmendpoints_edge.server.Drainable) --
 
@@ -237,10 +241,14 @@ def _not_ready_error(health: Health) -> ServiceUnavailableError:
     return ServiceUnavailableError(f"the engine is not available: {health.reason or health.state}")
 
 
-def _probe_response(probe: Probe) -> Response:
+CONTROL_PORT_HEADER = "x-llmep-control-port"
+
+
+def _probe_response(probe: Probe, runtime: Runtime) -> Response:
+    headers = {CONTROL_PORT_HEADER: str(runtime.control_port)} if runtime.control_port else None
     if probe.status == 204:
-        return Response(status_code=204)
-    return JSONResponse(probe.body, status_code=probe.status)
+        return Response(status_code=204, headers=headers)
+    return JSONResponse(probe.body, status_code=probe.status, headers=headers)
 
 
 def liveness_now(runtime: Runtime) -> Probe:
@@ -280,15 +288,15 @@ def probe_router(runtime: Runtime) -> APIRouter:
 
     @router.get("/health", include_in_schema=False)
     async def health() -> Response:
-        return _probe_response(liveness_now(runtime))
+        return _probe_response(liveness_now(runtime), runtime)
 
     @router.get("/ready", include_in_schema=False)
     async def ready(strict: bool = False) -> Response:
-        return _probe_response(readiness_now(runtime, strict))
+        return _probe_response(readiness_now(runtime, strict), runtime)
 
     @router.api_route("/ping", methods=["GET", "POST"], include_in_schema=False)
     async def ping() -> Response:
-        return _probe_response(readiness_now(runtime, False))
+        return _probe_response(readiness_now(runtime, False), runtime)
 
     @router.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:

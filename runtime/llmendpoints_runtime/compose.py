@@ -336,6 +336,7 @@ def start_control_listener(runtime: Runtime) -> control_listener.ControlPort | N
     # Published from the event loop, which stays responsive under load (a thread did not get
     # the GIL often enough); the first publication is already there.
     runtime.on_serving.append(port.publisher.run)
+    runtime.control_port = port.port
     return port
 
 

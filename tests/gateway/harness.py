@@ -61,6 +61,7 @@ def launch_gateway(log_dir: Path, port: int | None = None, **settings: str) -> P
             "GATEWAY_METRICS_PORT": str(metrics_port),
             "LOG_FORMAT": "json",
             "GATEWAY_PROBE_INTERVAL_SECONDS": "0.2",
+            "GATEWAY_IDLE_PROBE_INTERVAL_SECONDS": "1.0",
             **settings,
         }
     )
@@ -82,8 +83,17 @@ def running_gateway(log_dir: Path, **settings: str) -> Iterator[Process]:
 
 
 def launch_standin(
-    log_dir: Path, name: str, port: int | None = None, ready_after: float = 0.0
+    log_dir: Path,
+    name: str,
+    port: int | None = None,
+    ready_after: float = 0.0,
+    *,
+    control_port: bool = False,
+    named_control_port: int = 0,
 ) -> Process:
+    """``control_port``: probes and /metrics on a second port too, named in the main port's
+    probe answers as the runtime names its LLMEP_CONTROL_PORT; ``named_control_port``: a port
+    named there that nothing listens on."""
     port = port or free_port()
     argv = [
         PYTHON,
@@ -94,6 +104,8 @@ def launch_standin(
         name,
         "--ready-after",
         str(ready_after),
+        *(["--control-port", str(free_port())] if control_port else []),
+        *(["--name-control-port", str(named_control_port)] if named_control_port else []),
     ]
     return _spawn(argv, clean_env(), port, log_dir / f"standin-{name}-{port}.log")
 

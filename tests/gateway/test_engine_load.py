@@ -1,6 +1,7 @@
-"""The engine-load feed against stand-in replicas that report load on /metrics (real HTTP on
-loopback, the runtime's exposition format), and the scorer choosing on what it read: a load-aware
-choice that follows the replicas' reports, failures that age, departed replicas dropped."""
+"""The pod reader's engine-load reads against stand-in replicas that report load on /metrics (real
+HTTP on loopback, the runtime's exposition format), and the scorer choosing on what it read: a
+load-aware choice that follows the replicas' reports, failures that age, departed replicas
+dropped, idle replicas not read."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 from contract.vllm_series import vllm_registry
-from llmendpoints_gateway.engine_load import EngineLoad, EngineLoadFeed
+from llmendpoints_gateway.engine_load import EngineLoad
+from llmendpoints_gateway.pod_board import Activity
+from llmendpoints_gateway.pod_reader import PodReader
 from llmendpoints_gateway.scoring import Candidate, Reason, choose
 from llmendpoints_runtime.metrics import RuntimeMetrics
 
@@ -62,7 +65,34 @@ async def replicas() -> AsyncIterator[dict[str, StandIn]]:
         await runner.cleanup()
 
 
-def decide(feed: EngineLoadFeed, urls: list[str], matched: dict[str, int] | None = None):
+class Source:
+    """What the reader asks the registry, set by the test."""
+
+    def __init__(self, targets: list[str], active: set[str] | None = None) -> None:
+        self.targets = targets
+        self.active = active  # None: every target is active
+        self.controls: dict[str, str] = {}
+        self.samples: list[tuple[str, EngineLoad | None, EngineLoad]] = []
+
+    def engine_targets(self) -> list[str]:
+        return list(self.targets)
+
+    def control_url(self, replica: str) -> str | None:
+        return self.controls.get(replica)
+
+    def active_replicas(self, now: float) -> set[str]:
+        return set(self.targets) if self.active is None else self.active & set(self.targets)
+
+    def engine_sampled(self, replica: str, previous: EngineLoad | None, new: EngineLoad) -> None:
+        self.samples.append((replica, previous, new))
+
+
+def reader_for(source: Source, **kwargs) -> PodReader:
+    settings = {"load_interval": 0.05, "probe_interval": 0.05, "idle_interval": 1.0, **kwargs}
+    return PodReader(source, Activity.private(grace=1.0), **settings)
+
+
+def decide(feed: PodReader, urls: list[str], matched: dict[str, int] | None = None):
     now = time.monotonic()
     candidates = [Candidate(u, 0, feed.get(u).state(now) if feed.get(u) else None) for u in urls]
     return choose(candidates, 4, matched or {}, typical_blocks=2)
@@ -72,77 +102,99 @@ async def test_the_choice_follows_the_load_the_replicas_report(replicas) -> None
     a, b = replicas["a"], replicas["b"]
     a.load = {"running": 4, "waiting": 6, "kv_usage": 0.8}
     b.load = {"running": 1, "waiting": 0, "kv_usage": 0.2}
-    samples: list[tuple[str, EngineLoad | None, EngineLoad]] = []
-    feed = EngineLoadFeed(
-        targets=lambda: [a.url, b.url],
-        interval=0.05,
-        on_sample=lambda r, old, new: samples.append((r, old, new)),
-    )
-    await feed.scrape_once()
+    source = Source([a.url, b.url])
+    feed = reader_for(source)
+    await feed.lead_once()
     assert (feed.get(a.url).waiting, feed.get(b.url).waiting) == (6, 0)
     # "a" holds the request's whole prefix, but 6 requests wait there: "b" starts it sooner.
     choice = decide(feed, [a.url, b.url], {a.url: 4})
     assert (choice.replica, choice.reason) == (b.url, Reason.LOAD)
 
-    task = asyncio.create_task(feed.run())
+    await feed.start()
     try:
         a.load = {"running": 1, "waiting": 0, "kv_usage": 0.2}
         b.load = {"running": 8, "waiting": 9, "kv_usage": 0.95}
-        await wait_until(lambda: feed.get(b.url).waiting == 9, "the feed to see b's new load")
+        await wait_until(lambda: feed.get(b.url).waiting == 9, "the reader to see b's new load")
         choice = decide(feed, [a.url, b.url], {a.url: 4})
         assert (choice.replica, choice.reason) == (a.url, Reason.AFFINITY)
         # Every sample after the first came with the one it replaced.
-        assert all(old is not None for r, old, _ in samples[2:])
+        assert all(old is not None for r, old, _ in source.samples[2:])
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-    assert feed._session is None  # closed with the task
+        await feed.stop()
 
 
 async def test_a_failing_replica_keeps_its_last_sample_which_ages(replicas) -> None:
     c = replicas["c"]
     c.load, c.status, c.delay = {"running": 0, "waiting": 0, "kv_usage": 0.1}, 200, 0.0
     clock = [100.0]
-    feed = EngineLoadFeed(targets=lambda: [c.url], timeout=0.3, clock=lambda: clock[0])
-    await feed.scrape_once()
+    feed = reader_for(Source([c.url]), timeout=0.3, clock=lambda: clock[0])
+    await feed.lead_once()
     first = feed.get(c.url)
     assert first is not None and first.taken_at == 100.0
 
     c.status = 500
     clock[0] = 103.0
-    await feed.scrape_once()
+    await feed.lead_once()
     assert feed.get(c.url) is first and feed.errors() == {c.url: "HTTP 500"}
     assert first.state(clock[0]).age_s == 3.0  # the scorer stops trusting it at 5 s
 
     c.status, c.delay = 200, 1.0  # answers, but after the timeout
-    await feed.scrape_once()
+    clock[0] = 104.0
+    await feed.lead_once()
     assert feed.get(c.url) is first and c.url in feed.errors()
     c.delay = 0.0
-    await feed.scrape_once()
-    assert feed.get(c.url).taken_at == 103.0 and feed.errors() == {}
-    await feed.close()
+    clock[0] = 105.0
+    await feed.lead_once()
+    assert feed.get(c.url).taken_at == 105.0 and feed.errors() == {}
+    await feed.stop()
 
 
 async def test_departed_replicas_are_dropped_and_no_longer_read(replicas) -> None:
     a, b = replicas["a"], replicas["b"]
-    current = [a.url, b.url]
-    feed = EngineLoadFeed(targets=lambda: current)
-    await feed.scrape_once()
+    clock = [0.0]
+    source = Source([a.url, b.url])
+    feed = reader_for(source, clock=lambda: clock[0])
+    await feed.lead_once()
     assert set(feed.loads()) == {a.url, b.url}
-    current.remove(a.url)
+    source.targets.remove(a.url)
     scraped = a.scrapes
-    await feed.scrape_once()
+    clock[0] += 1
+    await feed.lead_once()
     assert set(feed.loads()) == {b.url} and feed.get(a.url) is None
     assert a.scrapes == scraped
-    current.clear()
-    await feed.scrape_once()
+    source.targets.clear()
+    clock[0] += 1
+    await feed.lead_once()
     assert feed.loads() == {}
-    await feed.close()
+    await feed.stop()
+
+
+async def test_idle_replicas_are_not_read_and_the_first_request_wakes_the_reader(replicas):
+    """Only replicas of endpoints with work are read: an idle one costs nothing; when work
+    arrives (Activity.busy) the reader wakes at once instead of at its slow tick."""
+    a = replicas["a"]
+    a.load = {"running": 0, "waiting": 0, "kv_usage": 0.1}
+    source = Source([a.url], active=set())
+    activity = Activity.private(grace=60.0)
+    feed = PodReader(
+        source, activity, load_interval=0.05, probe_interval=0.05, idle_interval=3600.0
+    )
+    scraped = a.scrapes
+    await feed.start()
+    try:
+        await asyncio.sleep(0.3)
+        assert a.scrapes == scraped and feed.get(a.url) is None
+        source.active = {a.url}
+        activity.busy(7)  # some endpoint's slot: the reader is woken, not after an hour
+        await wait_until(lambda: feed.get(a.url) is not None, "a read once the replica is busy")
+        assert a.scrapes > scraped
+    finally:
+        await feed.stop()
 
 
 async def test_nothing_listening_is_an_error_not_a_crash() -> None:
-    feed = EngineLoadFeed(targets=lambda: ["http://127.0.0.1:9"], timeout=0.5)
-    await feed.scrape_once()
+    feed = reader_for(Source(["http://127.0.0.1:9"]), timeout=0.5)
+    await feed.lead_once()
     assert feed.get("http://127.0.0.1:9") is None
     assert "http://127.0.0.1:9" in feed.errors()
-    await feed.close()
+    await feed.stop()

@@ -19,6 +19,7 @@ import openai
 import proc_kit
 import pytest
 from integration.nats_kit import nats_server
+from ports import free_port
 from runtime_process import RuntimeServer
 
 from .harness import launch_runtime, running_gateway, write_endpoints
@@ -59,8 +60,17 @@ def replicas(demo_model, logs, queue_url):
         "ENDPOINT_ID": "chat",
         "MAX_MODEL_LEN": str(STREAM_TOKENS + 16),
     }
-    e1 = launch_runtime(demo_model, logs, SERVED_MODEL_NAME="demo", **queue)
-    e2 = launch_runtime(demo_model, logs, SERVED_MODEL_NAME="demo demo-b", **queue)
+    # Their control ports on, as the operator's pods have them: the gateway reads them there.
+    e1 = launch_runtime(
+        demo_model, logs, SERVED_MODEL_NAME="demo", LLMEP_CONTROL_PORT=str(free_port()), **queue
+    )
+    e2 = launch_runtime(
+        demo_model,
+        logs,
+        SERVED_MODEL_NAME="demo demo-b",
+        LLMEP_CONTROL_PORT=str(free_port()),
+        **queue,
+    )
     yield {"e1": e1, "e2": e2}
     for replica in (e1, e2):
         replica.stop()
@@ -283,6 +293,37 @@ def test_a_client_disconnect_aborts_the_request_in_the_engine(gateway, replicas)
     # client left. (Counting finished requests instead also counted, on some loaded runs, one
     # that was not this test's.)
     assert tokens - tokens_before < STREAM_TOKENS, f"the longest engine slice: {longest:.2f} s"
+
+
+def _main_port_probes_and_scrapes(replica: RuntimeServer) -> float:
+    """The runtime's own count of /ready, /health and /metrics requests on its main port, read
+    on its control port (which serves what the API process published, at most 0.5 s old)."""
+    url = f"http://127.0.0.1:{replica.env['LLMEP_CONTROL_PORT']}/metrics"
+    return sum(
+        _metric_sum(url, "llmendpoints_http_requests_total", route=route)
+        for route in ("/ready", "/health", "/metrics")
+    )
+
+
+def test_the_gateway_reads_the_runtimes_on_their_control_ports_and_leaves_them_idle(
+    gateway, replicas
+):
+    """Each runtime names its control port on its main port's probes; the gateway learns it and
+    probes and reads engine load there only: an idle endpoint's runtimes get nothing from the
+    gateway on the port that serves requests (issue 33: their API processes rendered the
+    gateway's /metrics reads, N workers x M pods a second)."""
+    for replica in replicas.values():
+        answer = httpx.get(replica.url + "/ready", timeout=10)
+        assert answer.headers["x-llmep-control-port"] == replica.env["LLMEP_CONTROL_PORT"]
+        assert f"control port {replica.env['LLMEP_CONTROL_PORT']}" in gateway.log()
+    openai.OpenAI(base_url=gateway.url + "/v1", api_key="none").completions.create(
+        model="demo", prompt="Hello", max_tokens=2
+    )
+    time.sleep(3.0)  # past the endpoint's activity grace (2 x the harness's 1 s idle probes)
+    before = {name: _main_port_probes_and_scrapes(r) for name, r in replicas.items()}
+    time.sleep(4.0)  # four idle probe periods; then one more publication of the counts
+    after = {name: _main_port_probes_and_scrapes(r) for name, r in replicas.items()}
+    assert after == before
 
 
 def test_a_job_sent_to_the_gateway_runs_on_a_runtime_through_the_shared_queue(gateway):

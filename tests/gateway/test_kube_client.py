@@ -23,6 +23,7 @@ from llmendpoints_gateway.discovery.kube import (
     Watched,
     is_operator_slice,
     slice_backends,
+    slice_pods,
 )
 from llmendpoints_gateway.keys import KeyRing
 from llmendpoints_gateway.metrics import GatewayMetrics
@@ -64,6 +65,32 @@ def test_only_the_operators_slices_are_routed_to_and_replicas_are_named_by_pod()
     assert slice_backends(_slice(other, ready)) == (None, {})
     half = {**OPERATOR_LABELS, "llmendpoints.dev/endpoint": ""}
     assert not is_operator_slice(_slice(half, ready))
+
+
+def test_engine_load_is_read_on_each_pods_control_port_from_the_slice():
+    """The slice's `control` port (the operator's Service names it so) is where the gateway
+    reads a pod's engine load: never the port that serves requests."""
+    ready = {"addresses": ["10.0.0.7"], "targetRef": {"kind": "Pod", "name": "chat-7d9f-x2"}}
+    with_control = {
+        **_slice(OPERATOR_LABELS, ready),
+        "ports": [{"name": "http", "port": 8000}, {"name": "control", "port": 8001}],
+    }
+    assert slice_pods(with_control) == (
+        "chat",
+        {"http://10.0.0.7:8000": ("chat-7d9f-x2", "http://10.0.0.7:8001")},
+    )
+    assert slice_pods(_slice(OPERATOR_LABELS, ready)) == (
+        "chat",
+        {"http://10.0.0.7:8000": ("chat-7d9f-x2", None)},  # no control port: the main one
+    )
+    ipv6 = {**with_control, "addressType": "IPv6", "endpoints": [{"addresses": ["fd00::1"]}]}
+    assert slice_pods(ipv6)[1] == {"http://[fd00::1]:8000": ("fd00::1", "http://[fd00::1]:8001")}
+
+    from llmendpoints_operator import manifests, spec
+
+    service = manifests.build_service(spec.parse("chat", "ns", {"model": {"name": "m"}}))
+    ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    assert kube.CONTROL_PORT_NAME in ports and kube.PORT_NAME in ports
 
 
 def test_the_selector_is_the_operators_labels():

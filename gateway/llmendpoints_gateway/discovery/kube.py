@@ -10,7 +10,8 @@ API server tells.
   controller copies a Service's labels to its slices): ``app.kubernetes.io/managed-by=
   llmendpoints-operator`` and ``llmendpoints.dev/endpoint``, never every slice of the cluster.
   Port ``http``; endpoints whose ``conditions.ready`` is not false; replicas are named by their
-  pod (``targetRef``) in metrics.
+  pod (``targetRef``) in metrics; port ``control`` is where the gateway reads each pod's engine
+  load (pod_reader.py), never the serving port.
 - ``spec.api.apiKeysSecretRef``: the Secret's key holds that endpoint's API keys (the runtime's
   file format); re-read on every change of the endpoint and every 30 s (rotations).
 - Secrets labelled ``llmendpoints.dev/api-key`` in GATEWAY_KEYS_NAMESPACE (default: the
@@ -72,6 +73,7 @@ MANAGED_BY = "llmendpoints-operator"
 LABEL_ENDPOINT = "llmendpoints.dev/endpoint"
 SLICE_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_ENDPOINT}"
 PORT_NAME = "http"
+CONTROL_PORT_NAME = "control"  # the runtime's LLMEP_CONTROL_PORT (operator manifests.py)
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 KEYS_REFRESH_SECONDS = 30.0
 # A watch asks the API server to end it after about this long (randomised, as client-go does, so
@@ -150,13 +152,22 @@ def is_operator_slice(obj: Mapping[str, Any]) -> bool:
 
 def slice_backends(obj: Mapping[str, Any]) -> tuple[str | None, dict[str, str]]:
     """(endpoint name, {ready backend URL: its pod's name}) of one EndpointSlice."""
+    endpoint, found = slice_pods(obj)
+    return endpoint, {url: pod for url, (pod, _) in found.items()}
+
+
+def slice_pods(obj: Mapping[str, Any]) -> tuple[str | None, dict[str, tuple[str, str | None]]]:
+    """(endpoint name, {ready backend URL: (its pod's name, its control port's URL)}) of one
+    EndpointSlice: port ``http`` serves, port ``control`` answers probes and /metrics (the
+    gateway reads engine load there; None when the slice has no such port)."""
     labels = (obj.get("metadata") or {}).get("labels") or {}
     endpoint = labels.get(LABEL_ENDPOINT) if is_operator_slice(obj) else None
-    port = next((p.get("port") for p in obj.get("ports") or [] if p.get("name") == PORT_NAME), None)
+    ports = {p.get("name"): p.get("port") for p in obj.get("ports") or []}
+    port, control = ports.get(PORT_NAME), ports.get(CONTROL_PORT_NAME)
     if endpoint is None or port is None:
         return endpoint, {}
     ipv6 = obj.get("addressType") == "IPv6"
-    backends: dict[str, str] = {}
+    backends: dict[str, tuple[str, str | None]] = {}
     for item in obj.get("endpoints") or []:
         conditions = item.get("conditions") or {}
         # Kubernetes: a missing `ready` means ready; terminating pods have ready false.
@@ -164,9 +175,12 @@ def slice_backends(obj: Mapping[str, Any]) -> tuple[str | None, dict[str, str]]:
             continue
         target = item.get("targetRef") or {}
         for address in item.get("addresses") or []:
-            url = f"http://[{address}]:{port}" if ipv6 else f"http://{address}:{port}"
+            host = f"[{address}]" if ipv6 else address
             pod = target.get("name") if target.get("kind", "Pod") == "Pod" else None
-            backends[url] = pod or address
+            backends[f"http://{host}:{port}"] = (
+                pod or address,
+                f"http://{host}:{control}" if control is not None else None,
+            )
     return endpoint, backends
 
 
@@ -291,7 +305,9 @@ class KubeDiscovery:
         # required: a typo in a Secret must not open the gateway).
         self._key_secrets: dict[tuple[str, str], tuple[bytes, Key] | None] = {}
         self._endpoints: dict[tuple[str, str], EndpointView] = {}
-        self._slices: dict[tuple[str, str], tuple[str | None, dict[str, str]]] = {}
+        self._slices: dict[
+            tuple[str, str], tuple[str | None, dict[str, tuple[str, str | None]]]
+        ] = {}
         self._tasks: list[asyncio.Task] = []
         self._api: kube_client.ApiClient | None = None
         self._reauth: asyncio.Task | None = None
@@ -471,7 +487,7 @@ class KubeDiscovery:
         if kind == "DELETED":
             self._slices.pop(key, None)
         else:
-            self._slices[key] = slice_backends(obj)
+            self._slices[key] = slice_pods(obj)
         after = self._slices.get(key, (None, {}))[0]
         for name in {before, after} - {None}:
             view = self._endpoints.get((key[0], name))
@@ -479,11 +495,16 @@ class KubeDiscovery:
                 self._publish_ready(view)
 
     def _publish_ready(self, view: EndpointView) -> None:
-        backends: dict[str, str] = {}
+        backends: dict[str, tuple[str, str | None]] = {}
         for (namespace, _), (endpoint, found) in self._slices.items():
             if namespace == view.namespace and endpoint == view.name:
                 backends.update(found)
-        self.registry.set_ready(view.id, list(backends), names=backends)
+        self.registry.set_ready(
+            view.id,
+            list(backends),
+            names={url: pod for url, (pod, _) in backends.items()},
+            controls={url: c for url, (_, c) in backends.items() if c is not None},
+        )
 
     async def _load_keys(self, view: EndpointView) -> None:
         # An endpoint's own keys (apiKeysSecretRef) only with GATEWAY_ENDPOINT_KEYS: reading

@@ -8,23 +8,25 @@
         backends: ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
         routing: prefix-aware        # optional: prefix-aware (default), least-loaded, round-robin
 
-Each backend is probed (``GET /ready?strict=1``: 200 only when its engine serves) every
-GATEWAY_PROBE_INTERVAL_SECONDS; only ready backends get requests, and an endpoint with none
-ready holds them.
+Each backend's readiness (``GET /ready?strict=1``: 200 only when its engine serves) is probed by
+the gateway pod's reader (pod_reader.py): on the backend's control port once the backend named it
+(the runtime does, in a header of its main port's answers), every GATEWAY_IDLE_PROBE_INTERVAL_SECONDS,
+and every GATEWAY_PROBE_INTERVAL_SECONDS while the backend is not ready and its endpoint has
+requests waiting or in flight. Only ready backends get requests, and an endpoint with none ready
+holds them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import yaml
 from llmendpoints_common.identity import DEFAULT_NAMESPACE, check_namespace
 
+from llmendpoints_gateway.pod_reader import PodReader
 from llmendpoints_gateway.registry import Registry
 from llmendpoints_gateway.routing import Strategy
 
@@ -93,18 +95,18 @@ def _strings(value: Any, where: str) -> tuple[str, ...]:
 
 
 class StaticDiscovery:
-    def __init__(self, path: str, registry: Registry, probe_interval: float):
+    """The file's endpoints, with the readiness of their backends from the pod's reader
+    (pod_reader.PodReader: probed on each backend's control port, at the rate readiness needs)."""
+
+    def __init__(self, path: str, registry: Registry, reader: PodReader):
         self.path = path
         self.registry = registry
-        self.probe_interval = probe_interval
-        self._tasks: list[asyncio.Task] = []
+        self.reader = reader
         self._ready: dict[str, set[str]] = {}
 
     async def start(self) -> None:
         with open(self.path, encoding="utf-8") as handle:
             endpoints = parse_endpoints(handle.read())
-        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
-        self._session = session
         for position, ep in enumerate(endpoints):
             # The file's order stands for creation order: the first entry listing a model keeps it.
             endpoint = self.registry.upsert(
@@ -112,7 +114,7 @@ class StaticDiscovery:
             )
             self._ready[endpoint.id] = set()
             for backend in ep.backends:
-                self._tasks.append(asyncio.create_task(self._probe(endpoint.id, backend)))
+                self.reader.watch(endpoint.id, backend, self._changed(endpoint.id))
         logger.info(
             "static endpoints from %s: %s",
             self.path,
@@ -120,25 +122,13 @@ class StaticDiscovery:
         )
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._session.close()
+        pass  # the reader stops on its own
 
-    async def _probe(self, endpoint: str, backend: str) -> None:
+    def _changed(self, endpoint: str) -> Callable[[str, bool], None]:
         ready = self._ready[endpoint]
-        was: bool | None = None
-        while True:
-            try:
-                async with self._session.get(backend + "/ready?strict=1") as response:
-                    now = response.status == 200
-            except (TimeoutError, aiohttp.ClientError):
-                now = False
-            if now != was:
-                logger.info(
-                    "backend %s of %s is %s", backend, endpoint, "ready" if now else "not ready"
-                )
-                was = now
-                (ready.add if now else ready.discard)(backend)
-                self.registry.set_ready(endpoint, ready)
-            await asyncio.sleep(self.probe_interval)
+
+        def changed(backend: str, now: bool) -> None:
+            (ready.add if now else ready.discard)(backend)
+            self.registry.set_ready(endpoint, ready)
+
+        return changed
