@@ -187,10 +187,13 @@ async def _body(
 ) -> bytes:
     """The bytes asked for, and not one more: a 200 to a Range request is cut off."""
     if span is None:
-        data = await response.content.read(limit + 1)
-        if len(data) > limit:
-            raise HubError("invalid", f"{file} is larger than {limit} bytes")
-        return data
+        # read(n) answers with what has arrived, up to n: read until the body ends.
+        data = bytearray()
+        while chunk := await response.content.read(limit + 1 - len(data)):
+            data += chunk
+            if len(data) > limit:
+                raise HubError("invalid", f"{file} is larger than {limit} bytes")
+        return bytes(data)
     if response.status == 206 and not response.headers.get("Content-Range", "bytes ").startswith(
         f"bytes {span[0]}-"
     ):

@@ -281,11 +281,13 @@ async def test_a_finished_jobs_record_keeps_its_output_not_its_input(pair):
 async def test_a_job_never_runs_past_its_ttl_and_its_record_then_goes(pair):
     await pair.worker.start()
     job = await pair.client.submit(
-        unchecked(sampling_params={"steps": 200, "delay": 0.1}, policy={"ttl": 2000}),
+        # The TTL leaves the started worker time to take the job on a busy machine (else it
+        # is a job queued past its TTL, never run: the next test); the job would run 20 s.
+        unchecked(sampling_params={"steps": 200, "delay": 0.1}, policy={"ttl": 5000}),
         sync=False,
         owner="",
     )
-    done = await pair.client.wait(job.id, 15, owner="")
+    done = await pair.client.wait(job.id, 30, owner="")
     assert done.status is JobStatus.TIMED_OUT and done.error["param"] == "policy.ttl"
     assert job.id in pair.engine.aborted
     await until_gone(pair.client, job.id)

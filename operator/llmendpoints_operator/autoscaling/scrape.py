@@ -182,7 +182,7 @@ class MetricsScraper:
         async with session.get(url) as response:
             if response.status != 200:
                 raise aiohttp.ClientResponseError(response.request_info, (), status=response.status)
-            body = await response.content.read(MAX_BODY_BYTES + 1)
+            body = await _read_at_most(response.content, MAX_BODY_BYTES + 1)
         if len(body) > MAX_BODY_BYTES:
             raise ValueError(f"body larger than {MAX_BODY_BYTES} bytes")
         return body.decode("utf-8", errors="replace")
@@ -204,7 +204,7 @@ class MetricsScraper:
             async with session.get(target.url) as response:
                 if response.status != 200:
                     return f"HTTP {response.status}"
-                body = await response.content.read(MAX_BODY_BYTES + 1)
+                body = await _read_at_most(response.content, MAX_BODY_BYTES + 1)
                 if len(body) > MAX_BODY_BYTES:
                     return f"body larger than {MAX_BODY_BYTES} bytes"
             text = body.decode("utf-8", errors="replace")
@@ -215,3 +215,12 @@ class MetricsScraper:
             return f"{type(error).__name__}: {error}"
         except MetricsError as error:
             return str(error)
+
+
+async def _read_at_most(content: aiohttp.StreamReader, size: int) -> bytes:
+    """The body up to ``size`` bytes: ``read(n)`` answers with what has arrived so far, so a
+    page sent in several pieces would otherwise be cut at the first."""
+    data = bytearray()
+    while len(data) < size and (chunk := await content.read(size - len(data))):
+        data += chunk
+    return bytes(data)

@@ -102,7 +102,13 @@ def test_a_worker_follows_its_leader_and_exits_1_when_the_leader_is_gone(leader)
     assert _status(control, "/ready?strict=1") == 503  # the group's engine is loading
     state["value"] = "ready"
     _until(lambda: _status(control, "/ready?strict=1") == 200, "ready with its leader")
-    assert "llmendpoints_engine_ready 1.0" in httpx.get(f"http://{POD_IP}:{control}/metrics").text
+    # The gauge is set when /metrics is rendered, which may trail /ready by a moment.
+    _until(
+        lambda: (
+            "llmendpoints_engine_ready 1.0" in httpx.get(f"http://{POD_IP}:{control}/metrics").text
+        ),
+        "the ready gauge",
+    )
     with pytest.raises(ConnectionRefusedError):  # on the pod's IP only (LLMEP_CONTROL_HOST)
         socket.create_connection(("127.0.0.1", control), timeout=10).close()
 
