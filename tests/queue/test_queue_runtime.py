@@ -289,10 +289,11 @@ def test_worker_killed_mid_job_the_job_completes_on_the_other(pods) -> None:
 def test_nats_restart_keeps_queued_and_finished_jobs(pods, nats) -> None:
     survivor = next(pod for pod in pods if pod.process.poll() is None)
     with client(survivor) as http:
-        finished = http.post(
+        answer = http.post(
             "/runsync", json={"input": {"prompt": "x", "sampling_params": {"max_tokens": 3}}}
-        ).json()
-        assert finished["status"] == "COMPLETED"
+        )
+        finished = answer.json()
+        assert finished.get("status") == "COMPLETED", (answer.status_code, finished)
         # Two slots, both taken by long jobs, and two more long jobs queued behind them: the
         # short job stays queued even if a running job ends before it is submitted.
         with proc_kit.engines_frozen(survivor.process.pid):  # the long jobs stay running
@@ -302,7 +303,8 @@ def test_nats_restart_keeps_queued_and_finished_jobs(pods, nats) -> None:
             queued = http.post(
                 "/run", json={"input": {"prompt": "q", "sampling_params": {"max_tokens": 4}}}
             ).json()["id"]
-            assert http.get(f"/status/{queued}").json()["status"] == "IN_QUEUE"
+            state = http.get(f"/status/{queued}").json()
+            assert state.get("status") == "IN_QUEUE", state
 
         nats.stop()
         refused = http.post("/run", json={"input": {"prompt": "x"}})
