@@ -116,20 +116,24 @@ def _registry(
 
 
 def _pod_reader(
-    settings: GatewaySettings, registry: Registry, activity: Activity, board: PodBoard | None
+    settings: GatewaySettings,
+    registry: Registry,
+    activity: Activity,
+    board: PodBoard | None,
+    load_interval: float,
 ) -> PodReader:
-    """Each pod's readiness and engine load, from its control port, once per gateway pod
-    (``board``: shared with the pod's other workers). It feeds the registry it reads for, so
-    it is given to the registry once both exist."""
+    """Each pod's readiness and engine load (every ``load_interval`` s; 0: never), from its
+    control port, once per gateway pod (``board``: shared with the pod's other workers). It
+    feeds the registry it reads for, so it is given to the registry once both exist."""
     reader = PodReader(
         registry,
         activity,
-        load_interval=settings.engine_load_interval_seconds,
+        load_interval=load_interval,
         probe_interval=settings.probe_interval_seconds,
         idle_interval=settings.idle_probe_interval_seconds,
         board=board,
     )
-    if settings.engine_load_interval_seconds > 0:
+    if load_interval > 0:
         registry.feed = reader
     return reader
 
@@ -175,7 +179,7 @@ def build(settings: GatewaySettings, worker: WorkerSlot | None = None) -> Gatewa
     )
     activity = board.activity(worker.index, grace) if board and worker else Activity.private(grace)
     registry = _registry(settings, metrics, worker, signals, activity)
-    reader = _pod_reader(settings, registry, activity, board)
+    reader = _pod_reader(settings, registry, activity, board, settings.engine_load_interval_seconds)
     keys = _keys(settings)
     access = Access(keys, registry)
     # Per-key limits: shared by every replica through NATS when there is one, else this
@@ -262,13 +266,8 @@ def build_batch_host(settings: GatewaySettings) -> list[Part]:
     )
     # Static backends' readiness (a batch for an endpoint with none ready nudges); no engine
     # load: the host routes no request.
-    reader = PodReader(
-        registry,
-        Activity.private(2 * settings.idle_probe_interval_seconds),
-        load_interval=0.0,
-        probe_interval=settings.probe_interval_seconds,
-        idle_interval=settings.idle_probe_interval_seconds,
-    )
+    activity = Activity.private(2 * settings.idle_probe_interval_seconds)
+    reader = _pod_reader(settings, registry, activity, None, load_interval=0.0)
     return [queue, signals, _discovery(settings, registry, keys, reader), reader, host]
 
 
