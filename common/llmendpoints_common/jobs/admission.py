@@ -39,9 +39,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict
+
 from llmendpoints_common.fair_use import SEQUENCE_ROUTES, lax_int, prompt_count
 from llmendpoints_common.jobs.record import JobRecord
-from pydantic import BaseModel, ConfigDict
 
 GATEWAY = "gateway"
 ENDPOINT = "endpoint"

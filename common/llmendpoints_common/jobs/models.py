@@ -21,8 +21,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmendpoints_common.errors import BadRequestError, describe_validation_errors
-from llmendpoints_common.fair_use import DEFAULT_MAX_N, check_max_n, request_sequences
 from pydantic import (
     AnyHttpUrl,
     BaseModel,
@@ -35,6 +33,9 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+
+from llmendpoints_common.errors import BadRequestError, describe_validation_errors
+from llmendpoints_common.fair_use import DEFAULT_MAX_N, check_max_n, request_sequences
 
 
 class JobStatus(enum.StrEnum):

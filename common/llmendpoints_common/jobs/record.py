@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmendpoints_common.jobs.models import FINAL_STATUSES, JobStatus
 from pydantic import BaseModel, ConfigDict
+
+from llmendpoints_common.jobs.models import FINAL_STATUSES, JobStatus
 
 RETRYABLE = frozenset({JobStatus.FAILED, JobStatus.TIMED_OUT})
 
