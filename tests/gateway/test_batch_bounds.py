@@ -287,7 +287,8 @@ def test_only_the_driver_host_drives_batches_and_the_supervisor_brings_it_back(g
     while _status(gateway, "sk-t1", batch_id) == "validating":
         assert time.monotonic() < deadline, "the driver host never took the batch up"
         time.sleep(0.2)
-    assert _status(gateway, "sk-t1", batch_id) == "in_progress"
+    # Taken up: its one request may already be answered (a quiet machine, a quick stand-in).
+    assert _status(gateway, "sk-t1", batch_id) in ("in_progress", "finalizing", "completed")
     host.kill()
     deadline = time.monotonic() + 60
     while not [p for p in _driver_hosts(gateway) if p.pid != host.pid]:
@@ -298,5 +299,6 @@ def test_only_the_driver_host_drives_batches_and_the_supervisor_brings_it_back(g
     while _status(gateway, "sk-t1", second) == "validating":
         assert time.monotonic() < deadline, "the new driver host never took the batch up"
         time.sleep(0.2)
+    assert _status(gateway, "sk-t1", second) in ("in_progress", "finalizing", "completed")
     for batch in (batch_id, second):
         httpx.post(gateway.url + f"/v1/batches/{batch}/cancel", headers=_auth("sk-t1"))
