@@ -1,7 +1,9 @@
 """Two real runtime processes (vLLM on the demo model) sharing one real nats-server.
 
 Started once for the module (two engines take 30-90 s on two cores). The order of the tests
-matters only at the end: the SIGKILL test kills one runtime, the NATS restart test runs last.
+matters only at the end: the SIGKILL test kills one runtime and runs last. The NATS restart test
+has pods of its own (test_queue_nats_restart.py): what the SIGKILL test leaves behind -- a dead
+pod, long jobs -- is no state for it to start from.
 """
 
 from __future__ import annotations
@@ -284,49 +286,3 @@ def test_worker_killed_mid_job_the_job_completes_on_the_other(pods) -> None:
         for pid in frozen:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-
-
-def test_nats_restart_keeps_queued_and_finished_jobs(pods, nats) -> None:
-    survivor = next(pod for pod in pods if pod.process.poll() is None)
-    with client(survivor) as http:
-        answer = http.post(
-            "/runsync", json={"input": {"prompt": "x", "sampling_params": {"max_tokens": 3}}}
-        )
-        finished = answer.json()
-        assert finished.get("status") == "COMPLETED", (answer.status_code, finished)
-        # Two slots, both taken by long jobs, and two more long jobs queued behind them: the
-        # short job stays queued even if a running job ends before it is submitted.
-        with proc_kit.engines_frozen(survivor.process.pid):  # the long jobs stay running
-            busy = [http.post("/run", json={"input": LONG}).json()["id"] for _ in range(4)]
-            for job_id in busy[:2]:
-                wait_status(http, job_id, {"IN_PROGRESS"})
-            queued = http.post(
-                "/run", json={"input": {"prompt": "q", "sampling_params": {"max_tokens": 4}}}
-            ).json()["id"]
-            state = http.get(f"/status/{queued}").json()
-            assert state.get("status") == "IN_QUEUE", state
-
-        nats.stop()
-        refused = http.post("/run", json={"input": {"prompt": "x"}})
-        assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
-        assert "id" not in refused.json()
-        # The pod keeps serving OpenAI requests without its queue.
-        completion = http.post(
-            "/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 2}
-        )
-        assert completion.status_code == 200
-
-        nats.start()  # same storage directory
-        deadline = time.monotonic() + 60
-        while True:
-            answer = http.get(f"/status/{finished['id']}")
-            if answer.status_code == 200 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert answer.json()["output"] == finished["output"]
-        assert (
-            wait_status(http, queued, {"COMPLETED"}, timeout=180)["output"][0]["usage"]["output"]
-            == 4
-        )
-        for job_id in busy:
-            http.post(f"/cancel/{job_id}")
