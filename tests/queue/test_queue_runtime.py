@@ -26,7 +26,11 @@ pytestmark = pytest.mark.engine
 ENDPOINT = "shared-ep"
 KEY = "queue-e2e-key"
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT"}
-HEARTBEAT_TIMEOUT = 3
+# How soon a dead worker's job goes to the other pod. Not shorter: a live worker that misses its
+# heartbeats on a loaded machine loses its job as well, and a third attempt mixes the stream a
+# reader sees with an output of another run -- the likely cause of two failures at load 4-10
+# with 3 s, where the stream's second attempt and the output were not the same run.
+HEARTBEAT_TIMEOUT = 8
 # Long enough (several seconds on two cores, with MAX_MODEL_LEN 2048) to be caught running.
 LONG_TOKENS, LONG_N = 2000, 16
 LONG = {
