@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -241,8 +242,13 @@ def test_a_runpod_request_id_with_a_digit_that_is_not_ascii_is_a_400(gateway):
 
 
 def _driver_hosts(gateway) -> list[psutil.Process]:
-    children = psutil.Process(gateway.process.pid).children()
-    return [p for p in children if "--batch-drivers" in p.cmdline()]
+    hosts = []
+    for child in psutil.Process(gateway.process.pid).children():
+        # A host just killed is a zombie until the supervisor reaps it: not a host any more.
+        with contextlib.suppress(psutil.ZombieProcess, psutil.NoSuchProcess):
+            if "--batch-drivers" in child.cmdline():
+                hosts.append(child)
+    return hosts
 
 
 def _create_batch(gateway, key: str) -> str:

@@ -34,8 +34,15 @@ def test_nats_restart_keeps_queued_and_finished_jobs(pods, nats) -> None:  # noq
             busy = [http.post("/run", json={"input": LONG}).json()["id"] for _ in range(4)]
             for job_id in busy[:2]:
                 wait_status(http, job_id, {"IN_PROGRESS"})
+            # ignore_eos: the demo model's random weights may end a sequence after one token.
             queued = http.post(
-                "/run", json={"input": {"prompt": "q", "sampling_params": {"max_tokens": 4}}}
+                "/run",
+                json={
+                    "input": {
+                        "prompt": "q",
+                        "sampling_params": {"max_tokens": 4, "ignore_eos": True},
+                    }
+                },
             ).json()["id"]
             state = http.get(f"/status/{queued}").json()
             assert state.get("status") == "IN_QUEUE", state
