@@ -31,6 +31,7 @@ from urllib.parse import quote
 
 import aiohttp
 
+from llmendpoints_operator.bodies import read_at_most
 from llmendpoints_operator.fit.safetensors import (
     LENGTH_BYTES,
     HeaderError,
@@ -187,13 +188,10 @@ async def _body(
 ) -> bytes:
     """The bytes asked for, and not one more: a 200 to a Range request is cut off."""
     if span is None:
-        # read(n) answers with what has arrived, up to n: read until the body ends.
-        data = bytearray()
-        while chunk := await response.content.read(limit + 1 - len(data)):
-            data += chunk
-            if len(data) > limit:
-                raise HubError("invalid", f"{file} is larger than {limit} bytes")
-        return bytes(data)
+        data = await read_at_most(response.content, limit + 1)
+        if len(data) > limit:
+            raise HubError("invalid", f"{file} is larger than {limit} bytes")
+        return data
     if response.status == 206 and not response.headers.get("Content-Range", "bytes ").startswith(
         f"bytes {span[0]}-"
     ):

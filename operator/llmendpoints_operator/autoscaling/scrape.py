@@ -19,6 +19,7 @@ from llmendpoints_common.signals import IN_FLIGHT, QUEUE_DEPTH
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..adapter_status import PodAdapter, parse_pod_adapters
+from ..bodies import read_at_most
 from .decision import Observation
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
@@ -182,7 +183,7 @@ class MetricsScraper:
         async with session.get(url) as response:
             if response.status != 200:
                 raise aiohttp.ClientResponseError(response.request_info, (), status=response.status)
-            body = await _read_at_most(response.content, MAX_BODY_BYTES + 1)
+            body = await read_at_most(response.content, MAX_BODY_BYTES + 1)
         if len(body) > MAX_BODY_BYTES:
             raise ValueError(f"body larger than {MAX_BODY_BYTES} bytes")
         return body.decode("utf-8", errors="replace")
@@ -204,7 +205,7 @@ class MetricsScraper:
             async with session.get(target.url) as response:
                 if response.status != 200:
                     return f"HTTP {response.status}"
-                body = await _read_at_most(response.content, MAX_BODY_BYTES + 1)
+                body = await read_at_most(response.content, MAX_BODY_BYTES + 1)
                 if len(body) > MAX_BODY_BYTES:
                     return f"body larger than {MAX_BODY_BYTES} bytes"
             text = body.decode("utf-8", errors="replace")
@@ -216,11 +217,3 @@ class MetricsScraper:
         except MetricsError as error:
             return str(error)
 
-
-async def _read_at_most(content: aiohttp.StreamReader, size: int) -> bytes:
-    """The body up to ``size`` bytes: ``read(n)`` answers with what has arrived so far, so a
-    page sent in several pieces would otherwise be cut at the first."""
-    data = bytearray()
-    while len(data) < size and (chunk := await content.read(size - len(data))):
-        data += chunk
-    return bytes(data)
