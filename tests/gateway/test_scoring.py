@@ -51,7 +51,7 @@ class Gateway:
         self.ep.index = PrefixIndex(chunk_chars=CHUNK)
         self.registry.set_ready(self.ep.id, replicas)
         self.engines: dict[str, EngineLoad] = {}
-        self.registry.feed = self.engines  # what EngineLoadFeed.get answers
+        self.registry.feed = self.engines  # what the pod reader's get answers
 
     def route(self, body: dict, *, hold: bool = False) -> tuple[str, Outcome]:
         replica, outcome = self.registry.choose(self.ep, route_key(body))
