@@ -42,6 +42,26 @@ def engine_core_pids(runtime_pid: int) -> list[int]:
     ]
 
 
+def listening_unix_paths(pid: int) -> list[str]:
+    """The filesystem paths of the Unix sockets ``pid`` listens on (abstract ones left out)."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:[") : -1])
+    paths = []
+    # /proc/net/unix: Num RefCount Protocol Flags Type St Inode [Path]; Flags 00010000 is
+    # __SO_ACCEPTCON, a listening socket.
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        listening = len(fields) == 8 and fields[3] == "00010000" and fields[6] in inodes
+        if listening and not fields[7].startswith("@"):
+            paths.append(fields[7])
+    return paths
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (not zombie) processes of process group ``pgid``."""
     members = []

@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from llmendpoints_runtime.proctree import descendants
 from ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 RUNTIME_BIN = Path(sys.executable).parent / "llmendpoints-runtime"
+PY_SPY = Path(sys.executable).parent / "py-spy"
 START_TIMEOUT = 480.0  # engine start on two shared cores under load
 
 
@@ -117,7 +119,28 @@ class RuntimeServer(ServedProcess):
             if status == 503:
                 raise RuntimeError(f"engine failed to start:\n{self.log()[-4000:]}")
             time.sleep(0.5)
-        raise TimeoutError(f"runtime not ready within {timeout} s:\n{self.log()[-3000:]}")
+        raise TimeoutError(
+            f"runtime not ready within {timeout} s:\n{self.log()[-3000:]}\n{self.stacks()}"
+        )
+
+    def stacks(self) -> str:
+        """Every Python stack of the server's processes (py-spy), for a start that hangs: the
+        log says which process waits, the stacks say on what. Also kept beside the log."""
+        dumps = []
+        for pid in [self.process.pid, *(p.pid for p in descendants(self.process.pid))]:
+            try:
+                spy = subprocess.run(
+                    [str(PY_SPY), "dump", "--pid", str(pid)],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
+                dumps.append(f"--- pid {pid}\n{spy.stdout}{spy.stderr}")
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                dumps.append(f"--- pid {pid}: no stack ({exc})")
+        text = "\n".join(dumps)
+        self.log_path.with_suffix(".stacks").write_text(text)
+        return text
 
 
 def clean_env(**overrides: str) -> dict[str, str]:

@@ -7,6 +7,9 @@ mode with the runtime's whole edge in each process, on one port.
 - a job is found, streamed and cancelled from any connection, whichever process accepted it;
 - /metrics counts every request once (vLLM's counters and ours), the same on the main port and
   the control port, which the pod answers once;
+- the engine can always reach each API process again: the socket files it connects to are
+  there for the pod's life (vLLM unlinks them when the launcher's handle is collected; a
+  connection the engine had to make again found nothing, and that process never answered);
 - SIGTERM drains every process and the pod exits 0 with nothing left behind.
 """
 
@@ -14,13 +17,14 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import os
 import re
 import signal
 
 import httpx
 import pytest
 from ports import free_port
-from proc_kit import engines_frozen, group_members, wait_until
+from proc_kit import engines_frozen, group_members, listening_unix_paths, wait_until
 from runtime_process import running_runtime
 
 pytestmark = pytest.mark.engine
@@ -164,6 +168,22 @@ def test_jobs_are_found_from_any_connection(pod):
         cancelled = fresh(f"{pod.url}/cancel/{held}", "POST")
         assert cancelled.status_code == 200 and cancelled.json()["status"] == "CANCELLED"
     assert fresh(f"{pod.url}/status/{held}").json()["status"] == "CANCELLED"
+
+
+def test_the_engine_can_reach_every_api_process_again(pod):
+    apis = [p for p in group_members(pod.process.pid) if b"APIServer" in _comm(p)]
+    assert len(apis) == 2
+    for pid in apis:
+        # The engine's two connections to each process: its requests in, the answers out.
+        engine_sockets = [path for path in listening_unix_paths(pid) if "llmep-pod-" not in path]
+        assert len(engine_sockets) == 2, listening_unix_paths(pid)
+        missing = [path for path in engine_sockets if not os.path.exists(path)]
+        assert not missing, f"API process {pid} listens on unlinked paths {missing}"
+
+
+def _comm(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
 
 
 def test_sigterm_drains_every_process_and_the_pod_exits_0(pod):

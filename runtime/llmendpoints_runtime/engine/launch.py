@@ -53,6 +53,7 @@ class PodEngine:
         self.engine_manager: Any = None
         self.coordinator: Any = None
         self.api: Any = None
+        self.listeners: Any = None
         self.max_num_seqs: int | None = None
 
     @property
@@ -81,7 +82,11 @@ class PodEngine:
         engine_args._api_process_rank = -1
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
-        listeners = bind_engine_zmq_listeners(vllm_config, self.count)
+        # Held for the pod's life: vLLM unlinks the listeners' socket files when this object is
+        # collected, and an engine that connects (or reconnects) after that finds no file. Its
+        # output connection to an API process that was slow to accept was then lost for good:
+        # the process waited for its first answer for ever (CI, 480 s).
+        self.listeners = listeners = bind_engine_zmq_listeners(vllm_config, self.count)
         with launch_core_engines(
             vllm_config,
             Executor.get_class(vllm_config),
@@ -122,3 +127,5 @@ class PodEngine:
             self.engine_manager.shutdown(timeout=timeout)
         if self.coordinator is not None:
             self.coordinator.shutdown(timeout=timeout)
+        if self.listeners is not None:
+            self.listeners.cleanup()
