@@ -216,4 +216,3 @@ class MetricsScraper:
             return f"{type(error).__name__}: {error}"
         except MetricsError as error:
             return str(error)
-
