@@ -9,7 +9,8 @@ autoscaler) looks at it. PURE.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from llmendpoints_operator import engine_flags, managed_env, policy
@@ -35,3 +36,37 @@ def admit(
 def _setting(field: str) -> str:
     """`spec.engine.env[2].value` -> `spec.engine.env[2]`: the setting a problem is about."""
     return field.removesuffix(".name").removesuffix(".value")
+
+
+class AdmissionMemo:
+    """`admit` remembered per endpoint, for a caller that looks at every endpoint again and
+    again: the autoscaler lists the endpoints it sizes whenever one of them is due, several
+    times a second with many endpoints, and admitting 200 specs each time was most of the
+    operator's CPU (bench/operator_scale.py). A spec equal to the one last admitted for that
+    endpoint gets the same answer; the spec is copied, so a body changed in place is a new spec.
+    The Endpoints handed out are shared: read them, never change them."""
+
+    def __init__(self, settings: OperatorSettings) -> None:
+        self._settings = settings
+        self._last: dict[tuple[str, str], tuple[Any, Endpoint | list]] = {}
+
+    def admit(self, name: str, namespace: str, spec: Mapping[str, Any] | None) -> Endpoint:
+        key = (namespace, name)
+        known = self._last.get(key)
+        if known is not None and known[0] == spec:
+            outcome = known[1]
+        else:
+            try:
+                outcome = admit(name, namespace, spec, self._settings)
+            except InvalidSpecError as exc:
+                outcome = exc.problems
+            self._last[key] = (copy.deepcopy(spec), outcome)
+        if isinstance(outcome, list):
+            raise InvalidSpecError(outcome)  # a fresh one: a raised exception keeps its frames
+        return outcome
+
+    def keep_only(self, keys: Iterable[tuple[str, str]]) -> None:
+        """Forget the endpoints not among ``keys`` (namespace, name): they are gone."""
+        keep = set(keys)
+        for key in [k for k in self._last if k not in keep]:
+            del self._last[key]

@@ -55,7 +55,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 
 from llmendpoints_operator import groups, kube, manifests, status
 from llmendpoints_operator.adapter_status import STATUS_KEY as ADAPTERS_KEY
-from llmendpoints_operator.admission import admit
+from llmendpoints_operator.admission import AdmissionMemo, admit
 from llmendpoints_operator.autoscaling.controller import STATUS_KEY as AUTOSCALING_KEY
 from llmendpoints_operator.autoscaling.controller import Subject
 from llmendpoints_operator.coldstart import children as coldstart
@@ -874,12 +874,14 @@ class Reconciler:
                     del locks[key]
 
 
-def autoscaled_subjects(indexes: Indexes, settings: OperatorSettings) -> list[Subject]:
+def autoscaled_subjects(indexes: Indexes, admissions: AdmissionMemo) -> list[Subject]:
     """The endpoints whose size the autoscaler decides now: admitted spec (admission.admit),
     bounds that leave a choice, no `spec.scaling.replicas` pin, and a workload (a Deployment, or
     a LeaderWorkerSet whose replicas are groups: the autoscaler counts a group as one replica)."""
     subjects = []
-    for key, store in list(indexes.llmendpoints.items()):
+    stores = list(indexes.llmendpoints.items())
+    admissions.keep_only(key for key, _ in stores)
+    for key, store in stores:
         endpoint = next(iter(store), None)
         if endpoint is None or endpoint["metadata"].get("deletionTimestamp"):
             continue
@@ -890,7 +892,7 @@ def autoscaled_subjects(indexes: Indexes, settings: OperatorSettings) -> list[Su
         if deployment is None:
             continue
         try:
-            ep = admit(key[1], key[0], endpoint.get("spec"), settings)
+            ep = admissions.admit(key[1], key[0], endpoint.get("spec"))
         except InvalidSpecError:
             continue
         if not ep.spec.scaling.autoscaled:

@@ -53,6 +53,10 @@ from .scrape import (
 )
 
 logger = logging.getLogger(__name__)
+# Endpoints come due at staggered times; waking for each alone listed every endpoint (and so
+# admitted its spec) tens of times a second with 200 of them. Ticks due within this much of one
+# another run together: a tick is at most this late (a nudge still wakes the loop at once).
+GRAIN_SECONDS = 0.25
 
 ENDPOINTSLICE_API = ("discovery.k8s.io/v1", "EndpointSlice")
 STATUS_KEY = "autoscaling"  # status.autoscaling: written by the autoscaler only
@@ -191,7 +195,7 @@ class Autoscaler:
                 self.forget(key)
             wake = min((m.next_due for m in self._memory.values()), default=now + 1)
             self._wake.clear()
-            await wait_until_set(self._wake, min(max(wake - self._clock(), 0.05), 1.0))
+            await wait_until_set(self._wake, min(max(wake - self._clock(), GRAIN_SECONDS), 1.0))
 
     def forget(self, key: Key) -> None:
         """An endpoint is gone or no longer autoscaled: drop its memory and metric series."""

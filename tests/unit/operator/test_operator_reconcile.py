@@ -13,6 +13,7 @@ import pytest
 from llmendpoints_common.gateway_token import derive
 from llmendpoints_common.model_names import Claim, creation_time, served_model_name
 from llmendpoints_operator import kube, status
+from llmendpoints_operator.admission import AdmissionMemo
 from llmendpoints_operator.config import OperatorSettings
 from llmendpoints_operator.fit.verdict import Fit
 from llmendpoints_operator.reconcile import (
@@ -372,7 +373,7 @@ async def test_only_endpoints_with_a_choice_and_a_deployment_are_autoscaled() ->
         if name != "nodeployment":
             world.deployments[(NS, name)] = [status.DeploymentState(desired=2, ready=1)]
 
-    subjects = autoscaled_subjects(world.indexes, OperatorSettings())
+    subjects = autoscaled_subjects(world.indexes, AdmissionMemo(OperatorSettings()))
 
     assert [(s.key, s.deployment, s.replicas, s.ready_replicas) for s in subjects] == [
         ((NS, "auto"), "auto", 2, 1)
@@ -772,7 +773,7 @@ async def test_the_autoscaler_scales_the_groups() -> None:
     endpoint = world.add("big", GROUPS)
     await world.reconcile(endpoint, trigger="create")
     world.observe_groups("big", replicas=1, readyReplicas=1)
-    [subject] = autoscaled_subjects(world.indexes, OperatorSettings())
+    [subject] = autoscaled_subjects(world.indexes, AdmissionMemo(OperatorSettings()))
     assert subject.workload == ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
     assert (subject.deployment, subject.service) == ("big-group", "big")
     assert (subject.replicas, subject.ready_replicas) == (1, 1)
