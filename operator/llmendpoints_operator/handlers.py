@@ -39,7 +39,6 @@ from llmendpoints_common.identity import EndpointRef
 from llmendpoints_common.model_names import Claim, creation_time, served_model_name
 
 from llmendpoints_operator import groups, kube, manifests, status
-from llmendpoints_operator.admission import AdmissionMemo
 from llmendpoints_operator.autoscaling.adapter_watch import AdapterStatusWatcher, adapter_subjects
 from llmendpoints_operator.autoscaling.controller import Autoscaler
 from llmendpoints_operator.autoscaling.metrics import AutoscalerMetrics
@@ -54,11 +53,11 @@ from llmendpoints_operator.fit.checker import FitChecker
 from llmendpoints_operator.hub import DEFAULT_HUB, HubClient
 from llmendpoints_operator.jobs_queue import JobsQueue
 from llmendpoints_operator.reconcile import (
+    AutoscaledSubjects,
     Indexes,
     Key,
     ReconcileMetrics,
     Reconciler,
-    autoscaled_subjects,
     lenient_cache_state,
     lenient_nodes,
     snapshot,
@@ -136,7 +135,6 @@ class Running:
             self.autoscaler.set_outside(
                 NatsOutside(self.jobs_queue, on_nudge=self.autoscaler.nudge)
             )
-        admissions = AdmissionMemo(self.settings)  # the autoscaler's listing, several a second
         self.events_task = asyncio.create_task(self.events.run(), name="llmendpoints-events")
         self.loops = [
             asyncio.create_task(
@@ -144,7 +142,7 @@ class Running:
                 name="llmendpoints-resync",
             ),
             asyncio.create_task(
-                self.autoscaler.run(lambda: autoscaled_subjects(indexes, admissions)),
+                self.autoscaler.run(AutoscaledSubjects(indexes, self.settings)),
                 name="llmendpoints-autoscaler",
             ),
             asyncio.create_task(

@@ -32,7 +32,7 @@ it to kopf; tests drive it with a fake client and plain dicts as indexes.
 - The InferencePool (manifests.build_inference_pool) is an optional child whose API may be
   missing: its outcome becomes the status's InferencePool condition, never a failed reconcile.
 - `resync_forever` reconciles every endpoint once per period (drift correction).
-- `autoscaled_subjects` lists what the autoscaler decides the size of now.
+- `AutoscaledSubjects` lists what the autoscaler decides the size of now.
 """
 
 from __future__ import annotations
@@ -874,40 +874,65 @@ class Reconciler:
                     del locks[key]
 
 
-def autoscaled_subjects(indexes: Indexes, admissions: AdmissionMemo) -> list[Subject]:
+class AutoscaledSubjects:
     """The endpoints whose size the autoscaler decides now: admitted spec (admission.admit),
     bounds that leave a choice, no `spec.scaling.replicas` pin, and a workload (a Deployment, or
-    a LeaderWorkerSet whose replicas are groups: the autoscaler counts a group as one replica)."""
-    subjects = []
-    stores = list(indexes.llmendpoints.items())
-    admissions.keep_only(key for key, _ in stores)
-    for key, store in stores:
-        endpoint = next(iter(store), None)
-        if endpoint is None or endpoint["metadata"].get("deletionTimestamp"):
-            continue
-        raw = (endpoint.get("spec") or {}).get("scaling") or {}
-        if not raw.get("maxReplicas") or raw.get("replicas") is not None:
-            continue  # a fixed size or a pin (a cheap check before parsing)
-        deployment = indexes.workload(key, lenient_nodes(endpoint.get("spec")) > 1)
-        if deployment is None:
-            continue
+    a LeaderWorkerSet whose replicas are groups: the autoscaler counts a group as one replica).
+
+    Called by the autoscaler's loop up to four times a second, over every endpoint: an endpoint
+    whose body (kopf hands a new object for every change) and workload state are those of the
+    last call gets the same Subject; its spec's admission is remembered too (AdmissionMemo)."""
+
+    def __init__(self, indexes: Indexes, settings: OperatorSettings) -> None:
+        self._indexes = indexes
+        self._admissions = AdmissionMemo(settings)
+        self._last: dict[Key, tuple[Any, status.DeploymentState, Subject | None]] = {}
+
+    def __call__(self) -> list[Subject]:
+        stores = list(self._indexes.llmendpoints.items())
+        keys = {key for key, _ in stores}
+        self._admissions.keep_only(keys)
+        for key in [k for k in self._last if k not in keys]:
+            del self._last[key]
+        subjects = []
+        for key, store in stores:
+            endpoint = next(iter(store), None)
+            if endpoint is None or endpoint["metadata"].get("deletionTimestamp"):
+                continue
+            raw = (endpoint.get("spec") or {}).get("scaling") or {}
+            if not raw.get("maxReplicas") or raw.get("replicas") is not None:
+                continue  # a fixed size or a pin (a cheap check before parsing)
+            workload = self._indexes.workload(key, lenient_nodes(endpoint.get("spec")) > 1)
+            if workload is None:
+                continue
+            last = self._last.get(key)
+            if last is not None and last[0] is endpoint and last[1] == workload:
+                subject = last[2]
+            else:
+                subject = self._subject(key, endpoint, workload)
+                self._last[key] = (endpoint, workload, subject)
+            if subject is not None:
+                subjects.append(subject)
+        return subjects
+
+    def _subject(
+        self, key: Key, endpoint: Mapping[str, Any], workload: status.DeploymentState
+    ) -> Subject | None:
         try:
-            ep = admissions.admit(key[1], key[0], endpoint.get("spec"))
+            ep = self._admissions.admit(key[1], key[0], endpoint.get("spec"))
         except InvalidSpecError:
-            continue
+            return None
         if not ep.spec.scaling.autoscaled:
-            continue
-        subjects.append(
-            Subject(
-                owner=endpoint,
-                api_version=manifests.API_VERSION,
-                kind=manifests.KIND,
-                policy=ep.spec.scaling.policy(),
-                service=manifests.service_name(ep.name),
-                deployment=groups.workload_ref(ep).name,
-                replicas=deployment.desired,
-                ready_replicas=deployment.ready,
-                workload=(groups.workload_ref(ep).api_version, groups.workload_ref(ep).kind),
-            )
+            return None
+        ref = groups.workload_ref(ep)
+        return Subject(
+            owner=endpoint,
+            api_version=manifests.API_VERSION,
+            kind=manifests.KIND,
+            policy=ep.spec.scaling.policy(),
+            service=manifests.service_name(ep.name),
+            deployment=ref.name,
+            replicas=workload.desired,
+            ready_replicas=workload.ready,
+            workload=(ref.api_version, ref.kind),
         )
-    return subjects

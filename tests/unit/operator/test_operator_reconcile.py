@@ -13,16 +13,15 @@ import pytest
 from llmendpoints_common.gateway_token import derive
 from llmendpoints_common.model_names import Claim, creation_time, served_model_name
 from llmendpoints_operator import kube, status
-from llmendpoints_operator.admission import AdmissionMemo
 from llmendpoints_operator.config import OperatorSettings
 from llmendpoints_operator.fit.verdict import Fit
 from llmendpoints_operator.reconcile import (
     SECRETS_CREATED,
+    AutoscaledSubjects,
     Indexes,
     NotOurSecret,
     ReconcileMetrics,
     Reconciler,
-    autoscaled_subjects,
     snapshot,
 )
 from llmendpoints_operator.spec import InvalidSpecError
@@ -373,11 +372,34 @@ async def test_only_endpoints_with_a_choice_and_a_deployment_are_autoscaled() ->
         if name != "nodeployment":
             world.deployments[(NS, name)] = [status.DeploymentState(desired=2, ready=1)]
 
-    subjects = autoscaled_subjects(world.indexes, AdmissionMemo(OperatorSettings()))
+    subjects = AutoscaledSubjects(world.indexes, OperatorSettings())()
 
     assert [(s.key, s.deployment, s.replicas, s.ready_replicas) for s in subjects] == [
         ((NS, "auto"), "auto", 2, 1)
     ]
+
+
+async def test_the_autoscalers_listing_follows_every_change_of_spec_and_workload() -> None:
+    # The listing remembers each endpoint's Subject while its body and workload stay the same
+    # (the loop lists every endpoint up to four times a second); any change is seen at once.
+    world = World()
+    world.add("auto", {"model": {"name": "org/m"}, "scaling": {"minReplicas": 1, "maxReplicas": 3}})
+    world.deployments[(NS, "auto")] = [status.DeploymentState(desired=2, ready=1)]
+    listing = AutoscaledSubjects(world.indexes, OperatorSettings())
+    [first] = listing()
+    [again] = listing()
+    assert again is first
+
+    world.deployments[(NS, "auto")] = [status.DeploymentState(desired=3, ready=3)]
+    [scaled] = listing()
+    assert (scaled.replicas, scaled.ready_replicas) == (3, 3)
+
+    world.add("auto", {"model": {"name": "org/m"}, "scaling": {"minReplicas": 1, "maxReplicas": 5}})
+    [changed] = listing()
+    assert changed.policy.max_replicas == 5
+
+    world.add("auto", {"model": {"name": "org/m"}, "scaling": {"minReplicas": 2}})
+    assert listing() == []  # a fixed size now: no longer the autoscaler's
 
 
 async def test_the_status_url_uses_the_clusters_domain() -> None:
@@ -773,7 +795,7 @@ async def test_the_autoscaler_scales_the_groups() -> None:
     endpoint = world.add("big", GROUPS)
     await world.reconcile(endpoint, trigger="create")
     world.observe_groups("big", replicas=1, readyReplicas=1)
-    [subject] = autoscaled_subjects(world.indexes, AdmissionMemo(OperatorSettings()))
+    [subject] = AutoscaledSubjects(world.indexes, OperatorSettings())()
     assert subject.workload == ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
     assert (subject.deployment, subject.service) == ("big-group", "big")
     assert (subject.replicas, subject.ready_replicas) == (1, 1)
