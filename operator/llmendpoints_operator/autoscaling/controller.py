@@ -53,8 +53,8 @@ from .scrape import (
 )
 
 logger = logging.getLogger(__name__)
-# Endpoints come due at staggered times; waking for each alone listed every endpoint (and so
-# admitted its spec) tens of times a second with 200 of them. Ticks due within this much of one
+# Endpoints come due at staggered times; waking for each alone listed every endpoint tens of
+# times a second with 200 of them (bench/operator_scale.py). Ticks due within this much of one
 # another run together: a tick is at most this late (a nudge still wakes the loop at once).
 GRAIN_SECONDS = 0.25
 
