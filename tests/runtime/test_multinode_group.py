@@ -156,9 +156,15 @@ def test_the_group_serves_through_its_leader_and_its_worker_answers_probes(group
     wait_until(lambda: _status(worker_control, "/ready?strict=1") == 200, 60, "the worker ready")
     assert _status(worker_control, "/health") == 200
     assert _status(worker_control, "/v1/models") == 404
-    assert (
-        "llmendpoints_engine_ready 1.0"
-        in httpx.get(f"http://127.0.0.1:{worker_control}/metrics", timeout=10).text
+    # The control port renders /metrics every 0.5 s (control_listener.METRICS_EVERY), its probe
+    # answers every 0.1 s: the gauge may follow /ready by one rendering.
+    wait_until(
+        lambda: (
+            "llmendpoints_engine_ready 1.0"
+            in httpx.get(f"http://127.0.0.1:{worker_control}/metrics", timeout=10).text
+        ),
+        10,
+        "the worker's ready gauge",
     )
     assert all(proc.poll() is None for proc in procs)
 
