@@ -137,14 +137,7 @@ def _short(frame: str) -> str:
 def run(args) -> dict:
     OUT.mkdir(parents=True, exist_ok=True)
     model = rv.ensure_demo_model(vr.OUT / "demo-model")
-    load = rv.Load(
-        num_prompts=args.num_prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        concurrency=args.concurrency,
-        warmups=8,
-        seed=0,
-    )
+    load = vr.chat_load(args)
     with contextlib.ExitStack() as stack:
         runtime = stack.enter_context(vr.running_runtime(model, OUT))
         router = vr.start_gateway(

@@ -379,9 +379,10 @@ def rotated(sides: list[str], round_: int) -> list[str]:
     return sides[k:] + sides[:k]
 
 
-def cpu_part(args, out: Path) -> dict:
-    model = rv.ensure_demo_model(OUT / "demo-model")
-    load = rv.Load(
+def chat_load(args) -> rv.Load:
+    """The streamed-chat load of ``--num-prompts``, ``--input-len``, ``--output-len`` and
+    ``--concurrency`` (8 warm-up requests, seed 0): this bench's, and bench/profile_front_door.py's."""
+    return rv.Load(
         num_prompts=args.num_prompts,
         input_len=args.input_len,
         output_len=args.output_len,
@@ -389,6 +390,11 @@ def cpu_part(args, out: Path) -> dict:
         warmups=8,
         seed=0,
     )
+
+
+def cpu_part(args, out: Path) -> dict:
+    model = rv.ensure_demo_model(OUT / "demo-model")
+    load = chat_load(args)
     with contextlib.ExitStack() as stack:
         runtime = stack.enter_context(running_runtime(model, out))
         backends = [runtime.url]
