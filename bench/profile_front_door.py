@@ -82,8 +82,8 @@ def leaf_name(stack: list[str]) -> str:
     return stack[-1].partition(" (")[0]
 
 
-def layer_of(stack: list[str]) -> str:
-    """The innermost layer a stack is in: what the sample's CPU was spent for."""
+def layer_of(stack: list[str], layers=LAYERS) -> str:
+    """The innermost of ``layers`` a stack is in: what the sample's CPU was spent for."""
     leaf = leaf_name(stack)
     if leaf in SYSCALL_LEAVES:
         return f"system calls ({'read' if leaf.startswith(('read', 'recv')) else leaf})"
@@ -91,23 +91,23 @@ def layer_of(stack: list[str]) -> str:
         return "garbage collector"
     for frame in reversed(stack):
         path = frame_file(frame)
-        for name, markers in LAYERS:
+        for name, markers in layers:
             if any(marker in path for marker in markers):
                 return name
     return "other"
 
 
-def summarize(stacks: list[tuple[list[str], int]], top: int = 25) -> dict:
-    """Shares of the samples taken while the gateway ran (the loop's waits left out)."""
+def summarize(stacks: list[tuple[list[str], int]], top: int = 25, layers=LAYERS) -> dict:
+    """Shares of the samples taken while the process ran (the loop's waits left out)."""
     idle = sum(count for stack, count in stacks if leaf_name(stack) in IDLE_LEAVES)
     stacks = [(stack, count) for stack, count in stacks if leaf_name(stack) not in IDLE_LEAVES]
     total = sum(count for _, count in stacks) or 1
     self_time: collections.Counter[str] = collections.Counter()
-    layers: collections.Counter[str] = collections.Counter()
+    by_layer: collections.Counter[str] = collections.Counter()
     ours_inclusive: collections.Counter[str] = collections.Counter()
     for stack, count in stacks:
         self_time[_short(stack[-1])] += count
-        layers[layer_of(stack)] += count
+        by_layer[layer_of(stack, layers)] += count
         for frame in set(stack):
             if "llmendpoints_" in frame_file(frame):
                 ours_inclusive[_short(frame)] += count
@@ -119,7 +119,7 @@ def summarize(stacks: list[tuple[list[str], int]], top: int = 25) -> dict:
         "samples": total,
         "idle_samples_left_out": idle,
         "self": share(self_time, top),
-        "layers": share(layers, 32),
+        "layers": share(by_layer, 32),
         "ours_inclusive": share(ours_inclusive, top),
     }
 
