@@ -425,6 +425,8 @@ def peer_router(name: str, replicas: list[str], out: Path):
         str(Path(sys.executable).parent / "vllm-router"),
         "--host", "127.0.0.1", "--port", str(port),
         "--policy", STRATEGIES[name].routing, "--log-level", "warning",
+        # Its metrics exporter listens on 29000 unless told: one port each, as they run at once.
+        "--prometheus-port", str(rv.free_port()),
         "--worker-urls", *replicas,
     ]  # fmt: skip
     with (out / f"{name}.log").open("wb") as log:
