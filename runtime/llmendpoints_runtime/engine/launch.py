@@ -67,7 +67,8 @@ class PodEngine:
         return procs
 
     def start(self, sock: socket.socket, listen_address: str, target: APIProcessTarget) -> None:
-        """Start the engine and the API processes; returns once the engine is up (raises when
+        """Start the engine and the API processes, which take ``sock`` over (it is closed here
+        once they have it); returns once the engine is up (raises when
         it failed to start, or an API process exited meanwhile). Blocks: run it in a thread."""
         import vllm
         from vllm.entrypoints.launchers.cli_args import propagate_flash_late_interaction
@@ -108,6 +109,12 @@ class PodEngine:
                 tensor_queue=launch.tensor_queue,
             )
             launch.watched_frontend_processes = self.api.processes
+            # The API processes have the listening socket now (vLLM closes its engine listeners
+            # here for the same reason). Kept open here, it would outlive their drain: a
+            # connection made after the last of them stopped listening would wait in a backlog
+            # nobody accepts from, then be reset when the pod exits (CI: a request sent as the
+            # drain began). Closed, it is refused at once and the client goes elsewhere.
+            sock.close()
         logger.info("the engine is up for %d API processes", self.count)
 
     def finished_engines(self) -> dict[str, int]:
