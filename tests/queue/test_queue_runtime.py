@@ -271,7 +271,9 @@ def test_worker_killed_mid_job_the_job_completes_on_the_other(pods) -> None:
             rest: list = []
             deadline = time.monotonic() + 180
             while time.monotonic() < deadline:
-                body = on_survivor.get(f"/stream/{job_id}").json()
+                reply = on_survivor.get(f"/stream/{job_id}")
+                body = reply.json()
+                assert reply.status_code == 200, (reply.status_code, body, survivor.log()[-3000:])
                 rest += [c["output"] for c in body["stream"]]
                 if body["status"] in FINAL:
                     break
