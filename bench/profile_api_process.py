@@ -24,11 +24,10 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -76,20 +75,12 @@ def idle_cpu_ms_per_s(servers: dict[str, rv.Server], seconds: float) -> dict[str
 
 def profiled_run(server: rv.Server, name: str, model: Path, load: rv.Load, rate: int) -> dict:
     samples = OUT / f"{name}.txt"
-    spy = subprocess.Popen(
-        [
-            str(rv.BIN / "py-spy"), "record", "--pid", str(server.pid), "--rate", str(rate),
-            "--nonblocking", "--format", "raw", "--output", str(samples),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=(OUT / f"{name}.py-spy.log").open("wb"),
-    )  # fmt: skip
-    time.sleep(2.0)  # attached
-    cpu0 = server.cpu()
-    data = rv.run_client(server.url, model, load, OUT, f"{name}.json", OUT / f"{name}.client.log")
-    cpu = server.cpu() - cpu0
-    spy.send_signal(signal.SIGINT)
-    spy.wait(60)
+    with pf.recording(server.pid, samples, OUT / f"{name}.py-spy.log", rate=rate):
+        cpu0 = server.cpu()
+        data = rv.run_client(
+            server.url, model, load, OUT, f"{name}.json", OUT / f"{name}.client.log"
+        )
+        cpu = server.cpu() - cpu0
     requests = load.num_prompts + load.warmups
     profile = pf.summarize(pf.parse_raw(samples), layers=LAYERS)
     return {
@@ -116,13 +107,13 @@ def run(args) -> dict:
     OUT.mkdir(parents=True, exist_ok=True)
     model = rv.ensure_demo_model(args.model.resolve())
     load = rv.Load(
-        args.num_prompts,
-        args.input_len,
-        args.output_len,
-        args.concurrency,
-        16,
-        0,
-        args.request_rate,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        concurrency=args.concurrency,
+        warmups=16,
+        seed=0,
+        request_rate=args.request_rate,
     )
     runs: dict[str, list[dict]] = {rv.OURS: [], rv.PLAIN: []}
     with contextlib.ExitStack() as stack:
@@ -130,9 +121,13 @@ def run(args) -> dict:
             name: stack.enter_context(rv.running_server(name, model, OUT / f"{name}.server.log"))
             for name in (rv.OURS, rv.PLAIN)
         }
-        warm = rv.Load(32, load.input_len, load.output_len, load.concurrency, 0, 1, float("inf"))
+        warm = dataclasses.replace(
+            load, num_prompts=32, warmups=0, seed=1, request_rate=float("inf")
+        )
         for name, server in servers.items():
-            rv.run_client(server.url, model, warm, OUT, f"warm-{name}.json", OUT / "warm.log")
+            rv.run_client(
+                server.url, model, warm, OUT, f"warm-{name}.json", OUT / f"warm-{name}.log"
+            )
         time.sleep(3.0)
         idle = idle_cpu_ms_per_s(servers, args.idle_seconds)
         load_before = os.getloadavg()

@@ -22,12 +22,14 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -134,6 +136,38 @@ def _short(frame: str) -> str:
     return f"{name} ({'/'.join(parts[-2:])})"
 
 
+@contextlib.contextmanager
+def recording(
+    pid: int,
+    samples: Path,
+    log: Path,
+    *,
+    rate: int,
+    native: bool = False,
+    subprocesses: bool = False,
+) -> Iterator[None]:
+    """``py-spy record`` of ``pid`` (raw samples to ``samples``) while the block runs."""
+    spy = subprocess.Popen(
+        [
+            str(vr.BIN / "py-spy"), "record", "--pid", str(pid), "--rate", str(rate),
+            "--format", "raw", "--output", str(samples),
+            *(["--subprocesses"] if subprocesses else []),
+            # Native frames (uvloop, httptools; the kernel's side of a syscall is not seen)
+            # need the process paused per sample; without them a sample in C code shows as
+            # the Python frame that called it.
+            *(["--native"] if native else ["--nonblocking"]),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("wb"),
+    )  # fmt: skip
+    try:
+        time.sleep(2.0)  # py-spy attached
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(60)
+
+
 def run(args) -> dict:
     OUT.mkdir(parents=True, exist_ok=True)
     model = rv.ensure_demo_model(vr.OUT / "demo-model")
@@ -145,29 +179,18 @@ def run(args) -> dict:
         )
         stack.callback(vr._stop, router)
         vr.wait_routable(router, rv.SERVED_NAME)
-        warm = rv.Load(16, load.input_len, load.output_len, load.concurrency, 0, 1)
+        warm = dataclasses.replace(
+            load, num_prompts=16, warmups=0, seed=1, request_rate=float("inf")
+        )
         vr.chat_client(router.url, model, warm, OUT, "warm", None)
         samples = OUT / "samples.txt"
-        spy = subprocess.Popen(
-            [
-                str(vr.BIN / "py-spy"), "record", "--pid", str(router.pid), "--subprocesses",
-                "--rate", str(args.rate), "--format", "raw", "--output", str(samples),
-                # Native frames (uvloop, httptools, the kernel's side of a syscall is not
-                # seen) need the process paused per sample; without them a sample in C code
-                # shows as the Python frame that called it.
-                *(["--native"] if args.native else ["--nonblocking"]),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=(OUT / "py-spy.log").open("wb"),
-        )  # fmt: skip
-        time.sleep(2.0)  # py-spy attached
-        cpu0, load_avg = router.cpu(), os.getloadavg()[0]
-        started = time.perf_counter()
-        data = vr.chat_client(router.url, model, load, OUT, "profiled", None)
-        wall = time.perf_counter() - started
-        cpu = router.cpu() - cpu0
-        spy.send_signal(signal.SIGINT)
-        spy.wait(60)
+        with recording(router.pid, samples, OUT / "py-spy.log", rate=args.rate, native=args.native,
+                       subprocesses=True):  # fmt: skip
+            cpu0, load_avg = router.cpu(), os.getloadavg()[0]
+            started = time.perf_counter()
+            data = vr.chat_client(router.url, model, load, OUT, "profiled", None)
+            wall = time.perf_counter() - started
+            cpu = router.cpu() - cpu0
     requests = load.num_prompts + load.warmups
     events = requests * (load.output_len + 2)  # role chunk + one per token + the final chunk
     return {
