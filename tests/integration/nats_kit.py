@@ -70,9 +70,18 @@ class NatsServer:
             argv += ["-m", str(self.monitor_port)]
         if os.environ.get("LLMEP_TEST_NATS_TRACE"):
             argv.append("-DV")  # debug and protocol trace into the log: a failing run's evidence
+        # A session of its own, as the runtime pods have: the kernel shares CPU between
+        # sessions (autogroups), and in pytest's session the server had only what the tests'
+        # polling left it. Beside a pod streaming 8 x 2,000 tokens into it, a PING then took
+        # up to 4.5-5.8 s (5 runs); in a session of its own at most 0.9-1.6 s (2 runs); the
+        # pod's queue calls time out at 5 s. In a cluster it is a pod of its own.
         with self.log_path.open("ab") as handle:
             self.process = subprocess.Popen(
-                argv, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **self.env}
+                argv,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+                start_new_session=True,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -107,9 +107,10 @@ def read_stream(http: httpx.Client, job_id: str, pod) -> dict | None:
 
     Why a reader here meets that 503: while the survivor streams 8 x 2,000 tokens into it, the
     test's nats-server on this 2-core VM stops answering for seconds at a time. Measured beside
-    a failing run: an independent NATS client's PING took 4.5-5.8 s at those moments, while a
-    process sleeping 50 ms at a time on the same machine was never held up over 0.5 s. A queue
-    call then times out (nats-py: 5 s), and the pod says so, as it should."""
+    a failing run: an independent NATS client's PING took up to 4.5-5.8 s at those moments,
+    while a process sleeping 50 ms at a time on the same machine was held up at most 0.6 s (in
+    four of five runs; 2.75 s once). A queue call then times out (nats-py: 5 s), and the pod
+    says so, as it should."""
     reply = http.get(f"/stream/{job_id}")
     body = reply.json()
     if (
