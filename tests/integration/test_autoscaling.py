@@ -159,23 +159,28 @@ async def test_queue_up_scales_up_fast_load_gone_holds_then_returns_to_min(
     assert _autoscaling(cluster)["reason"].startswith("hold at 1")
 
     # 24 concurrent requests on one pod of 4: 20 queued, 10x the target. At the known capacity
-    # the work needs 24 / (4 + 2) = 4 replicas; growth is at most x2 per decision: 1 -> 2 -> 4.
+    # the work needs 24 / (4 + 2) = 4 replicas; growth is at most x2 per decision. The path is
+    # 1 -> 2 -> 4, or 1 -> 2 -> 3 -> 4 when the load began late in the averaging window (the
+    # windows' averages still held the idle ticks before it: seen once in CI, 12 then 16).
     pods.work = 24
     await until(operator, lambda: (_replicas(cluster) or 0) > 1, "a scale-up", timeout=60)
     await until(operator, lambda: _replicas(cluster) == 4, "4 replicas", timeout=60)
 
-    def ups() -> list[dict[str, Any]]:
+    def ups() -> list[dict[str, Any]]:  # newest first, as status lists them
         return [d for d in _autoscaling(cluster).get("lastDecisions", []) if d["to"] > d["from"]]
 
-    await until(operator, lambda: len(ups()) == 2, "both scale-ups recorded in status", timeout=30)
+    await until(operator, lambda: ups() and ups()[0]["to"] == 4, "the scale-ups in status", 30)
     ups = ups()
-    assert [(d["from"], d["to"]) for d in reversed(ups)] == [(1, 2), (2, 4)]
-    assert "burst" in ups[-1]["reason"] and ups[-1]["signals"]["queueDepth"] == 20
+    steps = [(d["from"], d["to"]) for d in reversed(ups)]
+    assert steps in ([(1, 2), (2, 4)], [(1, 2), (2, 3), (3, 4)]), steps
+    for up in ups:  # each for a queue far over the target, at most doubling
+        assert "burst" in up["reason"] and up["signals"]["queueDepth"] > 2 * up["from"], up
 
     text = await operator.metrics()
     labels = f'endpoint="{NS}/{NAME}"'
     assert f"llmendpoints_autoscaler_desired_replicas{{{labels}}} 4.0" in text
-    assert f'llmendpoints_autoscaler_decisions_total{{direction="up",{labels}}} 2.0' in text
+    up_count = f'llmendpoints_autoscaler_decisions_total{{direction="up",{labels}}} {len(ups)}.0'
+    assert up_count in text
 
     # The load goes away and the operator restarts in the middle of the scale-down window: the
     # size holds through the window all the same, then returns to min (in one step, or two when
@@ -207,7 +212,7 @@ async def test_queue_up_scales_up_fast_load_gone_holds_then_returns_to_min(
         return [e["reason"] for e in cluster.events(NS, NAME) if e["reason"].startswith("Scale")]
 
     # Events are posted in the background: the last one may follow the status write.
-    expected = ["ScaleUp", "ScaleUp"] + ["ScaleDown"] * len(downs)
+    expected = ["ScaleUp"] * len(ups) + ["ScaleDown"] * len(downs)
     await until(operator, lambda: len(scale_events()) >= len(expected), "the Events", timeout=30)
     assert scale_events() == expected
     events = [(e["reason"], e["message"]) for e in cluster.events(NS, NAME)]
