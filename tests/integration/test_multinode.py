@@ -302,8 +302,13 @@ async def test_a_queue_on_the_leader_scales_the_leader_worker_set_by_whole_group
         await runner.cleanup()
     assert scrapes > 0 and 1 < scaled <= 3  # whole groups, at most maxReplicas groups
     assert cluster.get(DEPLOYMENTS, NS, "big") is None
-    events = [e for e in cluster.events(NS, "big") if e["reason"] == "ScaleUp"]
-    assert events, "a ScaleUp Event"
+    # Events are posted in the background: the ScaleUp may follow the replicas it reports.
+    await until(
+        operator,
+        lambda: any(e["reason"] == "ScaleUp" for e in cluster.events(NS, "big")),
+        "a ScaleUp Event",
+        timeout=30,
+    )
 
 
 async def test_sizes_that_do_not_fit_the_gpus_are_refused_naming_them(
