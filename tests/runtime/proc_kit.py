@@ -42,6 +42,11 @@ def engine_core_pids(runtime_pid: int) -> list[int]:
     ]
 
 
+def api_process_pids(pgid: int) -> list[int]:
+    """The API processes of a pod (API_SERVER_COUNT > 1) whose process group is ``pgid``."""
+    return [p for p in group_members(pgid) if "APIServer" in _read(p, "cmdline")]
+
+
 def listening_unix_paths(pid: int) -> list[str]:
     """The filesystem paths of the Unix sockets ``pid`` listens on (abstract ones left out)."""
     inodes = set()

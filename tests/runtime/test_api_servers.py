@@ -25,7 +25,13 @@ import socket
 import httpx
 import pytest
 from ports import free_port
-from proc_kit import engines_frozen, group_members, listening_unix_paths, wait_until
+from proc_kit import (
+    api_process_pids,
+    engines_frozen,
+    group_members,
+    listening_unix_paths,
+    wait_until,
+)
 from runtime_process import running_runtime
 
 pytestmark = pytest.mark.engine
@@ -172,7 +178,7 @@ def test_jobs_are_found_from_any_connection(pod):
 
 
 def test_the_engine_can_reach_every_api_process_again(pod):
-    apis = _api_processes(pod)
+    apis = api_process_pids(pod.process.pid)
     assert len(apis) == 2
     for pid in apis:
         # The engine's two connections to each process: its requests in, the answers out.
@@ -180,18 +186,6 @@ def test_the_engine_can_reach_every_api_process_again(pod):
         assert len(engine_sockets) == 2, listening_unix_paths(pid)
         missing = [path for path in engine_sockets if not os.path.exists(path)]
         assert not missing, f"API process {pid} listens on unlinked paths {missing}"
-
-
-def _comm(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except FileNotFoundError:  # it exited meanwhile
-        return b""
-
-
-def _api_processes(pod) -> list[int]:
-    return [p for p in group_members(pod.process.pid) if b"APIServer" in _comm(p)]
 
 
 def test_sigterm_drains_every_process_and_the_pod_exits_0(pod):
@@ -225,7 +219,7 @@ def test_sigterm_drains_every_process_and_the_pod_exits_0(pod):
     assert answered.json()["usage"]["completion_tokens"] == COMPLETION["max_tokens"]
     # Once the API processes are gone the port refuses: nothing waits to be reset at the end
     # (the engine takes a few seconds more to stop).
-    wait_until(lambda: not _api_processes(pod), 60, "the API processes gone")
+    wait_until(lambda: not api_process_pids(pod.process.pid), 60, "the API processes gone")
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", pod.port), timeout=5).close()
     assert pod.process.wait(120) == 0, pod.log()[-3000:]

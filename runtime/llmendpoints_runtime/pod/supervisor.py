@@ -2,10 +2,10 @@
 
 ``llmendpoints-runtime serve`` becomes what ``vllm serve --api-server-count N`` is: a process
 that takes no request itself. It binds PORT (one listening socket, which every API process
-accepts on, and which it lets go of once they have it), answers the control port for the whole pod (LLMEP_CONTROL_PORT: the pod's probes
-and /metrics, from the board), downloads the model, starts the engine core(s) and spawns the N
-API processes (engine/launch.py). (Not in a multi-node group: its leader runs one API process,
-config.check_api_servers says why.)
+accepts on, and which it lets go of once they have it), answers the control port for the whole
+pod (LLMEP_CONTROL_PORT: the pod's probes and /metrics, from the board), downloads the model,
+starts the engine core(s) and spawns the N API processes (engine/launch.py). (Not in a
+multi-node group: its leader runs one API process, config.check_api_servers says why.)
 
 Its control port is fresh whatever the API processes do (this process is idle): each probe
 says how every API process is doing (a row not refreshed for 30 s makes the pod unhealthy).
